@@ -1,0 +1,18 @@
+"""tract_kernels: the Numba primitives through which every shared-region access goes.
+
+Import name ``tract_kernels`` (the source folder is ``kernels/``; the bare name ``kernels`` belongs
+to a Hugging Face package that transformers probes). See ``mem.py`` for the access rules and
+``sim.py`` for the incoherent backend.
+"""
+from .mem import (BACKEND_HW, BACKEND_SIM, ENV_BACKEND, LINE_BYTES, Mem, cpu_flags, flush,
+                  flush_range, full_fence, invalidate, invalidate_range, load, load_fresh,
+                  make_mem, nt_copy_raw, read_bytes, resolve_backend, store, store_fence,
+                  store_flush, with_skip_site, write_bytes, writeback)
+from .sites import NO_SITE, name_of, registered, site
+
+__all__ = [
+    "BACKEND_HW", "BACKEND_SIM", "ENV_BACKEND", "LINE_BYTES", "Mem", "NO_SITE", "cpu_flags",
+    "flush", "flush_range", "full_fence", "invalidate", "invalidate_range", "load", "load_fresh",
+    "make_mem", "name_of", "nt_copy_raw", "read_bytes", "registered", "resolve_backend", "site",
+    "store", "store_fence", "store_flush", "with_skip_site", "write_bytes", "writeback",
+]

@@ -1,0 +1,260 @@
+"""Raw machine primitives for shared-region access, emitted from Numba through llvmlite.
+
+Why intrinsics and inline asm: the protocol code is jitted (a lookup batch is one call), so the
+flushes, fences and un-hoistable loads must exist inside nopython code. Everything here takes an
+integer *address* (``line_addr`` / ``word_addr``): the region base plus an offset in bytes.
+
+* Loads and stores are LLVM ``monotonic`` atomics: single-copy atomic for aligned 64-bit words and
+  never hoisted out of a spin loop or merged by the compiler (plain numpy indexing is hoisted: a
+  spin loop on it never terminates).
+* Cache-line flushes use inline asm, not the ``llvm.x86.clflushopt`` intrinsic: the intrinsic only
+  compiles for a target with ``+clflushopt`` and hard-aborts a generic-CPU build. The instruction is
+  chosen at run time from ``/proc/cpuinfo`` (an absent instruction would raise SIGILL).
+* libc calls (``sched_yield``, ``usleep``, ``clock_gettime``) are declared by symbol name inside the
+  intrinsic, so functions using them stay cacheable (ctypes pointers would disable ``cache=True``).
+
+Warning: inline asm needs ``llvmlite.binding.initialize_native_asmparser()`` before the first
+compile, or LLVM aborts the process with no Python exception. Importing this module does that.
+"""
+from __future__ import annotations
+
+from llvmlite import binding as _llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Without the asm parser an inline-asm compile aborts the whole process (no exception).
+_llvm_binding.initialize_native_asmparser()
+
+_i8p = ir.IntType(8).as_pointer()
+_i64 = ir.IntType(64)
+_i64p = _i64.as_pointer()
+_i32 = ir.IntType(32)
+_v4i64 = ir.VectorType(_i64, 4)
+
+
+def _asm_void_addr(builder: ir.IRBuilder, template: str, addr_value: ir.Value) -> None:
+    ptr = builder.inttoptr(addr_value, _i8p)
+    builder.asm(ir.FunctionType(ir.VoidType(), [_i8p]), template, "r,~{memory}", [ptr],
+                side_effect=True)
+
+
+def _asm_void(builder: ir.IRBuilder, template: str) -> None:
+    builder.asm(ir.FunctionType(ir.VoidType(), []), template, "~{memory}", [], side_effect=True)
+
+
+@intrinsic
+def aload64(typingctx, word_addr):
+    """64-bit monotonic-atomic load from an absolute address (never hoisted, never torn)."""
+    sig = types.uint64(word_addr)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _i64p)
+        return builder.load_atomic(ptr, "monotonic", 8)
+    return sig, codegen
+
+
+@intrinsic
+def astore64(typingctx, word_addr, value):
+    """64-bit monotonic-atomic store to an absolute address (never merged or elided)."""
+    sig = types.void(word_addr, value)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _i64p)
+        val = context.cast(builder, args[1], signature.args[1], types.uint64)
+        builder.store_atomic(val, ptr, "monotonic", 8)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def clflush_line(typingctx, line_addr):
+    """``clflush``: write back (if dirty) and invalidate the line holding ``line_addr``."""
+    sig = types.void(line_addr)
+
+    def codegen(context, builder, signature, args):
+        _asm_void_addr(builder, "clflush ($0)", args[0])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def clflushopt_line(typingctx, line_addr):
+    """``clflushopt``: like clflush but weakly ordered (needs a fence after a batch)."""
+    sig = types.void(line_addr)
+
+    def codegen(context, builder, signature, args):
+        _asm_void_addr(builder, "clflushopt ($0)", args[0])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def clwb_line(typingctx, line_addr):
+    """``clwb``: write back the line, which may stay cached. Warning: never a reader invalidate."""
+    sig = types.void(line_addr)
+
+    def codegen(context, builder, signature, args):
+        _asm_void_addr(builder, "clwb ($0)", args[0])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def sfence(typingctx):
+    """``sfence``: earlier stores and flushes are ordered before later stores."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        _asm_void(builder, "sfence")
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def mfence(typingctx):
+    """``mfence``: full fence; later loads cannot pass earlier stores or flushes."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        _asm_void(builder, "mfence")
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """``pause``: spin-loop hint."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        _asm_void(builder, "pause")
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def compiler_barrier(typingctx):
+    """An empty asm with a memory clobber: the compiler may not move memory accesses across it."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        _asm_void(builder, "")
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def nt_copy32(typingctx, dst_addr, src_addr):
+    """Copy 32 bytes with a non-temporal (streaming) store.
+
+    Warning: ``dst_addr`` must be 32-byte aligned; ``src_addr`` may be unaligned. Needs an
+    ``sfence`` after the last one before anything that publishes the bytes.
+    """
+    sig = types.void(dst_addr, src_addr)
+
+    def codegen(context, builder, signature, args):
+        vptr_t = _v4i64.as_pointer()
+        src = builder.inttoptr(args[1], vptr_t)
+        dst = builder.inttoptr(args[0], vptr_t)
+        val = builder.load(src, align=1)
+        st = builder.store(val, dst, align=32)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_i32, 1)]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def copy32(typingctx, dst_addr, src_addr):
+    """Copy 32 bytes with ordinary (cached) unaligned loads and stores."""
+    sig = types.void(dst_addr, src_addr)
+
+    def codegen(context, builder, signature, args):
+        vptr_t = _v4i64.as_pointer()
+        src = builder.inttoptr(args[1], vptr_t)
+        dst = builder.inttoptr(args[0], vptr_t)
+        builder.store(builder.load(src, align=1), dst, align=1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def load_u8(typingctx, byte_addr):
+    """Plain one-byte load from an absolute address (for payload tails)."""
+    sig = types.uint8(byte_addr)
+
+    def codegen(context, builder, signature, args):
+        return builder.load(builder.inttoptr(args[0], _i8p))
+    return sig, codegen
+
+
+@intrinsic
+def store_u8(typingctx, byte_addr, value):
+    """Plain one-byte store to an absolute address (for payload tails)."""
+    sig = types.void(byte_addr, value)
+
+    def codegen(context, builder, signature, args):
+        val = context.cast(builder, args[1], signature.args[1], types.uint8)
+        builder.store(val, builder.inttoptr(args[0], _i8p))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def sched_yield(typingctx):
+    """libc ``sched_yield()``: give the core away (the right wait on a 2-core machine)."""
+    sig = types.int32()
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i32, []),
+                                            "sched_yield")
+        return builder.call(fn, [])
+    return sig, codegen
+
+
+@intrinsic
+def usleep(typingctx, micros):
+    """libc ``usleep(micros)``. Real resolution is the timer slack (50 us by default)."""
+    sig = types.int32(micros)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i32, [_i32]),
+                                            "usleep")
+        val = context.cast(builder, args[0], signature.args[0], types.uint32)
+        return builder.call(fn, [val])
+    return sig, codegen
+
+
+@intrinsic
+def monotonic_ns(typingctx):
+    """``clock_gettime(CLOCK_MONOTONIC)`` in ns: the clock of ``time.perf_counter_ns()``."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        ts_t = ir.LiteralStructType([_i64, _i64])
+        ts = cgutils.alloca_once(builder, ts_t)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_i32, [_i32, ts_t.as_pointer()]), "clock_gettime")
+        builder.call(fn, [ir.Constant(_i32, 1), ts])  # 1 == CLOCK_MONOTONIC on Linux
+        sec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, ir.Constant(_i64, 1_000_000_000)), nsec)
+    return sig, codegen
+
+
+@intrinsic
+def realtime_ns(typingctx):
+    """``clock_gettime(CLOCK_REALTIME)`` in ns: the clock of ``time.time_ns()`` (heartbeats)."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        ts_t = ir.LiteralStructType([_i64, _i64])
+        ts = cgutils.alloca_once(builder, ts_t)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_i32, [_i32, ts_t.as_pointer()]), "clock_gettime")
+        builder.call(fn, [ir.Constant(_i32, 0), ts])  # 0 == CLOCK_REALTIME
+        sec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, ir.Constant(_i64, 1_000_000_000)), nsec)
+    return sig, codegen

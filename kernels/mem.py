@@ -1,0 +1,327 @@
+"""The shared-access kernels: the only code that touches words of the region.
+
+Every protocol (node table, lock, allocator, index) goes through these functions, with a ``Mem``
+describing the mapping and the backend:
+
+* ``BACKEND_HW``: real instructions. Loads/stores are monotonic atomics; flush and invalidate are
+  ``clflushopt`` (or ``clflush`` where the CPU lacks it) on the line; fences are ``sfence`` /
+  ``mfence``; payload writes are non-temporal streaming stores. Correct on non-coherent CXL memory.
+* ``BACKEND_SIM``: the same calls through the private write-back cache model of ``sim.py``, so that
+  a missing flush or invalidate shows up as a failure on this (coherent) machine.
+
+Rules the protocols follow (DESIGN.md invariant 3): writers ``store`` then ``flush`` then fence;
+readers ``invalidate`` then fence then ``load``. Composite helpers ``store_flush`` and
+``load_fresh`` do exactly that for one word. Each flush or invalidate names its *site*
+(``sites.site(...)``) so that a test can remove it alone (``Mem.skip_site``).
+
+All offsets are bytes from the region base; words are 8-byte aligned. Bounds are checked on every
+call (one compare) and violations raise ``IndexError``: a wild offset must never scribble on the
+region silently.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from . import sim
+from .intrinsics import (aload64, astore64, clflush_line, clflushopt_line, clwb_line, copy32,
+                         load_u8, mfence, nt_copy32, sfence, store_u8)
+
+BACKEND_HW = 0
+BACKEND_SIM = 1
+
+FLUSH_CLFLUSH = 0
+FLUSH_CLFLUSHOPT = 1
+
+LINE_BYTES = 64
+
+ENV_BACKEND = "TRACT_MEM_BACKEND"
+"""Environment variable that selects the backend when the configuration leaves it open."""
+
+
+class Mem(NamedTuple):
+    """How kernels reach one mapping. Built by :func:`make_mem`; passed to every kernel.
+
+    ``buf`` keeps the mapping's numpy view alive for as long as the Mem exists. The sim arrays are
+    1-element dummies on the hardware backend.
+    """
+    buf: np.ndarray          # uint8 view of the whole mapping (keeps it alive)
+    base_addr: int           # address of buf[0]
+    size_bytes: int
+    backend: int             # BACKEND_HW or BACKEND_SIM
+    flush_insn: int          # FLUSH_CLFLUSH or FLUSH_CLFLUSHOPT (hardware backend)
+    skip_site: int           # a flush/invalidate site to omit (fault injection), -1 for none
+    tags: np.ndarray         # sim: int64[cache_lines]
+    lines: np.ndarray        # sim: uint64[cache_lines, 8]
+    dirty: np.ndarray        # sim: uint8[cache_lines]
+    ctl: np.ndarray          # sim: uint64[8] (rng, threshold, counters)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty set where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_backend(backend: str | None) -> int:
+    """Map ``"hw"`` / ``"sim"`` / None (environment, default hw) to a backend constant."""
+    name = backend if backend is not None else os.environ.get(ENV_BACKEND, "hw")
+    if name in ("hw", "hardware", "coherent"):
+        return BACKEND_HW
+    if name in ("sim", "incoherent"):
+        return BACKEND_SIM
+    raise ValueError(f"unknown memory backend {name!r}: expected 'hw' or 'sim' "
+                     f"(from {'argument' if backend is not None else ENV_BACKEND})")
+
+
+def make_mem(buf: np.ndarray, backend: str | None = None, *, seed: int = 0,
+             evict_prob: float = 1 / 64, cache_lines: int = 4096, skip_site: int = -1) -> Mem:
+    """Describe a mapping for the kernels.
+
+    ``buf`` is a uint8 numpy view of the mapping, 64-byte aligned. ``backend`` is ``"hw"``,
+    ``"sim"`` or None (``$TRACT_MEM_BACKEND``, default ``"hw"``). ``seed``, ``evict_prob`` and
+    ``cache_lines`` shape the sim cache; ``skip_site`` omits one flush/invalidate site.
+    Raises ValueError for a misaligned or non-uint8 buffer or an unknown backend.
+    """
+    if buf.dtype != np.uint8 or buf.ndim != 1:
+        raise ValueError(f"buf must be a 1-D uint8 array, got {buf.dtype} with ndim {buf.ndim}")
+    base = int(buf.ctypes.data)
+    if base % LINE_BYTES:
+        raise ValueError(f"mapping base {base:#x} is not {LINE_BYTES}-byte aligned")
+    be = resolve_backend(backend)
+    flags = cpu_flags()
+    insn = FLUSH_CLFLUSHOPT if "clflushopt" in flags else FLUSH_CLFLUSH
+    if be == BACKEND_SIM:
+        tags, lines, dirty, ctl = sim.new_state(cache_lines, seed, evict_prob)
+    else:
+        tags, lines, dirty, ctl = sim.new_state(1, 1, 0.0)
+    return Mem(buf, base, int(buf.shape[0]), be, insn, int(skip_site), tags, lines, dirty, ctl)
+
+
+def with_skip_site(m: Mem, skip_site: int) -> Mem:
+    """The same mapping and private cache, omitting one flush/invalidate site."""
+    return m._replace(skip_site=int(skip_site))
+
+
+# ---------------------------------------------------------------------------------------------
+# word access
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _check_word(m, offset_bytes):
+    if offset_bytes < 0 or offset_bytes + 8 > m.size_bytes or (offset_bytes & 7) != 0:
+        raise IndexError("region word offset out of range or misaligned")
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _check_range(m, offset_bytes, nbytes):
+    if offset_bytes < 0 or nbytes < 0 or offset_bytes + nbytes > m.size_bytes:
+        raise IndexError("region byte range out of bounds")
+
+
+@njit(cache=True, nogil=True)
+def load(m, offset_bytes):
+    """Load one 64-bit word (no invalidate: may be stale on incoherent memory)."""
+    _check_word(m, offset_bytes)
+    if m.backend == BACKEND_SIM:
+        return sim.sim_load(m, offset_bytes)
+    return aload64(np.uint64(m.base_addr) + np.uint64(offset_bytes))
+
+
+@njit(cache=True, nogil=True)
+def store(m, offset_bytes, value):
+    """Store one 64-bit word (no flush: other nodes may not see it yet)."""
+    _check_word(m, offset_bytes)
+    if m.backend == BACKEND_SIM:
+        sim.sim_store(m, offset_bytes, np.uint64(value))
+    else:
+        astore64(np.uint64(m.base_addr) + np.uint64(offset_bytes), np.uint64(value))
+
+
+@njit(cache=True, nogil=True)
+def flush(m, offset_bytes, site):
+    """Write back and invalidate the line holding ``offset_bytes`` (clflushopt/clflush).
+
+    Warning: weakly ordered; follow a batch with ``sfence`` (before a dependent store) or
+    ``mfence`` (before a dependent load).
+    """
+    if site == m.skip_site:
+        return
+    _check_range(m, offset_bytes, 1)
+    if m.backend == BACKEND_SIM:
+        sim.sim_flush(m, offset_bytes, False)
+    elif m.flush_insn == FLUSH_CLFLUSHOPT:
+        clflushopt_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
+    else:
+        clflush_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
+
+
+@njit(cache=True, nogil=True)
+def invalidate(m, offset_bytes, site):
+    """Drop this node's cached copy of the line so that the next load reads memory.
+
+    On x86 this is the same instruction as ``flush`` (there is no invalidate-without-write-back
+    for user code); it is a separate kernel because the protocol role differs, and each role has
+    its own fault-injection site.
+    """
+    if site == m.skip_site:
+        return
+    _check_range(m, offset_bytes, 1)
+    if m.backend == BACKEND_SIM:
+        sim.sim_flush(m, offset_bytes, False)
+    elif m.flush_insn == FLUSH_CLFLUSHOPT:
+        clflushopt_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
+    else:
+        clflush_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
+
+
+@njit(cache=True, nogil=True)
+def writeback(m, offset_bytes, site):
+    """``clwb``: write the line back, possibly keeping it cached. Writer side only."""
+    if site == m.skip_site:
+        return
+    _check_range(m, offset_bytes, 1)
+    if m.backend == BACKEND_SIM:
+        sim.sim_flush(m, offset_bytes, True)
+    else:
+        clwb_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
+
+
+@njit(cache=True, nogil=True)
+def store_fence(m):
+    """``sfence``: order earlier stores and flushes before later stores (no-op in the sim)."""
+    if m.backend == BACKEND_HW:
+        sfence()
+
+
+@njit(cache=True, nogil=True)
+def full_fence(m):
+    """``mfence``: later loads may not pass earlier stores or flushes (no-op in the sim)."""
+    if m.backend == BACKEND_HW:
+        mfence()
+
+
+@njit(cache=True, nogil=True)
+def store_flush(m, offset_bytes, value, site):
+    """Publish one word: store, flush its line, ``mfence``."""
+    store(m, offset_bytes, value)
+    flush(m, offset_bytes, site)
+    full_fence(m)
+
+
+@njit(cache=True, nogil=True)
+def load_fresh(m, offset_bytes, site):
+    """Read one word as memory holds it now: invalidate its line, ``mfence``, load."""
+    invalidate(m, offset_bytes, site)
+    full_fence(m)
+    return load(m, offset_bytes)
+
+
+@njit(cache=True, nogil=True)
+def flush_range(m, offset_bytes, nbytes, site):
+    """Flush every line overlapping [offset, offset+nbytes), then ``sfence``."""
+    if nbytes <= 0:
+        return
+    _check_range(m, offset_bytes, nbytes)
+    line = offset_bytes & ~np.int64(63)
+    while line < offset_bytes + nbytes:
+        flush(m, line, site)
+        line += 64
+    store_fence(m)
+
+
+@njit(cache=True, nogil=True)
+def invalidate_range(m, offset_bytes, nbytes, site):
+    """Invalidate every line overlapping [offset, offset+nbytes), then ``mfence``."""
+    if nbytes <= 0:
+        return
+    _check_range(m, offset_bytes, nbytes)
+    line = offset_bytes & ~np.int64(63)
+    while line < offset_bytes + nbytes:
+        invalidate(m, line, site)
+        line += 64
+    full_fence(m)
+
+
+# ---------------------------------------------------------------------------------------------
+# payload copies
+
+
+@njit(cache=True, nogil=True)
+def _plain_copy(dst_addr, src_addr, nbytes):
+    pos = np.int64(0)
+    while pos + 32 <= nbytes:
+        copy32(dst_addr + np.uint64(pos), src_addr + np.uint64(pos))
+        pos += 32
+    while pos < nbytes:
+        store_u8(dst_addr + np.uint64(pos), load_u8(src_addr + np.uint64(pos)))
+        pos += 1
+
+
+@njit(cache=True, nogil=True)
+def nt_copy_raw(dst_addr, src_addr, nbytes):
+    """Streaming copy between two addresses: cached head/tail, non-temporal middle, no fence.
+
+    Warning: the head and tail (up to 31 bytes each) are ordinary stores; a caller writing to
+    non-coherent memory must flush those two lines (``write_bytes`` does).
+    """
+    head = np.int64((32 - (dst_addr & np.uint64(31))) & np.uint64(31))
+    if head > nbytes:
+        head = nbytes
+    _plain_copy(dst_addr, src_addr, head)
+    pos = head
+    while pos + 64 <= nbytes:
+        nt_copy32(dst_addr + np.uint64(pos), src_addr + np.uint64(pos))
+        nt_copy32(dst_addr + np.uint64(pos + 32), src_addr + np.uint64(pos + 32))
+        pos += 64
+    while pos + 32 <= nbytes:
+        nt_copy32(dst_addr + np.uint64(pos), src_addr + np.uint64(pos))
+        pos += 32
+    _plain_copy(dst_addr + np.uint64(pos), src_addr + np.uint64(pos), nbytes - pos)
+
+
+@njit(cache=True, nogil=True)
+def write_bytes(m, offset_bytes, src_addr, nbytes, site):
+    """Copy private bytes into the region so that they are in memory when this returns.
+
+    Hardware: non-temporal stores for the aligned middle (no flush needed), flush of the at most
+    two partially written edge lines, then ``sfence`` so that a later publishing store cannot pass
+    the payload. ``site`` names the edge-line flushes.
+    """
+    if nbytes <= 0:
+        return
+    _check_range(m, offset_bytes, nbytes)
+    if m.backend == BACKEND_SIM:
+        sim.sim_write_bytes_nt(m, offset_bytes, src_addr, nbytes)
+        return
+    dst = np.uint64(m.base_addr) + np.uint64(offset_bytes)
+    nt_copy_raw(dst, src_addr, nbytes)
+    flush(m, offset_bytes, site)
+    flush(m, offset_bytes + nbytes - 1, site)
+    sfence()
+
+
+@njit(cache=True, nogil=True)
+def read_bytes(m, offset_bytes, dst_addr, nbytes, site):
+    """Copy region bytes into private memory as memory holds them now.
+
+    Invalidates every line of the range (``site``), ``mfence``, then copies. Skipping the
+    invalidate (fault injection) makes the sim return stale cached lines.
+    """
+    if nbytes <= 0:
+        return
+    _check_range(m, offset_bytes, nbytes)
+    invalidate_range(m, offset_bytes, nbytes, site)
+    if m.backend == BACKEND_SIM:
+        sim.sim_read_bytes(m, offset_bytes, dst_addr, nbytes)
+    else:
+        _plain_copy(dst_addr, np.uint64(m.base_addr) + np.uint64(offset_bytes), nbytes)
