@@ -1,0 +1,259 @@
+"""The node table: join, heartbeat, leave, liveness. Layout: ``layout.NODE`` (one line a node).
+
+Who writes: only the node that owns an id writes its line (single writer per line). Ownership
+passes by *leaving* or by *death*: a joiner may take an id whose line says FREE or LEFT, or whose
+heartbeat is older than the liveness timeout. No atomics exist across hosts, so two protocols
+keep two claimants apart:
+
+* On one host, an open-file-description lock (``F_OFD_SETLK``) on byte ``NODE_LOCK_BASE + id``
+  of the region file. The kernel drops it when its holder dies (even by SIGKILL), and OFD locks
+  conflict between two opens in the same process, so two Engine objects in one process are kept
+  apart too. While it is held, the id is in use whatever the heartbeat says.
+* Across hosts, an id whose heartbeat is fresh is refused (``NodeIdInUse``). Two hosts racing for
+  one dead id (a misconfiguration: ids are assigned by configuration) is caught on the next
+  heartbeat: each beat re-reads ``owner_nonce`` and the loser raises ``NodeEvicted`` and stops.
+
+Liveness is the age of ``heartbeat_ns`` (CLOCK_REALTIME) against a timeout: rack clocks must
+agree to well within the timeout (NTP/PTP). ``heartbeat_seq`` lets a reader also judge progress
+without trusting clocks. Publish order on join: every field with state still as before, flush,
+then state = LIVE, flush.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import socket
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+import tract_kernels as K
+
+from ..errors import NodeEvicted, NodeIdInUse, NodeIdOutOfRange
+from . import layout as L
+
+if TYPE_CHECKING:
+    from .region import Region
+
+S_NODE_WRITE = K.site("nodes.line.flush")
+S_NODE_STATE = K.site("nodes.state.flush")
+S_NODE_READ = K.site("nodes.read.invalidate")
+S_NODE_BEAT = K.site("nodes.heartbeat.flush")
+
+NODE_LOCK_BASE = 1 << 40
+"""Byte offset (past any region's end) of the per-node OFD lock bytes in the region file."""
+
+DEFAULT_LIVENESS_TIMEOUT_S = 1.0
+
+_F = {name: L.NODE.dtype.fields[name][1] for name in L.NODE.dtype.names}
+
+
+def host_id() -> int:
+    """A 64-bit id for this host: hostname and boot id."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return zlib.crc32(socket.gethostname().encode()) << 32 | zlib.crc32(boot.encode())
+
+
+def _ofd_lock(fd: int, byte_offset: int, *, exclusive: bool = True, wait: bool = False) -> bool:
+    """Take an OFD record lock on one byte; False if another open file description holds it."""
+    ltype = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+    req = struct.pack("hhxxxxqqixxxx", ltype, os.SEEK_SET, byte_offset, 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, req)
+        return True
+    except (BlockingIOError, PermissionError) as e:  # EAGAIN / EACCES: held elsewhere
+        del e
+        return False
+
+
+def _ofd_unlock(fd: int, byte_offset: int) -> None:
+    req = struct.pack("hhxxxxqqixxxx", fcntl.F_UNLCK, os.SEEK_SET, byte_offset, 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, req)
+
+
+def _ofd_holder_pid(fd: int, byte_offset: int) -> int | None:
+    """pid field of a conflicting lock (OFD locks report -1), or None when the byte is free."""
+    req = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, byte_offset, 1, 0)
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, req)
+    ltype, _, _, _, pid = struct.unpack("hhxxxxqqixxxx", res)
+    return None if ltype == fcntl.F_UNLCK else pid
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeInfo:
+    """A snapshot of one node line, as read from memory."""
+    node_id: int
+    state: int
+    epoch: int
+    owner_nonce: int
+    pid: int
+    heartbeat_ns: int
+    heartbeat_seq: int
+    host_id: int
+    joined_ns: int
+    heartbeat_age_s: float
+    live: bool
+
+    @property
+    def state_name(self) -> str:
+        return {L.NODE_FREE: "free", L.NODE_LIVE: "live", L.NODE_LEFT: "left"}.get(self.state, "?")
+
+
+@dataclass(kw_only=True)
+class NodeHandle:
+    """Proof of membership: returned by ``join``, needed by ``heartbeat`` and ``leave``."""
+    node_id: int
+    epoch: int
+    owner_nonce: int
+    lock_fd: int
+    left: bool = False
+
+
+class NodeTable:
+    """The region's node table. Obtained as ``region.nodes``."""
+
+    def __init__(self, region: "Region") -> None:
+        self._region = region
+        self._offset = int(region.header["node_table_offset"])
+        self._handles: list[NodeHandle] = []
+
+    def line_offset(self, node_id: int) -> int:
+        """Byte offset of node ``node_id``'s line. Raises NodeIdOutOfRange."""
+        n = self._region.max_nodes
+        if not isinstance(node_id, (int, np.integer)) or not 0 <= node_id < n:
+            raise NodeIdOutOfRange(f"node id {node_id!r} out of range: this region has "
+                                   f"max_nodes={n}, so ids 0..{n - 1}")
+        return self._offset + int(node_id) * L.NODE.itemsize
+
+    def info(self, node_id: int, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
+             now_ns: int | None = None) -> NodeInfo:
+        """Read node ``node_id``'s line from memory (invalidate first). Takes no lock."""
+        off = self.line_offset(node_id)
+        raw = np.zeros(L.NODE.itemsize, dtype=np.uint8)
+        K.read_bytes(self._region.mem, off, raw.ctypes.data, raw.size, S_NODE_READ)
+        rec = raw.view(L.NODE.dtype)[0]
+        now = time.time_ns() if now_ns is None else now_ns
+        hb = int(rec["heartbeat_ns"])
+        age = (now - hb) / 1e9 if hb else float("inf")
+        state = int(rec["state"])
+        return NodeInfo(node_id=int(node_id), state=state, epoch=int(rec["epoch"]),
+                        owner_nonce=int(rec["owner_nonce"]), pid=int(rec["pid"]), heartbeat_ns=hb,
+                        heartbeat_seq=int(rec["heartbeat_seq"]), host_id=int(rec["host_id"]),
+                        joined_ns=int(rec["joined_ns"]), heartbeat_age_s=age,
+                        live=state == L.NODE_LIVE and age < timeout_s)
+
+    def all(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> list[NodeInfo]:
+        """Every node line."""
+        now = time.time_ns()
+        return [self.info(i, timeout_s=timeout_s, now_ns=now) for i in range(self._region.max_nodes)]
+
+    def live_ids(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> list[int]:
+        """Ids whose state is LIVE and heartbeat fresh."""
+        return [i.node_id for i in self.all(timeout_s=timeout_s) if i.live]
+
+    def is_live(self, node_id: int, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> bool:
+        return self.info(node_id, timeout_s=timeout_s).live
+
+    def join(self, node_id: int, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> NodeHandle:
+        """Claim ``node_id`` for this process.
+
+        Raises NodeIdOutOfRange, NodeIdInUse (a live process holds it: on this host, by the OFD
+        lock; elsewhere, by a fresh heartbeat).
+        """
+        off = self.line_offset(node_id)
+        region = self._region
+        lock_fd = os.open(region.path, os.O_RDWR)
+        try:
+            if not _ofd_lock(lock_fd, NODE_LOCK_BASE + node_id):
+                raise NodeIdInUse(f"node id {node_id} is held by a live process on this host "
+                                  f"(pid {self.info(node_id).pid}); pick another node_id")
+            cur = self.info(node_id, timeout_s=timeout_s)
+            if cur.live:
+                raise NodeIdInUse(
+                    f"node id {node_id} has a fresh heartbeat ({cur.heartbeat_age_s:.3f} s old, "
+                    f"pid {cur.pid}, host {cur.host_id:#x}); pick another node_id or wait "
+                    f"{timeout_s} s for it to be judged dead")
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        nonce = secrets.randbits(63) | 1
+        epoch = cur.epoch + 1
+        now = time.time_ns()
+        mem = region.mem
+        K.store(mem, off + _F["epoch"], epoch)
+        K.store(mem, off + _F["owner_nonce"], nonce)
+        K.store(mem, off + _F["pid"], os.getpid())
+        K.store(mem, off + _F["heartbeat_ns"], now)
+        K.store(mem, off + _F["heartbeat_seq"], 0)
+        K.store(mem, off + _F["host_id"], host_id())
+        K.store(mem, off + _F["joined_ns"], now)
+        K.flush(mem, off, S_NODE_WRITE)
+        K.store_fence(mem)
+        K.store_flush(mem, off + _F["state"], L.NODE_LIVE, S_NODE_STATE)
+        h = NodeHandle(node_id=int(node_id), epoch=epoch, owner_nonce=nonce, lock_fd=lock_fd)
+        self._handles.append(h)
+        return h
+
+    def heartbeat(self, handle: NodeHandle) -> None:
+        """Stamp this node alive. Raises NodeEvicted if another process took the id over."""
+        self._check_owner(handle)
+        off = self.line_offset(handle.node_id)
+        mem = self._region.mem
+        seq = K.load(mem, off + _F["heartbeat_seq"])  # our own line: our cached copy is current
+        K.store(mem, off + _F["heartbeat_ns"], time.time_ns())
+        K.store(mem, off + _F["heartbeat_seq"], seq + 1)
+        K.flush(mem, off, S_NODE_BEAT)
+        K.full_fence(mem)
+
+    def _check_owner(self, handle: NodeHandle) -> None:
+        if handle.left:
+            raise NodeEvicted(f"node {handle.node_id} already left")
+        cur = self.info(handle.node_id)
+        if cur.owner_nonce != handle.owner_nonce or cur.state != L.NODE_LIVE:
+            handle.left = True
+            raise NodeEvicted(
+                f"node {handle.node_id} was taken over (nonce {cur.owner_nonce:#x} != ours "
+                f"{handle.owner_nonce:#x}, state {cur.state_name}): this process must stop "
+                f"writing to the region")
+
+    def leave(self, handle: NodeHandle) -> None:
+        """Mark the node LEFT and release the id. Idempotent."""
+        if handle.left:
+            self._release(handle)
+            return
+        try:
+            cur = self.info(handle.node_id)
+            if cur.owner_nonce == handle.owner_nonce:
+                off = self.line_offset(handle.node_id)
+                K.store_flush(self._region.mem, off + _F["state"], L.NODE_LEFT, S_NODE_STATE)
+        finally:
+            handle.left = True
+            self._release(handle)
+
+    def _release(self, handle: NodeHandle) -> None:
+        if handle.lock_fd >= 0:
+            try:
+                _ofd_unlock(handle.lock_fd, NODE_LOCK_BASE + handle.node_id)
+            finally:
+                os.close(handle.lock_fd)
+                handle.lock_fd = -1
+        if handle in self._handles:
+            self._handles.remove(handle)
+
+    def _close(self) -> None:
+        for h in list(self._handles):
+            try:
+                self.leave(h)
+            except Exception:  # closing must not fail because the region is damaged
+                h.left = True
+                self._release(h)

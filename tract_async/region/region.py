@@ -1,0 +1,482 @@
+"""Map, create, attach and validate a region: a regular or tmpfs file, a hugetlbfs file, or a
+devdax character device (``/dev/daxX.Y``, the way CXL Type-3 memory appears on Linux).
+
+The region is the only shared state between nodes. This module owns the mapping and the header;
+the node table (``nodes.py``) and root directory (``rootdir.py``) sit on top, and the lock,
+allocator and index are sections published in the root directory.
+
+Creation order (publish order for the header): zero the header page, write every header field,
+lay out and zero the node table and root directory, publish the sections in the root directory,
+flush all of it, and only then store ``init_state = READY`` and flush that line. An attacher that
+finds anything but READY refuses the region (its creator died midway; re-create it).
+
+Attach checks, in this order, each failing with its own error and changing nothing: the file
+exists and opens (``RegionNotFound``, ``RegionPermissionError``); it can hold a header
+(``RegionTruncated``); magic (``RegionCorrupt``); format version (``RegionVersionMismatch``);
+cache-line size and layout signature (``RegionLayoutMismatch``); header checksum
+(``RegionCorrupt``); recorded size against the file (``RegionTruncated``); READY; section bounds.
+Magic and format version sit at offsets 0 and 8 in every format version, forever, so that an
+old or new region is always named as such rather than as corrupt.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import stat
+import time
+import uuid as uuid_mod
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+import tract_kernels as K
+
+from ..errors import (RegionCorrupt, RegionExists, RegionLayoutMismatch, RegionNotFound,
+                      RegionPermissionError, RegionTooSmall, RegionTruncated,
+                      RegionVersionMismatch)
+from . import layout as L
+
+S_HEADER_READ = K.site("region.header.read.invalidate")
+S_HEADER_WRITE = K.site("region.header.write.flush")
+
+DEFAULT_DIR = "/dev/shm"
+DAX_ALIGN_BYTES = 2 << 20
+_DAX_RE = re.compile(r"^dax\d+\.\d+$")
+
+
+def default_path(name: str) -> str:
+    """The default region path for a name: ``/dev/shm/tract-<name>``."""
+    return os.path.join(DEFAULT_DIR, f"tract-{name}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SectionSpec:
+    """A section to lay out at create time. ``nbytes=-1`` takes the rest of the data area."""
+    name: str
+    nbytes: int
+    align_bytes: int = L.PAGE_BYTES
+    kind: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """A laid-out section: where it is, in bytes from the region base."""
+    name: str
+    offset_bytes: int
+    nbytes: int
+    kind: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackingInfo:
+    """What kind of memory backs the mapping and how big it can be."""
+    kind: str            # "file", "tmpfs", "hugetlbfs", "devdax"
+    capacity_bytes: int  # devdax: device size; files: current size
+    align_bytes: int     # size granularity
+
+
+def _mount_fstype(path: str) -> tuple[str, str]:
+    """(fstype, super options) of the mount holding ``path`` (longest mount-point prefix)."""
+    real = os.path.realpath(path)
+    best, best_type, best_opts = "", "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mnt = left.split()[4]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    parts = right.split()
+                    best, best_type, best_opts = mnt, parts[0], parts[2] if len(parts) > 2 else ""
+    except OSError:
+        pass
+    return best_type, best_opts
+
+
+def _hugepage_bytes(opts: str) -> int:
+    m = re.search(r"pagesize=(\d+)([KMG]?)", opts)
+    if m:
+        return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Hugepagesize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2 << 20
+
+
+def devdax_size(path: str, sysfs_root: str = "/sys") -> tuple[int, int]:
+    """(size, alignment) of a devdax device from sysfs. Raises RegionNotFound if unknown."""
+    name = os.path.basename(path)
+    for sub in ("bus/dax/devices", "class/dax"):
+        size_file = os.path.join(sysfs_root, sub, name, "size")
+        if os.path.exists(size_file):
+            with open(size_file) as f:
+                size = int(f.read().strip(), 0)
+            align = DAX_ALIGN_BYTES
+            align_file = os.path.join(sysfs_root, sub, name, "align")
+            if os.path.exists(align_file):
+                with open(align_file) as f:
+                    align = int(f.read().strip(), 0) or DAX_ALIGN_BYTES
+            return size, align
+    raise RegionNotFound(f"{path}: devdax device has no size in {sysfs_root}/bus/dax/devices/"
+                         f"{name}/size (is the device configured in devdax mode?)")
+
+
+def backing_info(path: str) -> BackingInfo:
+    """Classify the backing of an existing path."""
+    st = os.stat(path)
+    if stat.S_ISCHR(st.st_mode):
+        if not _DAX_RE.match(os.path.basename(path)):
+            raise RegionCorrupt(f"{path}: a character device that is not a devdax device "
+                                f"(expected /dev/daxX.Y)")
+        size, align = devdax_size(path)
+        return BackingInfo(kind="devdax", capacity_bytes=size, align_bytes=align)
+    fstype, opts = _mount_fstype(path)
+    if fstype == "hugetlbfs":
+        return BackingInfo(kind="hugetlbfs", capacity_bytes=st.st_size,
+                           align_bytes=_hugepage_bytes(opts))
+    return BackingInfo(kind="tmpfs" if fstype == "tmpfs" else "file",
+                       capacity_bytes=st.st_size, align_bytes=L.PAGE_BYTES)
+
+
+def _open(path: str, flags: int, mode: int = 0o660) -> int:
+    try:
+        return os.open(path, flags, mode)
+    except FileNotFoundError:
+        raise RegionNotFound(f"{path}: no such region file or device") from None
+    except FileExistsError:
+        raise RegionExists(f"{path}: already exists (pass overwrite=True to replace it, or "
+                           f"attach to it)") from None
+    except PermissionError as e:
+        raise RegionPermissionError(f"{path}: permission denied opening for "
+                                    f"{'read/write' if flags & os.O_RDWR else 'read'} ({e.strerror})"
+                                    ) from None
+
+
+def fixed_bytes(max_nodes: int, root_slots: int) -> int:
+    """Bytes taken by the header, node table and root directory (before any section)."""
+    node_bytes = L.align_up(max_nodes * L.NODE.itemsize, L.PAGE_BYTES)
+    root_bytes = L.align_up(root_slots * L.ROOT_ENTRY.itemsize, L.PAGE_BYTES)
+    return L.HEADER_RESERVED_BYTES + node_bytes + root_bytes
+
+
+class Region:
+    """A mapped region. Use :meth:`create` or :meth:`attach`; close with :meth:`close`.
+
+    ``mem`` is this process's (this node's) view for the kernels; with the sim backend it carries
+    this node's private cache, so two Region objects over one file behave like two hosts.
+    """
+
+    def __init__(self, *, path: str, fd: int, mm: mmap.mmap, mem: K.Mem, header: np.void,
+                 backing: BackingInfo, readonly: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm: mmap.mmap | None = mm
+        self.mem: K.Mem | None = mem
+        self._header = header
+        self.backing = backing
+        self.readonly = readonly
+        from .nodes import NodeTable
+        from .rootdir import RootDirectory
+        self.nodes = NodeTable(self)
+        self.root = RootDirectory(self)
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def size_bytes(self) -> int:
+        return int(self._header["region_bytes"])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self._header["max_nodes"])
+
+    @property
+    def root_slots(self) -> int:
+        return int(self._header["root_slots"])
+
+    @property
+    def uuid(self) -> uuid_mod.UUID:
+        """The generation uuid: different for every create, the same for every attacher."""
+        return uuid_mod.UUID(int=(int(self._header["uuid_hi"]) << 64) | int(self._header["uuid_lo"]))
+
+    @property
+    def header(self) -> dict[str, int]:
+        """A copy of the header fields."""
+        return {name: int(self._header[name]) for name in L.HEADER.dtype.names}
+
+    @property
+    def data_offset(self) -> int:
+        return int(self._header["data_offset"])
+
+    @property
+    def data_bytes(self) -> int:
+        return int(self._header["data_bytes"])
+
+    def section(self, name: str) -> Section:
+        """The section published under ``name``. Raises RootNameNotFound."""
+        e = self.root.lookup(name)
+        return Section(name=name, offset_bytes=e.offset_bytes, nbytes=e.nbytes, kind=e.kind)
+
+    def with_backend(self, backend: str, **sim_options: object) -> K.Mem:
+        """Another node view of this mapping (e.g. a sim cache for a second in-process node)."""
+        assert self._mm is not None, "region is closed"
+        return K.make_mem(self.mem.buf, backend, **sim_options)  # type: ignore[union-attr]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str, size_bytes: int, *, max_nodes: int = 8, root_slots: int = 64,
+               sections: Sequence[SectionSpec] = (), backend: str | None = None,
+               overwrite: bool = False, prefault: bool = True, mode: int = 0o660,
+               sim_seed: int = 0, sim_evict_prob: float = 1 / 64) -> "Region":
+        """Create (format) a region and return it attached.
+
+        Raises RegionExists (a file is there and ``overwrite`` is false), RegionTooSmall (the
+        fixed sections and ``sections`` do not fit), RegionPermissionError, RegionNotFound (a
+        devdax device without sysfs size), ValueError for bad arguments.
+        """
+        if not 1 <= max_nodes <= 4096:
+            raise ValueError(f"max_nodes must be in 1..4096, got {max_nodes}")
+        if not 1 <= root_slots <= 65536:
+            raise ValueError(f"root_slots must be in 1..65536, got {root_slots}")
+        is_dax = path.startswith("/dev/") and _DAX_RE.match(os.path.basename(path)) is not None
+        if is_dax:
+            dev_size, align = devdax_size(path)
+            if size_bytes <= 0:
+                size_bytes = dev_size
+            if size_bytes > dev_size:
+                raise RegionTooSmall(f"{path}: device holds {dev_size} bytes, asked for {size_bytes}")
+            size_bytes = size_bytes // align * align
+            fd = _open(path, os.O_RDWR)
+            if not overwrite and os.pread(fd, 8, 0) == L.MAGIC.to_bytes(8, "little"):
+                os.close(fd)
+                raise RegionExists(f"{path}: the device already holds a tract region (pass "
+                                   f"overwrite=True to re-format it, or attach to it)")
+            backing = BackingInfo(kind="devdax", capacity_bytes=dev_size, align_bytes=align)
+        else:
+            fstype, opts = _mount_fstype(os.path.dirname(os.path.abspath(path)) or ".")
+            align = _hugepage_bytes(opts) if fstype == "hugetlbfs" else L.PAGE_BYTES
+            size_bytes = L.align_up(size_bytes, align)
+            flags = os.O_RDWR | os.O_CREAT | (0 if overwrite else os.O_EXCL)
+            fd = _open(path, flags, mode)
+            backing = BackingInfo(kind={"hugetlbfs": "hugetlbfs", "tmpfs": "tmpfs"}.get(fstype, "file"),
+                                  capacity_bytes=size_bytes, align_bytes=align)
+        need = fixed_bytes(max_nodes, root_slots)
+        data_offset = need
+        placed: list[Section] = []
+        offset = data_offset
+        for spec in sections:
+            offset = L.align_up(offset, spec.align_bytes)
+            nbytes = spec.nbytes if spec.nbytes >= 0 else size_bytes - offset
+            if nbytes < 0 or offset + nbytes > size_bytes:
+                break
+            placed.append(Section(name=spec.name, offset_bytes=offset, nbytes=nbytes, kind=spec.kind))
+            offset += nbytes
+        if need > size_bytes or len(placed) != len(sections) or len(sections) > root_slots:
+            if not is_dax:
+                os.close(fd)
+                if not overwrite:
+                    os.unlink(path)
+            else:
+                os.close(fd)
+            asked = ", ".join(f"{s.name}={s.nbytes}" for s in sections) or "none"
+            raise RegionTooSmall(
+                f"{path}: {size_bytes} bytes cannot hold the header, a node table for "
+                f"max_nodes={max_nodes}, {root_slots} root slots ({need} bytes together) and the "
+                f"sections ({asked}); use a larger size or fewer nodes")
+        try:
+            if not is_dax:
+                os.ftruncate(fd, 0) if overwrite else None
+                os.ftruncate(fd, size_bytes)
+            mm = cls._map(fd, size_bytes, readonly=False, prefault=prefault)
+        except BaseException:
+            os.close(fd)
+            if not is_dax and not overwrite:
+                os.unlink(path)
+            raise
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        mem = K.make_mem(buf, backend, seed=sim_seed, evict_prob=sim_evict_prob)
+        gen = uuid_mod.uuid4().int
+        hdr = np.zeros(1, dtype=L.HEADER.dtype)[0]
+        node_bytes = L.align_up(max_nodes * L.NODE.itemsize, L.PAGE_BYTES)
+        hdr["magic"] = L.MAGIC
+        hdr["format_version"] = L.FORMAT_VERSION
+        hdr["line_bytes"] = L.LINE_BYTES
+        hdr["layout_signature"] = L.layout_signature()
+        hdr["region_bytes"] = size_bytes
+        hdr["uuid_hi"] = gen >> 64
+        hdr["uuid_lo"] = gen & (2**64 - 1)
+        hdr["max_nodes"] = max_nodes
+        hdr["root_slots"] = root_slots
+        hdr["created_ns"] = time.time_ns()
+        hdr["node_table_offset"] = L.HEADER_RESERVED_BYTES
+        hdr["node_table_bytes"] = node_bytes
+        hdr["rootdir_offset"] = L.HEADER_RESERVED_BYTES + node_bytes
+        hdr["rootdir_bytes"] = need - L.HEADER_RESERVED_BYTES - node_bytes
+        hdr["data_offset"] = data_offset
+        hdr["data_bytes"] = size_bytes - data_offset
+        hdr["init_state"] = 0
+        raw = bytearray(hdr.tobytes())
+        hdr["header_checksum"] = zlib.crc32(bytes(raw[:L.HEADER_CHECKSUM_SPAN]))
+        # 1. zero the fixed area (header page, node table, root directory) straight to memory
+        zeros = np.zeros(need, dtype=np.uint8)
+        K.write_bytes(mem, 0, zeros.ctypes.data, need, S_HEADER_WRITE)
+        # 2. header fields, init_state still 0
+        hbytes = np.frombuffer(hdr.tobytes(), dtype=np.uint8).copy()
+        K.write_bytes(mem, 0, hbytes.ctypes.data, hbytes.size, S_HEADER_WRITE)
+        region = cls(path=path, fd=fd, mm=mm, mem=mem, header=hdr, backing=backing, readonly=False)
+        # 3. sections into the root directory (the creator is the only party alive)
+        for sec in placed:
+            region.root._publish_unlocked(sec.name, sec.offset_bytes, sec.nbytes, sec.kind)
+        K.flush_range(mem, 0, need, S_HEADER_WRITE)
+        # 4. READY last: an attacher never sees READY before everything above is in memory
+        K.store_flush(mem, L.INIT_STATE_OFFSET, L.INIT_READY, S_HEADER_WRITE)
+        hdr["init_state"] = L.INIT_READY
+        return region
+
+    @classmethod
+    def attach(cls, path: str, *, backend: str | None = None, readonly: bool = False,
+               prefault: bool = True, sim_seed: int = 0,
+               sim_evict_prob: float = 1 / 64) -> "Region":
+        """Attach to an existing region after validating its header (see the module docstring).
+
+        Raises RegionNotFound, RegionPermissionError, RegionTruncated, RegionCorrupt,
+        RegionVersionMismatch, RegionLayoutMismatch. Nothing in the region is written.
+        """
+        if not os.path.exists(path):
+            raise RegionNotFound(f"{path}: no such region file or device")
+        fd = _open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        try:
+            backing = backing_info(path)
+            size = backing.capacity_bytes
+            if size < L.HEADER.itemsize:
+                raise RegionTruncated(f"{path}: {size} bytes, smaller than the "
+                                      f"{L.HEADER.itemsize}-byte region header")
+            mm = cls._map(fd, size, readonly=readonly, prefault=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            buf = np.frombuffer(mm, dtype=np.uint8)
+            mem = K.make_mem(buf, backend, seed=sim_seed, evict_prob=sim_evict_prob)
+            raw = np.zeros(L.HEADER.itemsize, dtype=np.uint8)
+            K.read_bytes(mem, 0, raw.ctypes.data, raw.size, S_HEADER_READ)
+            hdr = raw.view(L.HEADER.dtype)[0].copy()
+            cls._validate(path, hdr, raw, size)
+        except BaseException:
+            buf = mem = None  # drop the views so that the mapping can close
+            mm.close()
+            os.close(fd)
+            raise
+        if prefault and not readonly:
+            try:
+                mm.madvise(getattr(mmap, "MADV_WILLNEED", 3))
+            except (OSError, ValueError):
+                pass
+        return cls(path=path, fd=fd, mm=mm, mem=mem, header=hdr, backing=backing, readonly=readonly)
+
+    @staticmethod
+    def _validate(path: str, hdr: np.void, raw: np.ndarray, size: int) -> None:
+        if int(hdr["magic"]) != L.MAGIC:
+            raise RegionCorrupt(f"{path}: not a tract region: magic {int(hdr['magic']):#018x}, "
+                                f"expected {L.MAGIC:#018x}")
+        if int(hdr["format_version"]) != L.FORMAT_VERSION:
+            raise RegionVersionMismatch(
+                f"{path}: region format version {int(hdr['format_version'])}, this build reads "
+                f"version {L.FORMAT_VERSION}; re-create the region with this build")
+        if int(hdr["line_bytes"]) != L.LINE_BYTES:
+            raise RegionLayoutMismatch(f"{path}: region uses {int(hdr['line_bytes'])}-byte lines, "
+                                       f"this build {L.LINE_BYTES}")
+        sig = L.layout_signature()
+        if int(hdr["layout_signature"]) != sig:
+            raise RegionLayoutMismatch(
+                f"{path}: layout signature {int(hdr['layout_signature']):#018x} differs from this "
+                f"build's {sig:#018x} (struct sizes or alignment changed); re-create the region")
+        crc = zlib.crc32(raw[:L.HEADER_CHECKSUM_SPAN].tobytes())
+        if int(hdr["header_checksum"]) != crc:
+            raise RegionCorrupt(f"{path}: header checksum {int(hdr['header_checksum']):#x}, "
+                                f"computed {crc:#x}: the header is damaged")
+        want = int(hdr["region_bytes"])
+        if want > size:
+            raise RegionTruncated(f"{path}: header records {want} bytes, the file holds {size}")
+        if int(hdr["init_state"]) != L.INIT_READY:
+            raise RegionCorrupt(f"{path}: region was never fully initialized (init_state "
+                                f"{int(hdr['init_state']):#x}); its creator died: re-create it")
+        mn, rs = int(hdr["max_nodes"]), int(hdr["root_slots"])
+        spans = [
+            ("node table", int(hdr["node_table_offset"]), int(hdr["node_table_bytes"]),
+             mn * L.NODE.itemsize),
+            ("root directory", int(hdr["rootdir_offset"]), int(hdr["rootdir_bytes"]),
+             rs * L.ROOT_ENTRY.itemsize),
+            ("data area", int(hdr["data_offset"]), int(hdr["data_bytes"]), 0),
+        ]
+        prev_end = L.HEADER_RESERVED_BYTES
+        for name, off, nb, need in spans:
+            if off < prev_end or off + nb > want or nb < need or off % L.LINE_BYTES:
+                raise RegionCorrupt(f"{path}: {name} at [{off}, {off + nb}) is out of bounds or "
+                                    f"overlaps (region {want} bytes, needs {need} bytes)")
+            prev_end = off + nb
+
+    @staticmethod
+    def _map(fd: int, size: int, *, readonly: bool, prefault: bool) -> mmap.mmap:
+        flags = mmap.MAP_SHARED
+        if prefault and hasattr(mmap, "MAP_POPULATE"):
+            flags |= mmap.MAP_POPULATE
+        prot = mmap.PROT_READ | (0 if readonly else mmap.PROT_WRITE)
+        try:
+            return mmap.mmap(fd, size, flags=flags, prot=prot)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise RegionPermissionError(f"cannot map the region: {e.strerror}") from None
+            raise
+
+    def close(self) -> None:
+        """Unmap and close. Idempotent. Views handed out earlier must have been dropped."""
+        if self._mm is None:
+            return
+        self.nodes._close()
+        self.mem = None
+        mm, self._mm = self._mm, None
+        try:
+            mm.close()
+        except BufferError:
+            # A caller still holds a view (a tensor over the region). The mapping then stays
+            # until that view is garbage-collected; the file descriptor is closed regardless.
+            pass
+        finally:
+            os.close(self._fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def remove(path: str) -> None:
+    """Delete a file-backed region (a devdax device is wiped of its header instead).
+
+    Raises RegionNotFound, RegionPermissionError.
+    """
+    if not os.path.exists(path):
+        raise RegionNotFound(f"{path}: no such region file or device")
+    if stat.S_ISCHR(os.stat(path).st_mode):
+        fd = _open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"\0" * L.HEADER.itemsize, 0)
+        finally:
+            os.close(fd)
+        return
+    try:
+        os.unlink(path)
+    except PermissionError as e:
+        raise RegionPermissionError(f"{path}: cannot remove: {e.strerror}") from None
