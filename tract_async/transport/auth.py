@@ -36,7 +36,7 @@ _DOMAIN = b"tract-http-v1"
 _NONCE_BYTES = 16
 
 
-def _coerce_secret(secret: bytes | str | None) -> bytes | None:
+def coerce_secret(secret: bytes | str | None) -> bytes | None:
     if secret is None:
         return None
     key = secret.encode() if isinstance(secret, str) else bytes(secret)
@@ -138,4 +138,4 @@ class Verifier:
             del seen[first]
 
 
-__all__ = ["Signer", "Verifier", "key_id", "H_AGENT", "H_TIME", "H_NONCE", "H_SIG", "_coerce_secret"]
+__all__ = ["Signer", "Verifier", "key_id", "H_AGENT", "H_TIME", "H_NONCE", "H_SIG", "coerce_secret"]

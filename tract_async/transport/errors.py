@@ -39,6 +39,14 @@ class HandleReleased(TransportError):
     """The transfer handle was released (or its agent closed) and cannot be posted or polled."""
 
 
+class InvalidOperation(TransportError, ValueError):
+    """initialize_xfer got an operation other than "READ" or "WRITE"."""
+
+
+class TransferCancelled(TransportError):
+    """The transfer was cancelled (released, agent closed, or its waiter cancelled); no more bytes can land."""
+
+
 class TransferInProgress(TransportError):
     """The handle is already posted and not finished; wait for it before posting it again."""
 

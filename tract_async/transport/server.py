@@ -1,0 +1,262 @@
+"""Server side of the HTTP transport: the aiohttp request handlers of an Agent.
+
+Every handler follows one order, so that bad input is refused before it can touch memory:
+
+1. cheap auth checks on the headers (signature headers present, timestamp inside the window);
+2. read the length-prefixed descriptor document, bounded by ``max_doc_bytes``;
+3. verify the HMAC over method, path and document, then the nonce (replay);
+4. parse and type-check the document, check every descriptor against registered memory
+   (and against ``writable`` for WRITE) and the body length against the descriptors;
+5. only then stream bytes, chunk by chunk, each chunk wait under ``io_timeout_s``.
+
+Errors before the response starts become a JSON error response (``wire.error_body``); an error
+after a READ response started streaming can only abort the connection, which the client sees as a
+short body. Nothing is buffered beyond one chunk per request.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from aiohttp import web
+
+from tract_async.errors import TractError
+from tract_async.transport import wire
+from tract_async.transport.auth import H_AGENT
+from tract_async.transport.descs import Span
+from tract_async.transport.errors import (
+    CODE_OF,
+    AgentClosed,
+    MalformedRequest,
+    RemoteError,
+    RequestTooLarge,
+    TransportError,
+    TruncatedBody,
+)
+
+if TYPE_CHECKING:
+    from tract_async.transport.http import Agent
+
+AGENT_KEY: web.AppKey[Agent] = web.AppKey("tract_agent", "Agent")  # type: ignore[arg-type]
+
+_STATUS = {"auth_failed": 401, "replayed": 401, "too_large": 413, "closed": 503, "remote": 500}
+
+
+def error_response(exc: TransportError) -> web.Response:
+    code = CODE_OF.get(type(exc), "remote")
+    # A subclass without its own code (e.g. a future one) reports its nearest coded base class.
+    for cls in type(exc).__mro__:
+        if cls in CODE_OF:
+            code = CODE_OF[cls]  # type: ignore[index]
+            break
+    return web.Response(status=_STATUS.get(code, 400), body=wire.error_body(code, str(exc)),
+                        content_type="application/json", headers={wire.H_ERROR: code})
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def guarded(handler: Handler) -> Handler:
+    """Turn TransportError raised before the response started into an error response."""
+
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except TransportError as e:
+            request.app[AGENT_KEY].stats["requests_refused"] += 1
+            if request.get("tract_started"):
+                raise  # bytes already on the wire: aborting the connection is all that is left
+            return error_response(e)
+
+    return wrapper
+
+
+async def _read_doc(agent: Agent, request: web.Request) -> bytes:
+    cfg = agent.config
+    async with asyncio.timeout(cfg.io_timeout_s):
+        try:
+            head = await request.content.readexactly(wire.DOC_LEN.size)
+            (doc_len,) = wire.DOC_LEN.unpack(head)
+            if doc_len > cfg.max_doc_bytes:
+                raise RequestTooLarge(f"descriptor document of {doc_len} bytes, the limit is {cfg.max_doc_bytes}")
+            return await request.content.readexactly(doc_len)
+        except asyncio.IncompleteReadError:
+            raise TruncatedBody("request body ended inside the descriptor document") from None
+
+
+async def _authenticated_doc(agent: Agent, request: web.Request) -> wire.TransferDoc:
+    if agent.closing:
+        raise AgentClosed(f"agent {agent.name!r} is closing")
+    agent.verifier.precheck(request.headers)
+    doc = await _read_doc(agent, request)
+    agent.verifier.verify(request.method, request.path, request.headers, doc)
+    cfg = agent.config
+    td = wire.decode_doc(doc, max_descs=cfg.max_descs, max_total_bytes=cfg.max_request_bytes,
+                         max_notif_bytes=cfg.max_notif_bytes)
+    request["tract_doc_len"] = len(doc)
+    return td
+
+
+def _hold(spans: list[Span]) -> None:
+    for s in spans:
+        s.reg.users += 1
+
+
+def _unhold(spans: list[Span]) -> None:
+    for s in spans:
+        s.reg.users -= 1
+
+
+@guarded
+async def handle_read(request: web.Request) -> web.StreamResponse:
+    """Stream the bytes of the requested descriptors back, in order."""
+    agent = request.app[AGENT_KEY]
+    td = await _authenticated_doc(agent, request)
+    expect = wire.DOC_LEN.size + request["tract_doc_len"]
+    if request.content_length is not None and request.content_length != expect:
+        raise MalformedRequest(f"a READ body is only its descriptor document ({expect} bytes), "
+                               f"got Content-Length {request.content_length}")
+    spans = agent.registry.spans(td.rows, td.mem_type, for_write=False, local=False)
+    _hold(spans)
+    try:
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = td.total_bytes
+        request["tract_started"] = True
+        await resp.prepare(request)
+        chunk = agent.config.chunk_bytes
+        for span in spans:
+            async for piece in span.read_pieces(chunk, agent.staging):
+                async with asyncio.timeout(agent.config.io_timeout_s):
+                    await resp.write(piece)
+        await resp.write_eof()
+    finally:
+        _unhold(spans)
+    agent.stats["bytes_served"] += td.total_bytes
+    agent.stats["reads_served"] += 1
+    return resp
+
+
+@guarded
+async def handle_write(request: web.Request) -> web.StreamResponse:
+    """Land the request's payload in the named descriptors, then deliver its notification."""
+    agent = request.app[AGENT_KEY]
+    td = await _authenticated_doc(agent, request)
+    expect = wire.DOC_LEN.size + request["tract_doc_len"] + td.total_bytes
+    if request.content_length is None:
+        raise MalformedRequest("a WRITE needs a Content-Length (no chunked bodies)")
+    if request.content_length < expect:
+        raise TruncatedBody(f"WRITE body of {request.content_length} bytes is shorter than the "
+                            f"{expect} its descriptors need")
+    if request.content_length > expect:
+        raise MalformedRequest(f"WRITE body of {request.content_length} bytes is longer than the {expect} "
+                               "its descriptors need")
+    spans = agent.registry.spans(td.rows, td.mem_type, for_write=True, local=False)
+    _hold(spans)
+    try:
+        await fill_spans(spans, request.content.readany, agent, TruncatedBody)
+    finally:
+        _unhold(spans)
+    if td.notif:
+        agent.deliver_notif(request.headers.get(H_AGENT, ""), td.notif)
+    agent.stats["bytes_received"] += td.total_bytes
+    agent.stats["writes_served"] += 1
+    return web.Response(body=b'{"ok":true}', content_type="application/json")
+
+
+async def fill_spans(spans: list[Span], readany: Callable[[], Awaitable[bytes]], agent: Agent,
+                     short: type[TransportError]) -> None:
+    """Fill ``spans`` in order from a byte stream; shared by the server (WRITE) and client (READ).
+
+    Each read waits under ``io_timeout_s``. Raises ``short`` if the stream ends early; lets
+    transport-level exceptions (connection reset, payload errors) propagate to the caller, who
+    knows which class describes them.
+    """
+    timeout = agent.config.io_timeout_s
+    pending = memoryview(b"")
+    for span in spans:
+        w = span.writer(agent.staging)
+        try:
+            while w.remaining:
+                if not pending:
+                    async with asyncio.timeout(timeout):
+                        data = await readany()
+                    if not data:
+                        raise short(f"body ended {w.remaining} bytes before the end of a "
+                                    f"{span.nbytes}-byte descriptor")
+                    pending = memoryview(data)
+                take = min(len(pending), w.remaining)
+                await w.write(pending[:take])  # a received chunk may straddle two descriptors
+                pending = pending[take:]
+        finally:
+            await w.finish()
+    if pending:
+        raise MalformedRequest("body is longer than its descriptors")
+
+
+@guarded
+async def handle_notif(request: web.Request) -> web.StreamResponse:
+    """A standalone notification (also sent by a reader after its READ completed)."""
+    agent = request.app[AGENT_KEY]
+    if agent.closing:
+        raise AgentClosed(f"agent {agent.name!r} is closing")
+    agent.verifier.precheck(request.headers)
+    body = await _bounded_body(request, agent.config.max_notif_bytes)
+    agent.verifier.verify(request.method, request.path, request.headers, body)
+    agent.deliver_notif(request.headers.get(H_AGENT, ""), body)
+    return web.Response(body=b'{"ok":true}', content_type="application/json")
+
+
+@guarded
+async def handle_metadata(request: web.Request) -> web.StreamResponse:
+    """This agent's metadata, for peers that bootstrap from a URL (fetch_remote_metadata)."""
+    agent = request.app[AGENT_KEY]
+    agent.verifier.verify(request.method, request.path, request.headers, b"")
+    return web.Response(body=agent.get_agent_metadata(), content_type="application/octet-stream")
+
+
+async def _bounded_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestTooLarge(f"body of {request.content_length} bytes, the limit is {limit}")
+    async with asyncio.timeout(request.app[AGENT_KEY].config.io_timeout_s):
+        body = await request.content.read(limit + 1)
+        if len(body) > limit:
+            raise RequestTooLarge(f"body is over the limit of {limit} bytes")
+        return body
+
+
+JsonHandler = Callable[[str, Any], Awaitable[Any]]
+
+
+def json_route(handler: JsonHandler) -> Handler:
+    """Serve an application JSON endpoint behind the transport's authentication.
+
+    The handler runs only for a request signed with the shared secret over its whole body
+    (bounded by ``max_app_body_bytes``); it gets the sender's agent name and the decoded JSON
+    and returns something orjson can encode. A TransportError it raises reaches the caller as the
+    same class; any other TractError as RemoteError with its message.
+    """
+
+    @guarded
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        agent = request.app[AGENT_KEY]
+        if agent.closing:
+            raise AgentClosed(f"agent {agent.name!r} is closing")
+        agent.verifier.precheck(request.headers)
+        body = await _bounded_body(request, agent.config.max_app_body_bytes)
+        agent.verifier.verify(request.method, request.path, request.headers, body)
+        try:
+            payload = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError as e:
+            raise MalformedRequest(f"application body is not JSON: {e}") from None
+        try:
+            result = await handler(request.headers.get(H_AGENT, ""), payload)
+        except TransportError:
+            raise
+        except TractError as e:
+            raise RemoteError(f"{type(e).__name__}: {e}") from None
+        return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+    return wrapper

@@ -1,0 +1,311 @@
+"""Client side of the HTTP transport: transfer handles and the requests an Agent sends.
+
+A transfer runs as one task owned by its agent (``Agent._tasks``; ``close`` cancels and awaits
+them). Cancellation is honest: a handle reports cancelled or timed out only after its task has
+finished, i.e. when no more bytes can land in the destination.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import payload as aio_payload
+from aiohttp.abc import AbstractStreamWriter
+
+from tract_async.transport import wire
+from tract_async.transport.descs import Span, XferDescList
+from tract_async.transport.errors import (
+    ERROR_CODES,
+    DescriptorOutOfRange,
+    HandleReleased,
+    InvalidDescriptors,
+    InvalidOperation,
+    MetadataError,
+    PeerDisconnected,
+    PeerUnreachable,
+    RemoteError,
+    TransferCancelled,
+    TransferInProgress,
+    TransferTimeout,
+    TransportError,
+    TruncatedBody,
+)
+from tract_async.transport.server import fill_spans
+
+if TYPE_CHECKING:
+    from tract_async.transport.http import Agent
+
+
+class XferHandle:
+    """One READ or WRITE between local and remote descriptor lists (NIXL's nixl_xfer_handle).
+
+    ``state`` is "INIT" (created or finished and re-postable is not distinguished: see
+    ``poll``), "PROC", "DONE", "ERR" or "RELEASED". ``bytes_done`` counts payload bytes moved so
+    far (a progress gauge, reset on each post).
+    """
+
+    def __init__(self, agent: Agent, op: str, local: XferDescList, remote: XferDescList,
+                 remote_name: str, notif: bytes, local_spans: list[Span]) -> None:
+        self.agent = agent
+        self.op = op
+        self.local = local
+        self.remote = remote
+        self.remote_name = remote_name
+        self.notif = notif
+        self.local_spans = local_spans
+        self.total_bytes = local.total_bytes
+        self.state = "INIT"
+        self.bytes_done = 0
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._cancel_reason: TransportError | None = None
+
+    @classmethod
+    def create(cls, agent: Agent, op: str, local: XferDescList, remote: XferDescList,
+               remote_name: str, notif: bytes) -> XferHandle:
+        if op not in ("READ", "WRITE"):
+            raise InvalidOperation(f'operation must be "READ" or "WRITE", got {op!r}')
+        if not isinstance(local, XferDescList) or not isinstance(remote, XferDescList):
+            raise InvalidDescriptors("pass descriptor lists from get_xfer_descs")
+        if len(local) != len(remote) or (local.rows[:, 1] != remote.rows[:, 1]).any():
+            raise InvalidDescriptors(
+                f"local and remote lists must pair up one to one with equal lengths "
+                f"({len(local)} local, {len(remote)} remote descriptors)")
+        if len(notif) > agent.config.max_notif_bytes:
+            raise InvalidDescriptors(f"notif_msg of {len(notif)} bytes, the limit is {agent.config.max_notif_bytes}")
+        md = agent.remote_agent(remote_name)
+        _check_remote(md, remote, for_write=op == "WRITE")
+        spans = agent.registry.spans(local.rows, local.mem_type, for_write=False, local=True)
+        h = cls(agent, op, local, remote, remote_name, notif, spans)
+        agent._handles.add(h)
+        return h
+
+    def __repr__(self) -> str:
+        return f"XferHandle({self.op} {self.total_bytes} B with {self.remote_name!r}, {self.state})"
+
+    def check_postable(self) -> None:
+        if self.state == "RELEASED":
+            raise HandleReleased("this transfer handle was released")
+        if self.state == "PROC":
+            raise TransferInProgress("this transfer is already in flight; await transfer() or poll it")
+
+    def started(self, task: asyncio.Task[None]) -> None:
+        self.state, self._task, self._error, self._cancel_reason = "PROC", task, None, None
+        self.bytes_done = 0
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        if self.state == "RELEASED" or task is not self._task:
+            return
+        if task.cancelled():
+            self._error = self._cancel_reason or TransferCancelled("the transfer was cancelled")
+        else:
+            self._error = task.exception()
+        self.state = "ERR" if self._error is not None else "DONE"
+
+    def poll(self) -> str:
+        """The state; raises the failure of a failed transfer (and HandleReleased after release)."""
+        if self.state == "RELEASED":
+            raise HandleReleased("this transfer handle was released")
+        if self.state == "ERR":
+            assert self._error is not None
+            raise self._error
+        return self.state
+
+    async def wait(self, timeout: float) -> None:
+        """Wait for the posted transfer; on deadline or cancellation cancel it and wait it out."""
+        task = self._task
+        assert task is not None, "XferHandle.wait before post"
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(task)
+        except TransportError:
+            raise
+        except TimeoutError:
+            if not task.done():
+                self._cancel_reason = TransferTimeout(
+                    f"{self.op} of {self.total_bytes} bytes with {self.remote_name!r} did not finish within "
+                    f"{timeout:g} s ({self.bytes_done} bytes moved); it was cancelled")
+                task.cancel()
+                await asyncio.wait([task])  # honest cancel: no more bytes land after this
+            self.poll()
+            raise  # pragma: no cover - poll raised
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.wait([task])
+            raise
+        self.poll()
+
+    def release(self) -> None:
+        """Forget the handle; an in-flight transfer is cancelled (its task is awaited by close()).
+
+        Idempotent. Pair with ``await transfer`` before release when the bytes matter.
+        """
+        if self.state == "RELEASED":
+            return
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self.state = "RELEASED"
+        self.agent._handles.discard(self)
+
+
+def _check_remote(md: wire.AgentMetadata, remote: XferDescList, *, for_write: bool) -> None:
+    """Check remote descriptors against the peer's published ranges (it checks again itself)."""
+    regions = [r for r in md.regions if r.mem_type == remote.mem_type]
+    for k, (addr, n, dev) in enumerate(remote.rows.tolist()):
+        for r in regions:
+            if r.dev_id == dev and r.addr <= addr and addr + n <= r.addr + r.nbytes:
+                if for_write and not r.writable:
+                    raise DescriptorOutOfRange(f"remote descriptor {k} targets {md.name!r}'s read-only region {r.name!r}")
+                break
+        else:
+            raise DescriptorOutOfRange(
+                f"remote descriptor {k} [{addr:#x}, +{n}) is not inside memory {md.name!r} registered "
+                "(stale metadata? fetch it again after the peer registers memory)")
+
+
+class _SpansPayload(aio_payload.Payload):
+    """A request body written straight from registered memory, chunk by chunk, with a known size."""
+
+    def __init__(self, head: bytes, spans: list[Span], agent: Agent, handle: XferHandle) -> None:
+        super().__init__(None, content_type="application/octet-stream")
+        self._head, self._spans, self._agent, self._handle = head, spans, agent, handle
+        self._size = len(head) + sum(s.nbytes for s in spans)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        raise TypeError("a transfer body is binary")
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        await writer.write(self._head)
+        for span in self._spans:
+            async for piece in span.read_pieces(self._agent.config.chunk_bytes, self._agent.staging):
+                await writer.write(piece)
+                self._handle.bytes_done += len(piece)
+
+
+def _client_timeout(agent: Agent) -> aiohttp.ClientTimeout:
+    cfg = agent.config
+    return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.io_timeout_s)
+
+
+async def _raise_for_error(resp: aiohttp.ClientResponse, peer: str) -> None:
+    code = resp.headers.get(wire.H_ERROR, "")
+    try:
+        msg = str(orjson.loads(await resp.content.read(64 << 10)).get("message"))
+    except (orjson.JSONDecodeError, AttributeError, aiohttp.ClientError):
+        msg = f"HTTP {resp.status} {resp.reason}"
+    raise ERROR_CODES.get(code, RemoteError)(f"{peer}: {msg}")
+
+
+async def _mapped(peer: str, what: str, coro: Callable[[], Awaitable[Any]]) -> Any:
+    """Run one client exchange, translating aiohttp/OS failures into transport errors."""
+    try:
+        return await coro()
+    except TransportError:
+        raise
+    except aiohttp.ServerTimeoutError as e:
+        raise TransferTimeout(f"{what} with {peer!r}: peer stalled ({e})") from e
+    except aiohttp.ClientConnectorError as e:
+        raise PeerUnreachable(f"{what}: cannot connect to {peer!r} ({e})") from e
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
+        raise PeerDisconnected(f"{what}: {peer!r} went away mid-transfer ({type(e).__name__}: {e})") from e
+    except (aiohttp.ClientError, OSError) as e:
+        raise PeerDisconnected(f"{what} with {peer!r} failed: {type(e).__name__}: {e}") from e
+    except TimeoutError as e:
+        raise TransferTimeout(f"{what} with {peer!r}: no data for {e or 'the io timeout'}") from e
+
+
+async def run_xfer(agent: Agent, session: aiohttp.ClientSession, h: XferHandle) -> None:
+    """The body of one transfer task (see XferHandle)."""
+    md = agent.remote_agent(h.remote_name)
+    doc = wire.encode_doc(h.remote.to_wire(), h.remote.mem_type, h.notif if h.op == "WRITE" else b"")
+    head = wire.DOC_LEN.pack(len(doc)) + doc
+    for s in h.local_spans:
+        s.reg.users += 1
+    try:
+        if h.op == "READ":
+            await _mapped(md.name, "READ", lambda: _read(agent, session, md, h, head, doc))
+            if h.notif:  # after the last byte landed, so the notification means "bytes are there"
+                await send_notif(agent, md, h.notif, agent.config.io_timeout_s, session)
+        else:
+            await _mapped(md.name, "WRITE", lambda: _write(agent, session, md, h, head, doc))
+    finally:
+        for s in h.local_spans:
+            s.reg.users -= 1
+    agent.stats[f"{h.op.lower()}s"] += 1
+    agent.stats["bytes_moved"] += h.total_bytes
+
+
+async def _read(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
+                h: XferHandle, head: bytes, doc: bytes) -> None:
+    headers = agent.signer.headers("POST", wire.PATH_READ, doc)
+    async with session.post(md.base_url + wire.PATH_READ, data=head, headers=headers,
+                            timeout=_client_timeout(agent)) as resp:
+        if resp.status != 200:
+            await _raise_for_error(resp, md.name)
+        if resp.content_length != h.total_bytes:
+            raise RemoteError(f"{md.name}: READ response announces {resp.content_length} bytes, "
+                              f"expected {h.total_bytes}")
+        content = resp.content
+
+        async def readany() -> bytes:
+            data = await content.readany()
+            h.bytes_done += len(data)
+            return data
+
+        await fill_spans(h.local_spans, readany, agent, TruncatedBody)
+
+
+async def _write(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
+                 h: XferHandle, head: bytes, doc: bytes) -> None:
+    headers = agent.signer.headers("POST", wire.PATH_WRITE, doc)
+    body = _SpansPayload(head, h.local_spans, agent, h)
+    headers["Content-Length"] = str(body.size)
+    async with session.post(md.base_url + wire.PATH_WRITE, data=body, headers=headers,
+                            timeout=_client_timeout(agent)) as resp:
+        if resp.status != 200:
+            await _raise_for_error(resp, md.name)
+        await resp.read()
+
+
+async def _small(agent: Agent, method: str, url: str, path: str, body: bytes, peer: str,
+                 timeout: float, session: aiohttp.ClientSession | None = None) -> bytes:
+    """A small signed request/response exchange (notification, metadata, application call)."""
+    sess = session or agent.session
+    headers = agent.signer.headers(method, path, body)
+
+    async def go() -> bytes:
+        async with asyncio.timeout(timeout):
+            async with sess.request(method, url + path, data=body or None, headers=headers,
+                                    timeout=_client_timeout(agent)) as resp:
+                if resp.status != 200:
+                    await _raise_for_error(resp, peer)
+                return await resp.read()
+
+    return await _mapped(peer, f"{method} {path}", go)
+
+
+async def send_notif(agent: Agent, md: wire.AgentMetadata, msg: bytes, timeout: float,
+                     session: aiohttp.ClientSession | None = None) -> None:
+    await _small(agent, "POST", md.base_url, wire.PATH_NOTIF, msg, md.name, timeout, session)
+
+
+async def call_remote(agent: Agent, md: wire.AgentMetadata, path: str, body: bytes, timeout: float) -> Any:
+    reply = await _small(agent, "POST", md.base_url, path, body, md.name, timeout)
+    try:
+        return orjson.loads(reply)
+    except orjson.JSONDecodeError as e:
+        raise RemoteError(f"{md.name}: {path} replied with invalid JSON ({e})") from None
+
+
+async def fetch_metadata(agent: Agent, base_url: str, timeout: float) -> bytes:
+    data = await _small(agent, "GET", base_url.rstrip("/"), wire.PATH_METADATA, b"", base_url, timeout)
+    if not data:
+        raise MetadataError(f"{base_url} returned empty metadata")
+    return data
