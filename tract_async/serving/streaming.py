@@ -1,0 +1,237 @@
+"""Async, layer-streaming prefill and decode: the forms the workers call from their event loop.
+
+The model's forward pass is synchronous and, on a CPU, long enough (tens of milliseconds and up)
+that running it on the event loop would stall everything else the worker's loop owns: the
+engine's lock manager, heartbeats, HTTP handlers. So the compute runs in a worker thread and the
+engine calls (``put_kv``/``get_kv``, which are coroutines) run on the loop; the two meet at layer
+boundaries:
+
+* :func:`prefill_streaming`: the thread computes layer after layer; after layer ``i``'s K/V
+  projections it queues ``(i, kv_layer)`` to the loop and continues with layer ``i``'s attention
+  and layer ``i + 1`` without waiting. A consumer coroutine awaits ``put_layer(i, kv_layer)`` in
+  layer order, so layer ``i`` is being stored while layer ``i + 1`` computes (TraCT's layer
+  streaming). The call returns once the compute is done *and* every put has completed.
+* :func:`decode_streaming`: the first decode step reaches layer ``i``'s attention, asks the loop
+  for ``await get_layer(i)`` and blocks (the thread, not the loop) until that layer's prompt KV is
+  there. Layer 0 of the first step can thus run while the prefill worker is still producing the
+  last layers. Later steps use the KV already gathered.
+
+Failure and cancellation: if a put or get fails or times out, or the calling task is cancelled,
+the thread is told to stop at its next layer boundary and the call waits until the thread has
+actually stopped before it raises, so no compute keeps running, and no ``kv_layer`` is handed out,
+behind the caller's back.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import torch
+from transformers import LlamaForCausalLM
+
+from tract_async.serving.errors import KVShapeError, LayerWaitTimeout, TokenIdError
+from tract_async.serving.kv_cache import build_cache, check_kv
+from tract_async.serving.model import PrefillResult, TokenIds, greedy_continue, prefill
+
+T = TypeVar("T")
+
+#: ``put_layer(layer_index, kv_layer)``: store one layer ``(2, new_tokens, kv_heads, head_dim)``.
+PutLayer = Callable[[int, torch.Tensor], Awaitable[object]]
+#: ``get_layer(layer_index)``: that layer's prompt KV ``(2, >= prompt_len, kv_heads, head_dim)``.
+GetLayer = Callable[[int], Awaitable[torch.Tensor]]
+
+
+class _Aborted(Exception):
+    """Raised inside the compute thread to unwind it; never escapes this module."""
+
+
+class _Abort:
+    """A stop flag shared by the loop and the compute thread, plus the loop futures the thread is
+    blocked on, so that stopping also wakes a thread waiting for a layer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._waits: set[concurrent.futures.Future[torch.Tensor]] = set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            waits = list(self._waits)
+        for fut in waits:
+            fut.cancel()
+
+    def check(self) -> None:
+        """Raise _Aborted in the thread if the loop asked it to stop."""
+        if self._set:
+            raise _Aborted()
+
+    def submit(self, coro: Awaitable[torch.Tensor], loop: asyncio.AbstractEventLoop) -> torch.Tensor:
+        """Run ``coro`` on ``loop`` and block this (non-loop) thread for its result."""
+        with self._lock:
+            if self._set:
+                coro.close()  # type: ignore[attr-defined]
+                raise _Aborted()
+            fut = asyncio.run_coroutine_threadsafe(coro, loop)  # type: ignore[arg-type]
+            self._waits.add(fut)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            raise _Aborted() from None
+        finally:
+            with self._lock:
+                self._waits.discard(fut)
+
+
+async def _run_in_thread(fn: Callable[[], T], abort: _Abort) -> T:
+    """Run ``fn`` in the loop's default executor; on cancellation, stop it and wait for it.
+
+    Waiting matters: an abandoned thread would keep computing and, in prefill, keep producing
+    layers for a request the caller has given up on.
+    """
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(None, fn)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        abort.set()
+        await asyncio.wait({fut})
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the thread's _Aborted is expected here
+        raise
+
+
+def _unwrap_group(group: BaseExceptionGroup) -> BaseException:
+    """The error to raise for a failed TaskGroup: the first that is not our own unwinding.
+
+    A put that fails makes the thread raise _Aborted and the task group cancel; the caller wants
+    the put's error, not the group.
+    """
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _unwrap_group(exc)
+        if not isinstance(exc, (_Aborted, asyncio.CancelledError)):
+            return exc
+    return group.exceptions[0]
+
+
+async def prefill_streaming(
+    model: LlamaForCausalLM,
+    input_ids: TokenIds,
+    *,
+    put_layer: PutLayer,
+    past_kv: torch.Tensor | None = None,
+    past_len: int | None = None,
+) -> PrefillResult:
+    """:func:`~tract_async.serving.model.prefill` in a worker thread, storing layers as they come.
+
+    ``put_layer(i, kv_layer)`` is awaited on the loop for each layer in order, overlapping the
+    compute of the following layers; ``kv_layer`` is a new tensor the callee may keep. Returns
+    after the compute and all puts are done.
+
+    Raises:
+        Whatever :func:`prefill` raises (TokenIdError, KVShapeError, NothingToCompute), and
+        whatever ``put_layer`` raises: the first failing put stops the compute at its next layer.
+    """
+    loop = asyncio.get_running_loop()
+    abort = _Abort()
+    queue: asyncio.Queue[tuple[int, torch.Tensor] | None] = asyncio.Queue()
+
+    def on_layer(layer_index: int, kv_layer: torch.Tensor) -> None:
+        abort.check()
+        loop.call_soon_threadsafe(queue.put_nowait, (layer_index, kv_layer))
+
+    def compute() -> PrefillResult:
+        try:
+            return prefill(model, input_ids, past_kv=past_kv, past_len=past_len, on_layer=on_layer)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    async def store() -> None:
+        while (item := await queue.get()) is not None:
+            try:
+                await put_layer(*item)
+            except BaseException:
+                abort.set()
+                raise
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(store())
+            result = await _run_in_thread(compute, abort)
+    except BaseExceptionGroup as group_error:
+        raise _unwrap_group(group_error) from None
+    return result
+
+
+async def decode_streaming(
+    model: LlamaForCausalLM,
+    get_layer: GetLayer,
+    prompt_len: int,
+    first_token: int,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    layer_timeout: float | None = None,
+) -> list[int]:
+    """Greedy decode whose first step awaits each layer's prompt KV just before that layer.
+
+    ``get_layer(i)`` is awaited on the loop when the first step reaches layer ``i``'s attention,
+    once per layer, in order; it returns ``(2, >= prompt_len, kv_heads, head_dim)`` (the first
+    ``prompt_len`` tokens are used), typically ``await eng.get_kv(keys, layer=i, out=buf,
+    timeout=...)`` where the engine waits for a layer still being produced. ``layer_timeout``
+    bounds each ``get_layer`` here too. Returns the same tokens as
+    :func:`~tract_async.serving.model.decode` (starting with ``first_token``).
+
+    Raises:
+        LayerWaitTimeout: a ``get_layer`` took longer than ``layer_timeout`` seconds.
+        KVShapeError: a layer's KV does not match the model's geometry.
+        TokenIdError: ``prompt_len`` is not positive or ``first_token`` is outside the vocabulary.
+        ValueError: ``max_new_tokens`` is negative.
+        Whatever ``get_layer`` raises.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    cfg = model.config
+    if prompt_len <= 0:
+        raise TokenIdError(f"prompt_len must be positive, got {prompt_len}")
+    if not 0 <= first_token < cfg.vocab_size:
+        raise TokenIdError(f"first_token must be in [0, {cfg.vocab_size}), got {first_token}")
+    if max_new_tokens == 0:
+        return []
+    loop = asyncio.get_running_loop()
+    abort = _Abort()
+    dtype = model.lm_head.weight.dtype
+
+    async def fetch_layer(layer_index: int) -> torch.Tensor:
+        try:
+            async with asyncio.timeout(layer_timeout):
+                kv_layer = await get_layer(layer_index)
+        except TimeoutError as exc:
+            raise LayerWaitTimeout(
+                f"layer {layer_index}: no KV within {layer_timeout} s"
+            ) from exc
+        if not isinstance(kv_layer, torch.Tensor):
+            raise KVShapeError(f"get_layer({layer_index}) returned {type(kv_layer).__name__}, not a tensor")
+        check_kv(kv_layer, num_layers=None, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                 dtype=dtype, min_tokens=prompt_len, what=f"get_layer({layer_index})")
+        return kv_layer[:, :prompt_len]
+
+    def fetch(layer_index: int) -> torch.Tensor:
+        return abort.submit(fetch_layer(layer_index), loop)
+
+    def compute() -> list[int]:
+        cache = build_cache(cfg.num_hidden_layers, pending_past_len=prompt_len, fetch=fetch)
+        return greedy_continue(model, cache, first_token, max_new_tokens=max_new_tokens,
+                               eos_token_id=eos_token_id, should_stop=abort.check)
+
+    try:
+        return await _run_in_thread(compute, abort)
+    except _Aborted:
+        # The thread only aborts when a fetch failed or we were cancelled; a cancellation is
+        # re-raised by _run_in_thread itself, so reaching here means a fetch future was cancelled
+        # from the outside (e.g. the loop is closing).
+        raise asyncio.CancelledError() from None
