@@ -347,6 +347,17 @@ class MemoryRegistry:
         del self._regs[i]
         del self._by_addr[i]
 
+    def view(self, name: str) -> memoryview:
+        """The bytes of a registered DRAM range (for checks; transfers go through spans).
+
+        Raises MemoryNotRegistered (unknown name), InvalidDescriptors (a VRAM range).
+        """
+        self.get(name)
+        reg = self._by_name[name]
+        if reg.info.mem_type != "DRAM":
+            raise InvalidDescriptors(f"region {name!r} is {reg.info.mem_type}; only DRAM has a host view")
+        return reg.access
+
     def infos(self) -> list[RegionInfo]:
         return [r.info for r in self._regs]
 

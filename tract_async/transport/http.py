@@ -389,7 +389,7 @@ class Agent:
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         """All notifications since the last call, by sender name (as NIXL's get_new_notifs)."""
         out, self._notifs = self._notifs, {}
-        return out
+        return {k: v for k, v in out.items() if v}
 
     async def wait_notif(self, sender: str, msg: bytes | None = None, *, prefix: bool = False,
                          timeout: float) -> bytes:
@@ -403,6 +403,8 @@ class Agent:
             for i, m in enumerate(q):
                 if msg is None or m == msg or (prefix and m.startswith(msg)):
                     del q[i]
+                    if not q:
+                        self._notifs.pop(sender, None)
                     return m
             return None
 

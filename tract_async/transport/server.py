@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tract_async.errors import TractError
 from tract_async.transport import wire
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
     from tract_async.transport.http import Agent
 
 AGENT_KEY: web.AppKey[Agent] = web.AppKey("tract_agent", "Agent")  # type: ignore[arg-type]
+
+DOC_LEN_KEY = web.RequestKey("tract_doc_len", int)    # length of the request's descriptor document
+STARTED_KEY = web.RequestKey("tract_started", bool)   # response bytes are on the wire: abort, don't answer
 
 _STATUS = {"auth_failed": 401, "replayed": 401, "too_large": 413, "closed": 503, "remote": 500}
 
@@ -67,7 +71,7 @@ def guarded(handler: Handler) -> Handler:
             return await handler(request)
         except TransportError as e:
             request.app[AGENT_KEY].stats["requests_refused"] += 1
-            if request.get("tract_started"):
+            if request.get(STARTED_KEY):
                 raise  # bytes already on the wire: aborting the connection is all that is left
             return error_response(e)
 
@@ -83,7 +87,7 @@ async def _read_doc(agent: Agent, request: web.Request) -> bytes:
             if doc_len > cfg.max_doc_bytes:
                 raise RequestTooLarge(f"descriptor document of {doc_len} bytes, the limit is {cfg.max_doc_bytes}")
             return await request.content.readexactly(doc_len)
-        except asyncio.IncompleteReadError:
+        except (asyncio.IncompleteReadError, HttpProcessingError, ConnectionError):
             raise TruncatedBody("request body ended inside the descriptor document") from None
 
 
@@ -96,7 +100,7 @@ async def _authenticated_doc(agent: Agent, request: web.Request) -> wire.Transfe
     cfg = agent.config
     td = wire.decode_doc(doc, max_descs=cfg.max_descs, max_total_bytes=cfg.max_request_bytes,
                          max_notif_bytes=cfg.max_notif_bytes)
-    request["tract_doc_len"] = len(doc)
+    request[DOC_LEN_KEY] = len(doc)
     return td
 
 
@@ -115,7 +119,7 @@ async def handle_read(request: web.Request) -> web.StreamResponse:
     """Stream the bytes of the requested descriptors back, in order."""
     agent = request.app[AGENT_KEY]
     td = await _authenticated_doc(agent, request)
-    expect = wire.DOC_LEN.size + request["tract_doc_len"]
+    expect = wire.DOC_LEN.size + request[DOC_LEN_KEY]
     if request.content_length is not None and request.content_length != expect:
         raise MalformedRequest(f"a READ body is only its descriptor document ({expect} bytes), "
                                f"got Content-Length {request.content_length}")
@@ -124,7 +128,7 @@ async def handle_read(request: web.Request) -> web.StreamResponse:
     try:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         resp.content_length = td.total_bytes
-        request["tract_started"] = True
+        request[STARTED_KEY] = True
         await resp.prepare(request)
         chunk = agent.config.chunk_bytes
         for span in spans:
@@ -144,7 +148,7 @@ async def handle_write(request: web.Request) -> web.StreamResponse:
     """Land the request's payload in the named descriptors, then deliver its notification."""
     agent = request.app[AGENT_KEY]
     td = await _authenticated_doc(agent, request)
-    expect = wire.DOC_LEN.size + request["tract_doc_len"] + td.total_bytes
+    expect = wire.DOC_LEN.size + request[DOC_LEN_KEY] + td.total_bytes
     if request.content_length is None:
         raise MalformedRequest("a WRITE needs a Content-Length (no chunked bodies)")
     if request.content_length < expect:
@@ -154,9 +158,17 @@ async def handle_write(request: web.Request) -> web.StreamResponse:
         raise MalformedRequest(f"WRITE body of {request.content_length} bytes is longer than the {expect} "
                                "its descriptors need")
     spans = agent.registry.spans(td.rows, td.mem_type, for_write=True, local=False)
+    content = request.content
+
+    async def readany() -> bytes:
+        try:
+            return await content.readany()
+        except (HttpProcessingError, ConnectionError) as e:  # the writer went away mid-body
+            raise TruncatedBody(f"WRITE body broke off: {type(e).__name__}: {e}") from None
+
     _hold(spans)
     try:
-        await fill_spans(spans, request.content.readany, agent, TruncatedBody)
+        await fill_spans(spans, readany, agent, TruncatedBody)
     finally:
         _unhold(spans)
     if td.notif:
@@ -218,13 +230,21 @@ async def handle_metadata(request: web.Request) -> web.StreamResponse:
 
 
 async def _bounded_body(request: web.Request, limit: int) -> bytes:
+    """The whole (small) body, refused as soon as it passes ``limit``."""
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"body of {request.content_length} bytes, the limit is {limit}")
+    parts: list[bytes] = []
+    size = 0
     async with asyncio.timeout(request.app[AGENT_KEY].config.io_timeout_s):
-        body = await request.content.read(limit + 1)
-        if len(body) > limit:
-            raise RequestTooLarge(f"body is over the limit of {limit} bytes")
-        return body
+        try:
+            while data := await request.content.readany():
+                size += len(data)
+                if size > limit:
+                    raise RequestTooLarge(f"body is over the limit of {limit} bytes")
+                parts.append(data)
+        except (HttpProcessingError, ConnectionError):
+            raise TruncatedBody("request body broke off") from None
+    return b"".join(parts)
 
 
 JsonHandler = Callable[[str, Any], Awaitable[Any]]

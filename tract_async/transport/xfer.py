@@ -95,9 +95,13 @@ class XferHandle:
     def started(self, task: asyncio.Task[None]) -> None:
         self.state, self._task, self._error, self._cancel_reason = "PROC", task, None, None
         self.bytes_done = 0
+        for s in self.local_spans:  # held from post until the task is done: no reuse under a transfer
+            s.reg.users += 1
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
+        for s in self.local_spans:
+            s.reg.users -= 1
         if self.state == "RELEASED" or task is not self._task:
             return
         if task.cancelled():
@@ -226,18 +230,12 @@ async def run_xfer(agent: Agent, session: aiohttp.ClientSession, h: XferHandle) 
     md = agent.remote_agent(h.remote_name)
     doc = wire.encode_doc(h.remote.to_wire(), h.remote.mem_type, h.notif if h.op == "WRITE" else b"")
     head = wire.DOC_LEN.pack(len(doc)) + doc
-    for s in h.local_spans:
-        s.reg.users += 1
-    try:
-        if h.op == "READ":
-            await _mapped(md.name, "READ", lambda: _read(agent, session, md, h, head, doc))
-            if h.notif:  # after the last byte landed, so the notification means "bytes are there"
-                await send_notif(agent, md, h.notif, agent.config.io_timeout_s, session)
-        else:
-            await _mapped(md.name, "WRITE", lambda: _write(agent, session, md, h, head, doc))
-    finally:
-        for s in h.local_spans:
-            s.reg.users -= 1
+    if h.op == "READ":
+        await _mapped(md.name, "READ", lambda: _read(agent, session, md, h, head, doc))
+        if h.notif:  # after the last byte landed, so the notification means "bytes are there"
+            await send_notif(agent, md, h.notif, agent.config.io_timeout_s, session)
+    else:
+        await _mapped(md.name, "WRITE", lambda: _write(agent, session, md, h, head, doc))
     agent.stats[f"{h.op.lower()}s"] += 1
     agent.stats["bytes_moved"] += h.total_bytes
 
