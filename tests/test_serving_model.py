@@ -115,6 +115,10 @@ def test_build_is_deterministic_in_eval_mode_and_seed_dependent(model):
     assert weights_digest(again) == weights_digest(model)
     assert weights_digest(other) != weights_digest(model)
     assert model.config._attn_implementation == "eager"
+    foreign = tiny_llama_config()
+    foreign._attn_implementation = "sdpa"
+    assert build_model(foreign, SEED).config._attn_implementation == "eager"
+    assert foreign._attn_implementation == "sdpa"  # the caller's config is not modified
     # the rotary buffers were rebuilt, not left as uninitialized meta memory
     inv_freq = model.model.rotary_emb.inv_freq
     assert torch.equal(inv_freq, type(model.model.rotary_emb)(config=model.config).inv_freq)
@@ -220,6 +224,8 @@ def test_prefill_rejects_bad_input_and_errors_are_tract_errors(model, prompt, fu
         prefill(model, [1, 2, 259])
     with pytest.raises(TokenIdError):
         prefill(model, [])
+    with pytest.raises(KVShapeError, match="without past_kv"):
+        prefill(model, prompt, past_len=16)
     assert issubclass(KVShapeError, TractError) and issubclass(NothingToCompute, TractError)
 
 
@@ -242,6 +248,11 @@ def test_decode_after_prefix_hit_matches_reference(model, prompt, reference, pas
     rest = prefill(model, prompt, past_kv=prefix.kv)
     tokens = decode(model, rest.kv, PROMPT_LEN, max_new_tokens=NEW_TOKENS, first_token=rest.next_token)
     assert tokens == reference
+
+
+def test_decode_of_a_one_token_prompt_without_first_token(model):
+    one = prefill(model, [256])
+    assert decode(model, one.kv, [256], max_new_tokens=5) == reference_generate(model, [256], 5)
 
 
 def test_decode_stops_at_eos_and_respects_max_new_tokens(model, full, reference):
