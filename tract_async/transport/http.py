@@ -353,13 +353,14 @@ class Agent:
         return "PROC"
 
     async def transfer(self, handle: XferHandle, *, timeout: float | None = None) -> None:
-        """Run the transfer to completion (posting it if needed) under a deadline.
+        """Run the transfer to completion under a deadline: wait for it if it is posted and its
+        outcome not yet seen (e.g. after post_xfer), else post it (again).
 
         On timeout or cancellation the transfer is cancelled and awaited before this returns,
         so no more bytes can land. Raises TransferTimeout, PeerUnreachable, PeerDisconnected,
         TruncatedBody, AuthenticationFailed, DescriptorOutOfRange, RemoteError, ...
         """
-        if handle.state != "PROC":
+        if not handle.awaiting_report:
             self.post_xfer(handle)
         await handle.wait(timeout if timeout is not None else self.config.transfer_timeout_s)
 

@@ -62,6 +62,8 @@ class XferHandle:
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._cancel_reason: TransportError | None = None
+        self._settled: asyncio.Task[None] | None = None
+        self._reported = True   # the outcome of the last post was seen by transfer() or a poll
 
     @classmethod
     def create(cls, agent: Agent, op: str, local: XferDescList, remote: XferDescList,
@@ -95,11 +97,16 @@ class XferHandle:
     def started(self, task: asyncio.Task[None]) -> None:
         self.state, self._task, self._error, self._cancel_reason = "PROC", task, None, None
         self.bytes_done = 0
+        self._reported = False
         for s in self.local_spans:  # held from post until the task is done: no reuse under a transfer
             s.reg.users += 1
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
+        """Settle the outcome of ``task`` exactly once (done callback, or an earlier poll)."""
+        if task is self._settled:
+            return
+        self._settled = task
         for s in self.local_spans:
             s.reg.users -= 1
         if self.state == "RELEASED" or task is not self._task:
@@ -110,10 +117,19 @@ class XferHandle:
             self._error = task.exception()
         self.state = "ERR" if self._error is not None else "DONE"
 
+    @property
+    def awaiting_report(self) -> bool:
+        """Posted, and its outcome not yet seen: transfer() waits for it instead of posting again."""
+        return self.state == "PROC" or (self.state in ("DONE", "ERR") and not self._reported)
+
     def poll(self) -> str:
         """The state; raises the failure of a failed transfer (and HandleReleased after release)."""
         if self.state == "RELEASED":
             raise HandleReleased("this transfer handle was released")
+        if self.state == "PROC" and self._task is not None and self._task.done():
+            self._finished(self._task)  # done, but its callback has not run yet
+        if self.state in ("DONE", "ERR"):
+            self._reported = True
         if self.state == "ERR":
             assert self._error is not None
             raise self._error
@@ -123,6 +139,9 @@ class XferHandle:
         """Wait for the posted transfer; on deadline or cancellation cancel it and wait it out."""
         task = self._task
         assert task is not None, "XferHandle.wait before post"
+        if task.done():
+            self.poll()
+            return
         try:
             async with asyncio.timeout(timeout):
                 await asyncio.shield(task)
