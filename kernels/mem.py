@@ -128,7 +128,7 @@ def _check_range(m, offset_bytes, nbytes):
         raise IndexError("region byte range out of bounds")
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def load(m, offset_bytes):
     """Load one 64-bit word (no invalidate: may be stale on incoherent memory)."""
     _check_word(m, offset_bytes)
@@ -137,7 +137,7 @@ def load(m, offset_bytes):
     return aload64(np.uint64(m.base_addr) + np.uint64(offset_bytes))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def store(m, offset_bytes, value):
     """Store one 64-bit word (no flush: other nodes may not see it yet)."""
     _check_word(m, offset_bytes)
@@ -147,7 +147,7 @@ def store(m, offset_bytes, value):
         astore64(np.uint64(m.base_addr) + np.uint64(offset_bytes), np.uint64(value))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def flush(m, offset_bytes, site):
     """Write back and invalidate the line holding ``offset_bytes`` (clflushopt/clflush).
 
@@ -165,7 +165,7 @@ def flush(m, offset_bytes, site):
         clflush_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def invalidate(m, offset_bytes, site):
     """Drop this node's cached copy of the line so that the next load reads memory.
 
@@ -184,7 +184,7 @@ def invalidate(m, offset_bytes, site):
         clflush_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def writeback(m, offset_bytes, site):
     """``clwb``: write the line back, possibly keeping it cached. Writer side only."""
     if site == m.skip_site:
@@ -196,21 +196,21 @@ def writeback(m, offset_bytes, site):
         clwb_line(np.uint64(m.base_addr) + np.uint64(offset_bytes))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def store_fence(m):
     """``sfence``: order earlier stores and flushes before later stores (no-op in the sim)."""
     if m.backend == BACKEND_HW:
         sfence()
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def full_fence(m):
     """``mfence``: later loads may not pass earlier stores or flushes (no-op in the sim)."""
     if m.backend == BACKEND_HW:
         mfence()
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def store_flush(m, offset_bytes, value, site):
     """Publish one word: store, flush its line, ``mfence``."""
     store(m, offset_bytes, value)
@@ -218,7 +218,7 @@ def store_flush(m, offset_bytes, value, site):
     full_fence(m)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def load_fresh(m, offset_bytes, site):
     """Read one word as memory holds it now: invalidate its line, ``mfence``, load."""
     invalidate(m, offset_bytes, site)
@@ -227,16 +227,34 @@ def load_fresh(m, offset_bytes, site):
 
 
 @njit(cache=True, nogil=True)
+def _flush_lines_hw(line_addr, nlines, flush_insn):
+    """Flush ``nlines`` consecutive lines from ``line_addr`` (no fence). Hot loop: raw values only."""
+    if flush_insn == FLUSH_CLFLUSHOPT:
+        for i in range(nlines):
+            clflushopt_line(line_addr + np.uint64(i * 64))
+    else:
+        for i in range(nlines):
+            clflush_line(line_addr + np.uint64(i * 64))
+
+
+@njit(cache=True, nogil=True)
 def flush_range(m, offset_bytes, nbytes, site):
     """Flush every line overlapping [offset, offset+nbytes), then ``sfence``."""
     if nbytes <= 0:
         return
     _check_range(m, offset_bytes, nbytes)
+    if site == m.skip_site:
+        return
     line = offset_bytes & ~np.int64(63)
-    while line < offset_bytes + nbytes:
-        flush(m, line, site)
-        line += 64
-    store_fence(m)
+    end = offset_bytes + nbytes
+    if m.backend == BACKEND_SIM:
+        while line < end:
+            sim.sim_flush(m, line, False)
+            line += 64
+        return
+    _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line), (end - line + 63) >> 6,
+                    m.flush_insn)
+    sfence()
 
 
 @njit(cache=True, nogil=True)
@@ -245,11 +263,18 @@ def invalidate_range(m, offset_bytes, nbytes, site):
     if nbytes <= 0:
         return
     _check_range(m, offset_bytes, nbytes)
+    if site == m.skip_site:
+        return
     line = offset_bytes & ~np.int64(63)
-    while line < offset_bytes + nbytes:
-        invalidate(m, line, site)
-        line += 64
-    full_fence(m)
+    end = offset_bytes + nbytes
+    if m.backend == BACKEND_SIM:
+        while line < end:
+            sim.sim_flush(m, line, False)
+            line += 64
+        return
+    _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line), (end - line + 63) >> 6,
+                    m.flush_insn)
+    mfence()
 
 
 # ---------------------------------------------------------------------------------------------

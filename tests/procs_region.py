@@ -1,0 +1,49 @@
+"""Worker functions for multi-process region tests (spawned: they must be importable)."""
+from __future__ import annotations
+
+import time
+
+from tract_async.region import Region
+
+
+def join_beat_leave(path: str, backend: str, node_id: int, beats: int, period_s: float,
+                    q, may_leave) -> None:  # noqa: ANN001 (multiprocessing queue, event)
+    r = Region.attach(path, backend=backend, sim_seed=node_id + 100)
+    try:
+        h = r.nodes.join(node_id)
+        q.put(("joined", node_id, h.epoch))
+        for _ in range(beats):
+            time.sleep(period_s)
+            r.nodes.heartbeat(h)
+        q.put(("beating-done", node_id, r.nodes.info(node_id).heartbeat_seq))
+        assert may_leave.wait(60), "the test never let this node leave"
+        r.nodes.leave(h)
+        q.put(("left", node_id, 0))
+    finally:
+        r.close()
+
+
+def join_and_hang(path: str, backend: str, node_id: int, q) -> None:  # noqa: ANN001
+    r = Region.attach(path, backend=backend, sim_seed=node_id + 200)
+    r.nodes.join(node_id)
+    q.put(("joined", node_id, 0))
+    time.sleep(600)   # killed by the test
+
+
+def publish_root(path: str, backend: str, name: str, offset: int, q) -> None:  # noqa: ANN001
+    r = Region.attach(path, backend=backend, sim_seed=7)
+    try:
+        # the test runs with no other node alive, standing in for "holding the global lock"
+        e = r.root.publish(name, offset, 4096, kind=3, holding_lock=True)
+        q.put(("published", e.slot_index, 0))
+    finally:
+        r.close()
+
+
+def read_root(path: str, backend: str, name: str, q) -> None:  # noqa: ANN001
+    r = Region.attach(path, backend=backend, sim_seed=8)
+    try:
+        e = r.root.lookup(name)
+        q.put(("found", e.offset_bytes, e.kind))
+    finally:
+        r.close()

@@ -1,0 +1,53 @@
+"""`tract region init|inspect|rm` as a newcomer types them (through main(), and once as a process)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tract_async.cli import main, parse_size
+
+
+def test_parse_size() -> None:
+    assert parse_size("64M") == 64 << 20
+    assert parse_size("1G") == 1 << 30
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("4096") == 4096
+
+
+def test_init_inspect_rm(region_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["region", "init", region_path, "--size", "16M", "--max-nodes", "4"]) == 0
+    assert "created" in capsys.readouterr().out
+    from tract_async.region import Region
+    with Region.attach(region_path) as r:
+        h = r.nodes.join(2)
+        r.nodes.heartbeat(h)
+        assert main(["region", "inspect", region_path]) == 0
+        out = capsys.readouterr().out
+        from tract_async.region.layout import FORMAT_VERSION
+        assert f"format v{FORMAT_VERSION}" in out and "max_nodes 4" in out
+        assert "node table" in out and "root directory" in out
+        row = [line for line in out.splitlines() if line.strip().startswith("2 ")]
+        assert row and "live" in row[0] and "yes" in row[0], out
+        assert main(["region", "rm", region_path]) == 2       # refuses: node 2 is live
+        assert "live" in capsys.readouterr().err
+        r.nodes.leave(h)
+    assert main(["region", "rm", region_path]) == 0
+    assert not os.path.exists(region_path)
+
+
+def test_errors_are_one_line(region_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["region", "inspect", region_path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tract: RegionNotFound:") and err.count("\n") == 1
+
+
+def test_console_script_runs(region_path: str) -> None:
+    res = subprocess.run([sys.executable, "-m", "tract_async.cli", "region", "init", region_path,
+                          "--size", "8M"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    res = subprocess.run([sys.executable, "-m", "tract_async.cli", "region", "inspect", region_path],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "uuid" in res.stdout
