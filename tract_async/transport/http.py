@@ -189,8 +189,9 @@ class Agent:
         await session.close()
 
     async def close(self) -> None:
-        """Cancel in-flight transfers (and wait until no more bytes can land), release every handle,
-        stop the server, close the pool. Idempotent; keeps the first error and raises it at the end.
+        """Cancel in-flight transfers and wait until no more bytes can land, release every handle,
+        stop the server (which closes the client pool, see ``_client_ctx``), wake notification
+        waiters. Idempotent; a failure of the server cleanup is raised after everything else ran.
         """
         if self.closing and self._runner is None:
             return
@@ -203,9 +204,11 @@ class Agent:
         for h in list(self._handles):
             h.release()
         runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-        self._wake()
+        try:
+            if runner is not None:
+                await runner.cleanup()
+        finally:
+            self._wake()
 
     async def __aenter__(self) -> Agent:
         await self.start()

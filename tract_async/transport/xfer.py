@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 class XferHandle:
     """One READ or WRITE between local and remote descriptor lists (NIXL's nixl_xfer_handle).
 
-    ``state`` is "INIT" (created or finished and re-postable is not distinguished: see
-    ``poll``), "PROC", "DONE", "ERR" or "RELEASED". ``bytes_done`` counts payload bytes moved so
-    far (a progress gauge, reset on each post).
+    ``state`` is "INIT" (never posted), "PROC" (in flight), "DONE", "ERR" (the error is raised by
+    ``poll``/``transfer``) or "RELEASED". A DONE or ERR handle may be posted again. ``bytes_done``
+    counts payload bytes moved so far (a progress gauge, reset on each post).
     """
 
     def __init__(self, agent: Agent, op: str, local: XferDescList, remote: XferDescList,
