@@ -90,3 +90,73 @@ class RootNameInvalid(RootDirectoryError, ValueError):
 # --- configuration ---------------------------------------------------------------------------------
 class ConfigError(TractError, ValueError):
     """An EngineConfig / KVLayout field is invalid; the message names the field."""
+
+
+# --- global lock, lock manager, allocator (added with issue 3) -----------------------------------
+class LockError(TractError):
+    """Base of global-lock errors."""
+
+
+class LockTimeout(LockError, TimeoutError):
+    """The lock was not granted before the deadline (the request was withdrawn)."""
+
+
+class LockBusy(LockError):
+    """acquire_nowait(): the lock could not be taken without waiting."""
+
+
+class LockRevoked(LockError):
+    """This holder's fencing token was revoked (its heartbeat went stale): it must not write."""
+
+
+class LockNotHeld(LockError, RuntimeError):
+    """release() or check_token() called by a process that does not hold the lock."""
+
+
+class ManagerStepDown(LockError):
+    """The lock manager lost its term (another node was elected) or its own lease expired."""
+
+
+class AllocError(TractError):
+    """Base of allocator errors (RegionFull is raised for out-of-space, see above)."""
+
+
+class AllocationTooLarge(AllocError, ValueError):
+    """The request exceeds the chunk size; configure larger chunks for blocks that big."""
+
+
+class AllocationInvalid(AllocError, ValueError):
+    """free() of an allocation that is not live: double free, foreign region, or stale generation."""
+
+
+# --- engine -------------------------------------------------------------------------------------
+class EngineError(TractError):
+    """Base of errors raised by the Engine's public calls."""
+
+
+class EngineClosed(EngineError):
+    """The engine was closed (or never opened); open a new one."""
+
+
+class BlockNotFound(EngineError, KeyError):
+    """A key has no resident block (never stored, or evicted) and no timeout was given."""
+
+
+class LayerNotReady(EngineError):
+    """A layer of a block is still being produced and no timeout was given."""
+
+
+class TransferTimeout(EngineError, TimeoutError):
+    """A wait (for a block, a layer, or the lock) passed its deadline; nothing was changed."""
+
+
+class BlockEvicted(EngineError):
+    """A block was evicted while it was being read: the bytes read are not trusted."""
+
+
+class TensorMismatch(EngineError, ValueError):
+    """A tensor has the wrong shape, dtype or device; the message says what was expected."""
+
+
+class KeyMismatch(EngineError, ValueError):
+    """Keys are malformed (not 32-byte block keys) or do not match the tensor."""

@@ -14,6 +14,10 @@ Rules every table follows (DESIGN.md invariants 1, 2, 9):
 
 Format version history (increment whenever any table below changes meaning or size):
   1  first format: header, node table, root directory.
+  2  global lock (lock state, request and grant lines), lock-manager election lines, and the
+     two-tier allocator (journal, per-node chunk counts, chunk owners, heap records, return
+     rings); see the tables marked "sync" and "alloc" below.
+  3  prefix index (index header and two-line entries); see the tables marked "index".
 
 The layout signature (``layout_signature()``) hashes every struct's field names, offsets, types,
 itemsize and alignment together with the cache-line size; attach refuses a region whose
@@ -32,7 +36,7 @@ PAGE_BYTES = 4096
 MAGIC = int.from_bytes(b"TRACTRG\x01", "little")
 """First word of every region: ASCII 'TRACTRG' plus 0x01."""
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
 
 HEADER_RESERVED_BYTES = PAGE_BYTES
 """The header occupies the first page; the node table starts on the next page."""
@@ -188,9 +192,279 @@ ROOT_ENTRY = Struct(
 ROOT_NAME_BYTES = 32
 ROOT_EMPTY, ROOT_READY = 0, 1
 
-STRUCTS: list[Struct] = [HEADER, NODE, ROOT_ENTRY]
+# ===========================================================================================
+# sync: the global lock (tract_async/sync). Section "sync.locks" holds, for each lock index l,
+# one LOCK_STATE line, then ``max_nodes`` LOCK_REQ lines, then ``max_nodes`` LOCK_GRANT lines.
+# Section "sync.manager" holds one MANAGER line, then ``max_nodes`` MANAGER_CANDIDATE lines.
+# Request lines are written only by their node, grant and state lines only by the manager of
+# the current term: no line has two writers (DESIGN.md invariant 2). The protocol is the essay
+# of ``sync/slots.py``.
+# ===========================================================================================
+
+def _u8_fields(names: tuple[str, ...], writer: str, itemsize: int = 64) -> tuple[Field, ...]:
+    fields = [Field(offset=8 * i, size=8, type="<u8", name=n, writer=writer)
+              for i, n in enumerate(names)]
+    used = 8 * len(names)
+    if used < itemsize:
+        fields.append(Field(offset=used, size=itemsize - used, type=f"|V{itemsize - used}",
+                            name="pad", writer="nobody"))
+    return tuple(fields)
+
+
+def _u8_dtype(names: tuple[str, ...], itemsize: int = 64) -> np.dtype:
+    spec = [(n, "<u8") for n in names]
+    if 8 * len(names) < itemsize:
+        spec.append(("pad", f"|V{itemsize - 8 * len(names)}"))
+    return np.dtype(spec)
+
+
+# Lock state: one line per lock index; writer: the manager of the current term.
+#
+# | off | size | type | field              | writer  |
+# |-----|------|------|--------------------|---------|
+# |   0 |    8 | u64  | holder             | manager |  node id + 1 of the holder, 0 when free
+# |   8 |    8 | u64  | holder_req         | manager |  the holder's req_seq that was granted
+# |  16 |    8 | u64  | token              | manager |  fencing token of the current/last grant
+# |  24 |    8 | u64  | term               | manager |  manager term that wrote this line
+# |  32 |    8 | u64  | grants             | manager |  grants issued (all terms)
+# |  40 |    8 | u64  | revocations        | manager |  holders revoked for a stale heartbeat
+# |  48 |    8 | u64  | last_revoked_token | manager |  a write stamped with it is refused
+# |  56 |    8 | u64  | rr_cursor          | manager |  node id the round-robin scan resumes after
+_LOCK_STATE_NAMES = ("holder", "holder_req", "token", "term", "grants", "revocations",
+                     "last_revoked_token", "rr_cursor")
+LOCK_STATE = Struct(name="lock_state", fields=_u8_fields(_LOCK_STATE_NAMES, "manager"),
+                    dtype=_u8_dtype(_LOCK_STATE_NAMES), itemsize=64)
+
+# Lock request: one line per (lock, node); writer: the node (whichever of its processes holds
+# the node-local tier; the hand-off between them is the OFD lock, see sync/local.py).
+#
+# | off | size | type | field        | writer |
+# |-----|------|------|--------------|--------|
+# |   0 |    8 | u64  | req_seq      | node   |  +1 per request: W while req_seq > rel_seq
+# |   8 |    8 | u64  | rel_seq      | node   |  = req_seq on release or withdrawal: I
+# |  16 |    8 | u64  | epoch        | node   |  node epoch of the requester
+# |  24 |    8 | u64  | requested_ns | node   |  CLOCK_REALTIME of the request (diagnostics)
+# |  32 |   32 | V32  | pad          | nobody |
+_LOCK_REQ_NAMES = ("req_seq", "rel_seq", "epoch", "requested_ns")
+LOCK_REQ = Struct(name="lock_req", fields=_u8_fields(_LOCK_REQ_NAMES, "node"),
+                  dtype=_u8_dtype(_LOCK_REQ_NAMES), itemsize=64)
+
+# Lock grant: one line per (lock, node); writer: the manager of the current term. L for the
+# node while grant_seq == its req_seq > its rel_seq.
+#
+# | off | size | type | field      | writer  |
+# |-----|------|------|------------|---------|
+# |   0 |    8 | u64  | grant_seq  | manager |  the req_seq granted last
+# |   8 |    8 | u64  | token      | manager |  fencing token of that grant
+# |  16 |    8 | u64  | term       | manager |  manager term that granted it
+# |  24 |    8 | u64  | granted_ns | manager |  CLOCK_REALTIME of the grant
+# |  32 |   32 | V32  | pad        | nobody  |
+_LOCK_GRANT_NAMES = ("grant_seq", "token", "term", "granted_ns")
+LOCK_GRANT = Struct(name="lock_grant", fields=_u8_fields(_LOCK_GRANT_NAMES, "manager"),
+                    dtype=_u8_dtype(_LOCK_GRANT_NAMES), itemsize=64)
+
+# Manager line: who manages, in which term. Writer: the winner of an election, inside the
+# election's bakery critical section (and the manager itself when it resigns). Hand-off is by
+# election only: a new term is written only after the old manager's node was judged dead or it
+# resigned (sync/manager.py).
+#
+# | off | size | type | field     | writer            |
+# |-----|------|------|-----------|-------------------|
+# |   0 |    8 | u64  | manager   | election winner   |  node id + 1, 0 when none
+# |   8 |    8 | u64  | term      | election winner   |  +1 per takeover; tokens are term<<32|n
+# |  16 |    8 | u64  | epoch     | election winner   |  node epoch of the manager
+# |  24 |    8 | u64  | since_ns  | election winner   |  CLOCK_REALTIME of the takeover
+# |  32 |   32 | V32  | pad       | nobody            |
+_MANAGER_NAMES = ("manager", "term", "epoch", "since_ns")
+MANAGER = Struct(name="manager", fields=_u8_fields(_MANAGER_NAMES, "election winner"),
+                 dtype=_u8_dtype(_MANAGER_NAMES), itemsize=64)
+
+# Manager candidate: one line per node, the bakery (Lamport) entry of that node's election
+# attempts. Writer: the node.
+#
+# | off | size | type | field     | writer |
+# |-----|------|------|-----------|--------|
+# |   0 |    8 | u64  | choosing  | node   |  1 while picking a number
+# |   8 |    8 | u64  | number    | node   |  bakery ticket, 0 when not competing
+# |  16 |    8 | u64  | candidate | node   |  1 while a LockManager runs on the node
+# |  24 |    8 | u64  | epoch     | node   |  node epoch that wrote the line
+# |  32 |   32 | V32  | pad       | nobody |
+_CANDIDATE_NAMES = ("choosing", "number", "candidate", "epoch")
+MANAGER_CANDIDATE = Struct(name="manager_candidate", fields=_u8_fields(_CANDIDATE_NAMES, "node"),
+                           dtype=_u8_dtype(_CANDIDATE_NAMES), itemsize=64)
+
+# ===========================================================================================
+# alloc: the two-tier allocator (region/alloc.py, region/chunks.py). Sections:
+#   "alloc.meta"   one ALLOC_JOURNAL line, then ``max_nodes`` ALLOC_COUNT records (4 to a
+#                  line: all written under the global lock, so packing is safe)
+#   "alloc.bitmap" one bit per chunk (u64 words), written under the global lock
+#   "alloc.owners" one CHUNK_OWNER record per chunk (2 to a line), written under the global lock
+#   "alloc.heaps"  per chunk, one HEAP_META line and ``bitmap_lines`` HEAP_BITS lines, written
+#                  only by the chunk's owner node
+#   "alloc.rings"  per (owner, sender) pair a RING_HEAD line (sender), a RING_TAIL line (owner)
+#                  and ``ring_entries`` u64 entries (sender)
+#   "alloc.chunks" the chunks themselves; ``kind`` of the section is chunk_bytes
+# ===========================================================================================
+
+# Journal of the global chunk tier: the lock holder's intent, so that a holder that dies (or is
+# revoked) midway leaves a change that the next holder rolls back. Writer: the lock holder.
+#
+# | off | size | type | field       | writer      |
+# |-----|------|------|-------------|-------------|
+# |   0 |    8 | u64  | state       | lock holder |  0 IDLE, 1 PENDING (written last / first)
+# |   8 |    8 | u64  | op          | lock holder |  1 CLAIM, 2 RELEASE, 3 RECLAIM
+# |  16 |    8 | u64  | node        | lock holder |  node id + 1 the op is for
+# |  24 |    8 | u64  | node_epoch  | lock holder |
+# |  32 |    8 | u64  | token       | lock holder |  fencing token of the holder
+# |  40 |    8 | u64  | first_chunk | lock holder |
+# |  48 |    8 | u64  | count       | lock holder |
+# |  56 |    8 | u64  | seq         | lock holder |  +1 per journaled op
+_JOURNAL_NAMES = ("state", "op", "node", "node_epoch", "token", "first_chunk", "count", "seq")
+ALLOC_JOURNAL = Struct(name="alloc_journal", fields=_u8_fields(_JOURNAL_NAMES, "lock holder"),
+                       dtype=_u8_dtype(_JOURNAL_NAMES), itemsize=64)
+
+# Per-node allocator record (4 to a line). Writer: the lock holder.
+#
+# | off | size | type | field           | writer      |
+# |-----|------|------|-----------------|-------------|
+# |   0 |    8 | u64  | chunks          | lock holder |  chunks the node owns (recount on recovery)
+# |   8 |    8 | u64  | reclaimed_epoch | lock holder |  node epoch whose chunks were reclaimed:
+#                                                         that incarnation may not allocate again
+ALLOC_COUNT = Struct(name="alloc_count", fields=(
+    Field(offset=0, size=8, type="<u8", name="chunks", writer="lock holder"),
+    Field(offset=8, size=8, type="<u8", name="reclaimed_epoch", writer="lock holder")),
+    dtype=np.dtype([("chunks", "<u8"), ("reclaimed_epoch", "<u8")]), itemsize=16)
+
+# Chunk owner record (2 to a line). Writer: the lock holder. The bitmap bit of the chunk is set
+# exactly when ``owner`` is non-zero (fsck checks it).
+#
+# | off | size | type | field       | writer      |
+# |-----|------|------|-------------|-------------|
+# |   0 |    8 | u64  | owner       | lock holder |  node id + 1, 0 when free
+# |   8 |    8 | u64  | owner_epoch | lock holder |  epoch of the owner when claimed
+# |  16 |    8 | u64  | generation  | lock holder |  +1 on every claim and every release
+# |  24 |    8 | u64  | claim_token | lock holder |  fencing token of the claim
+_OWNER_NAMES = ("owner", "owner_epoch", "generation", "claim_token")
+CHUNK_OWNER = Struct(name="chunk_owner", fields=_u8_fields(_OWNER_NAMES, "lock holder", 32),
+                     dtype=_u8_dtype(_OWNER_NAMES, 32), itemsize=32)
+
+# Heap record of one chunk: how its owner carved it. Writer: the chunk's owner node (the claim
+# writes it before the chunk is used; recovery of a dead owner only clears the owner record).
+#
+# | off | size | type | field      | writer |
+# |-----|------|------|------------|--------|
+# |   0 |    8 | u64  | slot_bytes | owner  |  0 = not carved yet
+# |   8 |    8 | u64  | nslots     | owner  |
+# |  16 |    8 | u64  | generation | owner  |  the chunk generation it was carved under
+# |  24 |    8 | u64  | used       | owner  |  slots in use (popcount of the bitmap)
+# |  32 |   32 | V32  | pad        | nobody |
+_HEAP_NAMES = ("slot_bytes", "nslots", "generation", "used")
+HEAP_META = Struct(name="heap_meta", fields=_u8_fields(_HEAP_NAMES, "owner"),
+                   dtype=_u8_dtype(_HEAP_NAMES), itemsize=64)
+
+# Heap bitmap line: 512 slot bits (bit i of word w = slot 64*w + i is in use). Writer: owner.
+HEAP_BITS = Struct(name="heap_bits", fields=tuple(
+    Field(offset=8 * i, size=8, type="<u8", name=f"w{i}", writer="owner") for i in range(8)),
+    dtype=np.dtype([(f"w{i}", "<u8") for i in range(8)]), itemsize=64)
+
+# Return ring of one (owner, sender) pair: slots of ``owner`` freed by ``sender`` travel home
+# through it. Head line and entries are written by the sender, the tail line by the owner.
+# Entry = (generation & 0xFFFFFF) << 40 | chunk << 16 | slot, never 0 (generation >= 1).
+#
+# | off | size | type | field | writer |
+# |-----|------|------|-------|--------|
+# |   0 |    8 | u64  | head  | sender |  entries pushed (entry k at index k % ring_entries)
+# |   8 |   56 | V56  | pad   | nobody |
+RING_HEAD = Struct(name="ring_head", fields=_u8_fields(("head",), "sender"),
+                   dtype=_u8_dtype(("head",)), itemsize=64)
+# | off | size | type | field | writer |
+# |-----|------|------|-------|--------|
+# |   0 |    8 | u64  | tail  | owner  |  entries consumed
+# |   8 |   56 | V56  | pad   | nobody |
+RING_TAIL = Struct(name="ring_tail", fields=_u8_fields(("tail",), "owner"),
+                   dtype=_u8_dtype(("tail",)), itemsize=64)
+
+STRUCTS: list[Struct] = [HEADER, NODE, ROOT_ENTRY, LOCK_STATE, LOCK_REQ, LOCK_GRANT, MANAGER,
+                         MANAGER_CANDIDATE, ALLOC_JOURNAL, ALLOC_COUNT, CHUNK_OWNER, HEAP_META,
+                         HEAP_BITS, RING_HEAD, RING_TAIL]
 """Every on-region structure. All of them are defined in this module (never registered from
 another one), so the signature cannot depend on which modules a process happened to import."""
+
+
+# ===========================================================================================
+# index: the prefix index (tract_async/region/index.py). Section "index" = one header page,
+# then ``capacity`` entries of two lines each (open addressing, linear probing).
+#
+# INDEX_HEADER (first line written once by the creator; second line by the global-lock holder)
+# | off | size | type | field        | writer      |
+# |-----|------|------|--------------|-------------|
+# |   0 |    8 | u64  | magic        | creator     |  ASCII "TRACTIX" + 1
+# |   8 |    8 | u64  | capacity     | creator     |  entries, a power of two
+# |  16 |    8 | u64  | max_probe    | creator     |  linear-probe window
+# |  24 |    8 | u64  | entries_off  | creator     |  bytes from the region base
+# |  32 |   32 | V32  | pad0         | nobody      |
+# |  64 |    8 | u64  | clock_hand   | lock holder |  eviction sampling cursor
+# |  72 |    8 | u64  | evictions    | lock holder |
+# |  80 |    8 | u64  | publishes    | lock holder |
+# |  88 |   40 | V40  | pad1         | nobody      |
+#
+# INDEX_ENTRY: line 0 says *what* and *where*, line 1 *how far* and *how recently*.
+# Hand-off rule (DESIGN.md invariant 2): while state is EMPTY, TOMBSTONE or READY both lines
+# are written only by the global-lock holder; the lock holder that RESERVES an entry hands both
+# lines to the producing node, which alone writes layer bits and, last, state = READY (and
+# thereby hands the entry back). Recovery (a lock holder) may take back the entry of a producer
+# whose node is dead. ``version`` changes on every reserve and every eviction, never otherwise.
+# | off | size | type | field          | writer                  |
+# |-----|------|------|----------------|-------------------------|
+# |   0 |    8 | u64  | key0           | lock holder             |  the block key, 256 bits
+# |   8 |    8 | u64  | key1           | lock holder             |
+# |  16 |    8 | u64  | key2           | lock holder             |
+# |  24 |    8 | u64  | key3           | lock holder             |
+# |  32 |    8 | u64  | version        | lock holder             |  +1 on reserve and evict
+# |  40 |    8 | u64  | state          | lock holder / producer  |  EMPTY RESERVED READY TOMBSTONE
+# |  48 |    8 | u64  | payload_offset | lock holder             |  bytes from the region base
+# |  56 |    8 | u64  | payload_nbytes | lock holder             |
+# |  64 |    8 | u64  | layers_lo      | producer / lock holder  |  bit l: layer l is in memory
+# |  72 |    8 | u64  | layers_hi      | producer / lock holder  |  layers 64..127
+# |  80 |    8 | u64  | owner          | lock holder             |  allocation: owner node | gen<<16
+# |  88 |    8 | u64  | alloc_token    | lock holder             |  allocation fencing token
+# |  96 |    8 | u64  | last_access_ns | lock holder             |  approximate LRU clock
+# | 104 |    8 | u64  | producer       | lock holder             |  node id | epoch << 16
+# | 112 |    8 | u64  | flags          | lock holder             |  bit 0: transfer-only
+# | 120 |    8 | u64  | deadline_ns    | lock holder             |  transfer-only expiry
+# ===========================================================================================
+_INDEX_HEADER_DTYPE = np.dtype([("magic", "<u8"), ("capacity", "<u8"), ("max_probe", "<u8"),
+                                ("entries_off", "<u8"), ("pad0", "V32"), ("clock_hand", "<u8"),
+                                ("evictions", "<u8"), ("publishes", "<u8"), ("pad1", "V40")])
+INDEX_HEADER = Struct(
+    name="index_header",
+    fields=(
+        Field(offset=0, size=8, type="<u8", name="magic", writer="creator"),
+        Field(offset=8, size=8, type="<u8", name="capacity", writer="creator"),
+        Field(offset=16, size=8, type="<u8", name="max_probe", writer="creator"),
+        Field(offset=24, size=8, type="<u8", name="entries_off", writer="creator"),
+        Field(offset=32, size=32, type="V32", name="pad0", writer="nobody"),
+        Field(offset=64, size=8, type="<u8", name="clock_hand", writer="lock holder"),
+        Field(offset=72, size=8, type="<u8", name="evictions", writer="lock holder"),
+        Field(offset=80, size=8, type="<u8", name="publishes", writer="lock holder"),
+        Field(offset=88, size=40, type="V40", name="pad1", writer="nobody"),
+    ),
+    dtype=_INDEX_HEADER_DTYPE, itemsize=128)
+_INDEX_ENTRY_NAMES = ("key0", "key1", "key2", "key3", "version", "state", "payload_offset",
+                      "payload_nbytes", "layers_lo", "layers_hi", "owner", "alloc_token",
+                      "last_access_ns", "producer", "flags", "deadline_ns")
+_INDEX_ENTRY_WRITERS = {"state": "lock holder / producer", "layers_lo": "producer / lock holder",
+                        "layers_hi": "producer / lock holder"}
+INDEX_ENTRY = Struct(
+    name="index_entry",
+    fields=tuple(Field(offset=8 * i, size=8, type="<u8", name=n,
+                       writer=_INDEX_ENTRY_WRITERS.get(n, "lock holder"))
+                 for i, n in enumerate(_INDEX_ENTRY_NAMES)),
+    dtype=np.dtype([(n, "<u8") for n in _INDEX_ENTRY_NAMES]), itemsize=128)
+IX_EMPTY, IX_RESERVED, IX_READY, IX_TOMBSTONE = 0, 1, 2, 3
+INDEX_MAGIC = int.from_bytes(b"TRACTIX\x01", "little")
+
+STRUCTS += [INDEX_HEADER, INDEX_ENTRY]
 
 
 def layout_signature() -> int:

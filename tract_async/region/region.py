@@ -29,7 +29,7 @@ import time
 import uuid as uuid_mod
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -233,8 +233,12 @@ class Region:
     def create(cls, path: str, size_bytes: int, *, max_nodes: int = 8, root_slots: int = 64,
                sections: Sequence[SectionSpec] = (), backend: str | None = None,
                overwrite: bool = False, prefault: bool = True, mode: int = 0o660,
-               sim_seed: int = 0, sim_evict_prob: float = 1 / 64) -> "Region":
+               sim_seed: int = 0, sim_evict_prob: float = 1 / 64,
+               initialize: "Callable[[Region], None] | None" = None) -> "Region":
         """Create (format) a region and return it attached.
+
+        ``initialize(region)`` runs after the sections are laid out and before the region is
+        marked READY, so that an attacher never sees a section its creator has not formatted.
 
         Raises RegionExists (a file is there and ``overwrite`` is false), RegionTooSmall (the
         fixed sections and ``sections`` do not fit), RegionPermissionError, RegionNotFound (a
@@ -333,6 +337,18 @@ class Region:
         # 3. sections into the root directory (the creator is the only party alive)
         for sec in placed:
             region.root._publish_unlocked(sec.name, sec.offset_bytes, sec.nbytes, sec.kind)
+        if is_dax:  # a device is not zeroed by ftruncate: clear every section but the last
+            for sec in placed[:-1]:
+                z = np.zeros(sec.nbytes, dtype=np.uint8)
+                K.write_bytes(mem, sec.offset_bytes, z.ctypes.data, sec.nbytes, S_HEADER_WRITE)
+        if initialize is not None:
+            try:
+                initialize(region)
+            except BaseException:
+                region.close()
+                if not is_dax:
+                    os.unlink(path)
+                raise
         K.flush_range(mem, 0, need, S_HEADER_WRITE)
         # 4. READY last: an attacher never sees READY before everything above is in memory
         K.store_flush(mem, L.INIT_STATE_OFFSET, L.INIT_READY, S_HEADER_WRITE)

@@ -1,0 +1,129 @@
+"""Configuration records: ``KVLayout`` (the KV geometry) and ``EngineConfig`` (everything else).
+
+Keyword-only, frozen, validated in ``__post_init__`` so that a bad field fails at construction
+with a message naming the field (``ConfigError``), never later inside the engine.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .errors import ConfigError
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+           torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVLayout:
+    """Geometry of one block of KV cache.
+
+    A block holds ``block_tokens`` tokens of every layer. In the region it is stored layer-major:
+    for layer l, K then V, each ``(block_tokens, kv_heads, head_dim)`` contiguous, so one layer of
+    a block is one contiguous range (what layer streaming needs).
+    """
+    num_layers: int
+    block_tokens: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_tokens", "kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"KVLayout.{name} must be a positive int, got {v!r}")
+        if self.num_layers > 128:
+            raise ConfigError(f"KVLayout.num_layers is at most 128 (per-layer readiness is a "
+                              f"128-bit mask), got {self.num_layers}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"KVLayout.dtype must be one of {sorted(_DTYPES.values())}, "
+                              f"got {self.dtype}")
+
+    @property
+    def dtype_name(self) -> str:
+        return _DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def half_layer_bytes(self) -> int:
+        """Bytes of K (or V) of one layer of one block."""
+        return self.block_tokens * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (K and V) of one block."""
+        return 2 * self.half_layer_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, all layers."""
+        return self.num_layers * self.layer_bytes
+
+    def kv_shape(self, num_blocks: int, layer: int | None = None) -> tuple[int, ...]:
+        """The tensor shape put_kv / get_kv use for ``num_blocks`` blocks."""
+        t = num_blocks * self.block_tokens
+        if layer is None:
+            return (self.num_layers, 2, t, self.kv_heads, self.head_dim)
+        return (2, t, self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything an Engine needs. Defaults suit the demo on one host."""
+    layout: KVLayout
+    namespace: str = "default"
+    region: str | None = None
+    region_bytes: int = 1 << 30
+    create: bool = False
+    node_id: int = 0
+    max_nodes: int = 8
+    seed: str = "tract-rack-seed"
+    rank: int = 0
+    world_size: int = 1
+    vllm_compatible_keys: bool = False
+    mode: str = "cache"                      # "cache" (prefix cache) or "transfer" (no cache)
+    transfer_deadline_s: float = 30.0        # transfer-only blocks nobody consumed are freed then
+    mem_backend: str | None = None           # "hw", "sim", or None ($TRACT_MEM_BACKEND, "hw")
+    sim_seed: int | None = None
+    chunk_bytes: int = 2 << 20
+    index_capacity: int | None = None        # entries; default 2x the blocks that fit
+    heartbeat_interval_s: float = 0.1
+    liveness_timeout_s: float = 1.0
+    copy_threads: int = 1
+    # HTTP transport (region=None, or fallback)
+    peers: Sequence[str] = field(default_factory=tuple)
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    secret: bytes | None = None
+    allow_unauthenticated: bool = False
+    fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError(f"EngineConfig.layout must be a KVLayout, got {type(self.layout).__name__}")
+        if self.mode not in ("cache", "transfer"):
+            raise ConfigError(f"EngineConfig.mode must be 'cache' or 'transfer', got {self.mode!r}")
+        if not isinstance(self.node_id, int) or self.node_id < 0:
+            raise ConfigError(f"EngineConfig.node_id must be a non-negative int, got {self.node_id!r}")
+        if self.node_id >= self.max_nodes:
+            raise ConfigError(f"EngineConfig.node_id {self.node_id} must be below max_nodes "
+                              f"{self.max_nodes}")
+        if self.region is None and not self.peers and not self.listen_port >= 0:
+            raise ConfigError("EngineConfig needs a region path or HTTP peers")
+        if self.chunk_bytes <= 0 or self.chunk_bytes & (self.chunk_bytes - 1):
+            raise ConfigError(f"EngineConfig.chunk_bytes must be a power of two, got {self.chunk_bytes}")
+        if self.layout.block_bytes > self.chunk_bytes:
+            raise ConfigError(f"a block ({self.layout.block_bytes} bytes) exceeds chunk_bytes "
+                              f"({self.chunk_bytes}); raise chunk_bytes to at least "
+                              f"{1 << math.ceil(math.log2(self.layout.block_bytes))}")
+        if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
+            raise ConfigError("EngineConfig needs 0 < heartbeat_interval_s < liveness_timeout_s")
+        if self.copy_threads < 1:
+            raise ConfigError(f"EngineConfig.copy_threads must be >= 1, got {self.copy_threads}")

@@ -1,0 +1,281 @@
+"""The Engine: the public async API of tract_async.
+
+    async with tract.Engine.open(cfg) as eng:
+        keys = eng.block_keys(token_ids)
+        hit = eng.lookup(keys)
+        await eng.put_kv(keys, kv)                 # or layer by layer: put_kv(keys, kv[i], layer=i)
+        kv2 = await eng.get_kv(keys, timeout=1.0)  # or get_kv(keys, layer=i, out=buf)
+
+An Engine is one node of the rack. Opening it maps (or creates) the region, joins the node table,
+and starts its background tasks in one TaskGroup: the heartbeat, the lock-manager candidate
+(which manages the global lock while this is the lowest live node), and maintenance (LRU touches,
+returned slots, transfer-only deadlines). Closing stops them, evicts this node's unfinished work,
+gives its chunks back and leaves the node table, in reverse order of opening, keeping every error.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import torch
+
+from . import kvplan
+from .config import EngineConfig
+from .errors import EngineClosed, NodeEvicted, TractError
+from .keys import BlockKey, KeyScheme, Namespace
+
+
+class Engine:
+    """One node's handle on the rack: see the module docstring. Build with ``Engine.open``."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.layout = cfg.layout
+        ns = Namespace(model=cfg.namespace, num_layers=cfg.layout.num_layers,
+                       block_tokens=cfg.layout.block_tokens, kv_heads=cfg.layout.kv_heads,
+                       head_dim=cfg.layout.head_dim, dtype=cfg.layout.dtype_name, rank=cfg.rank,
+                       world_size=cfg.world_size)
+        self.keys = KeyScheme(seed=cfg.seed, namespace=None if cfg.vllm_compatible_keys else ns,
+                              vllm_compatible=cfg.vllm_compatible_keys)
+        self._store: Any = None
+        self._region: Any = None
+        self._handle: Any = None
+        self._lock: Any = None
+        self._manager: Any = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._closed = True
+        self._failure: BaseException | None = None
+        self._opened_at = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, cfg: EngineConfig) -> "_EngineContext":
+        """``async with Engine.open(cfg) as eng:`` (or ``eng = await Engine.open(cfg)``, then
+        ``await eng.close()``)."""
+        return _EngineContext(cls(cfg))
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        if cfg.region is None:
+            raise TractError("EngineConfig(region=None) uses the HTTP transport: not available "
+                             "in this build yet")
+        from .engine_layout import initialize, region_sections
+        from .region import Region
+        from .region.alloc import Allocator
+        from .region.index import PrefixIndex
+        from .region_store import RegionStore
+        from .sync.lock import GlobalLock
+        from .sync.manager import LockManager
+        sim_seed = cfg.sim_seed if cfg.sim_seed is not None else 1000 + cfg.node_id
+        opened: list[Any] = []
+        try:
+            if cfg.create:
+                secs = region_sections(size_bytes=cfg.region_bytes, max_nodes=cfg.max_nodes,
+                                       chunk_bytes=cfg.chunk_bytes,
+                                       block_bytes=cfg.layout.block_bytes,
+                                       index_capacity=cfg.index_capacity)
+                self._region = Region.create(cfg.region, cfg.region_bytes, max_nodes=cfg.max_nodes,
+                                             sections=secs, backend=cfg.mem_backend,
+                                             sim_seed=sim_seed, initialize=initialize)
+            else:
+                self._region = Region.attach(cfg.region, backend=cfg.mem_backend, sim_seed=sim_seed)
+            opened.append(self._region)
+            self._handle = self._region.nodes.join(cfg.node_id, timeout_s=cfg.liveness_timeout_s)
+            self._lock = GlobalLock(self._region, self._handle)
+            self._manager = LockManager(self._region, self._handle,
+                                        liveness_timeout_s=cfg.liveness_timeout_s)
+            store_box: list[RegionStore] = []
+            alloc = Allocator(self._region, self._handle, liveness_timeout_s=cfg.liveness_timeout_s,
+                              on_reclaim=lambda node, spans: store_box[0].on_reclaim(node, spans)
+                              if store_box else None)
+            self._store = RegionStore(cfg, self._region, self._lock, alloc, PrefixIndex(self._region))
+            store_box.append(self._store)
+            self._tg = asyncio.TaskGroup()
+            await self._tg.__aenter__()
+            self._tg.create_task(self._heartbeat(), name=f"tract-heartbeat-{cfg.node_id}")
+            self._tg.create_task(self._manager.run(), name=f"tract-manager-{cfg.node_id}")
+            self._tg.create_task(self._maintenance(), name=f"tract-maintenance-{cfg.node_id}")
+        except BaseException:
+            await self._teardown(graceful=False)
+            raise
+        self._closed = False
+        self._opened_at = time.monotonic()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                self._region.nodes.heartbeat(self._handle)
+            except NodeEvicted as e:
+                self._failure = e
+                raise
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    async def _maintenance(self) -> None:
+        period = max(0.05, self.cfg.heartbeat_interval_s * 2)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self._store.maintain(timeout=self.cfg.liveness_timeout_s * 4)
+            except TractError:
+                pass  # transient (lock timeout while the manager fails over): next round
+
+    async def close(self) -> None:
+        """Stop background tasks, evict unfinished puts and this node's blocks, return chunks,
+        leave the node table, unmap. Idempotent; raises the first error after finishing all."""
+        if self._closed and self._tg is None and self._region is None:
+            return
+        self._closed = True
+        await self._teardown(graceful=True)
+
+    async def _teardown(self, *, graceful: bool) -> None:
+        errors: list[BaseException] = []
+        if graceful and self._store is not None and self._failure is None:
+            try:
+                await self._store.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s))
+            except Exception as e:  # keep going: the rest must still be released
+                errors.append(e)
+        if self._tg is not None:
+            tg, self._tg = self._tg, None
+            for t in list(getattr(tg, "_tasks", ())):
+                t.cancel()
+            try:
+                await tg.__aexit__(None, None, None)
+            except BaseExceptionGroup as eg:  # noqa: F821 (3.11 builtin)
+                errors.extend(e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError))
+            except asyncio.CancelledError:
+                pass
+        if self._lock is not None:
+            with contextlib.suppress(Exception):
+                self._lock.close()
+            self._lock = None
+        if self._region is not None:
+            region, self._region = self._region, None
+            try:
+                if self._handle is not None:
+                    region.nodes.leave(self._handle)
+            except Exception as e:
+                errors.append(e)
+            self._store = None
+            self._manager = None
+            region.close()
+        if errors:
+            raise errors[0]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(cfg)")
+        if self._failure is not None:
+            raise EngineClosed(f"the engine stopped: {self._failure}") from self._failure
+
+    # -- the API ------------------------------------------------------------------------------
+    def block_keys(self, token_ids: Sequence[int] | torch.Tensor, *,
+                   extra_keys: Sequence[Any] | None = None) -> list[BlockKey]:
+        """One key per full block of ``token_ids``, equal on every node (see ``keys``)."""
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.reshape(-1).tolist()
+        return self.keys.chain(token_ids, self.layout.block_tokens, extra_keys=extra_keys)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks are resident and complete. Never blocks, takes no lock."""
+        self._check_open()
+        return self._store.lookup(kvplan.check_keys(keys))
+
+    async def put_kv(self, keys: Sequence[bytes], kv: torch.Tensor, *, layer: int | None = None,
+                     timeout: float | None = None) -> int:
+        """Store the KV of ``keys`` (blocks already present are skipped); returns blocks written.
+
+        ``kv``: ``(num_layers, 2, n*block_tokens, kv_heads, head_dim)``, or with ``layer=i``
+        ``(2, n*block_tokens, kv_heads, head_dim)``; dtype from the layout. The first put of a key
+        reserves its block; later layers fill it; other nodes see each layer as it lands.
+        Raises TensorMismatch, KeyMismatch, RegionFull, TransferTimeout (lock), EngineClosed.
+        """
+        self._check_open()
+        ks = kvplan.check_keys(keys)
+        kvplan.check_layer(layer, self.layout)
+        kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv")
+        if not ks:
+            return 0
+        return await self._store.put(ks, kv, layer, timeout if timeout is not None
+                                     else max(5.0, 4 * self.cfg.liveness_timeout_s))
+
+    async def get_kv(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
+                     layer: int | None = None, timeout: float | None = None,
+                     device: str | torch.device | None = None) -> torch.Tensor:
+        """Read the KV of ``keys`` into ``out`` (or a new tensor) and return it.
+
+        With ``timeout`` it waits that long for blocks (or the layer) still being produced.
+        Raises BlockNotFound, LayerNotReady (no timeout), TransferTimeout, BlockEvicted (the
+        block changed during the read: a miss), TensorMismatch, KeyMismatch, EngineClosed.
+        """
+        self._check_open()
+        ks = kvplan.check_keys(keys)
+        kvplan.check_layer(layer, self.layout)
+        if device is not None and torch.device(device).type != "cpu":
+            raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
+        if out is None:
+            out = torch.empty(self.layout.kv_shape(len(ks), layer), dtype=self.layout.dtype)
+        else:
+            kvplan.check_tensor(out, self.layout, len(ks), layer, what="out")
+            if not out.is_contiguous():
+                raise kvplan.TensorMismatch("out must be contiguous")
+        if not ks:
+            return out
+        return await self._store.get(ks, out, layer, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: hits, misses, bytes, evictions, lock waits, ... (a fresh dict)."""
+        out: dict[str, Any] = {"node_id": self.cfg.node_id, "transport": "region",
+                               "open": not self._closed,
+                               "uptime_s": time.monotonic() - self._opened_at if self._opened_at else 0.0}
+        if self._store is not None:
+            out.update(dataclasses.asdict(self._store.stats))
+            out["reserved_in_flight"] = len(self._store._reserved)
+            out["index"] = self._store.index.counters()
+            a = self._store.alloc.statistics()
+            out["alloc"] = {"chunks": a.chunks, "slots_used": a.slots_used, "bytes_used": a.bytes_used}
+        if self._lock is not None:
+            s = self._lock.statistics()
+            out["lock"] = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
+        if self._manager is not None:
+            out["is_lock_manager"] = self._manager.is_manager
+        return out
+
+    @property
+    def region(self) -> Any:
+        """The mapped Region (None for the HTTP transport or when closed)."""
+        return self._region
+
+
+class _EngineContext:
+    """What ``Engine.open`` returns: an async context manager, also awaitable."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __await__(self):  # noqa: ANN204
+        return self._open().__await__()
+
+    async def _open(self) -> Engine:
+        await self._engine._start()
+        return self._engine
+
+    async def __aenter__(self) -> Engine:
+        return await self._open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._engine.close()
+
+
+def run(coro: Any) -> Any:
+    """Run a coroutine on uvloop (the default runner), or asyncio where uvloop is missing."""
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+__all__ = ["Engine", "run"]

@@ -1,0 +1,455 @@
+"""The prefix index: an open-addressing table of block entries in the region.
+
+How readers stay lock-free (the LMDB-style essay)
+-------------------------------------------------
+Every entry (``layout.INDEX_ENTRY``, two lines) is a small seqlock. ``version`` changes whenever
+the entry starts to mean something else (reserve, evict) and at no other time. A reader
+
+1. invalidates line 0 and reads state, version, key, payload bounds;
+2. checks state (READY, or RESERVED with the wanted layer bit), the full 256-bit key, and that
+   the payload lies inside the chunk area and has the size its layout expects;
+3. invalidates and copies the payload;
+4. invalidates line 0 again and re-reads version and state (after the copy has completed: on a
+   GPU, after the DMA's event). Any change means the block was evicted (and maybe reused) during
+   the copy: the result is a miss, never wrong bytes (DESIGN.md invariant 6).
+
+Readers therefore pin nothing: an evictor may free a block while a reader copies it, and the
+reader's step 4 notices. (What must never be reused under a transfer is memory a *write* may
+still land in: a producer's entry is RESERVED, and RESERVED entries are never evicted while the
+producer lives; the engine waits for a cancelled put's copy to finish before giving memory up.)
+
+Who writes what, and in what order
+----------------------------------
+* Reserve (global-lock holder, once per request batch): in a free or tombstoned slot of the key's
+  probe window, write line 1 (no layers yet, allocation, producer, LRU clock, flags), the key,
+  payload bounds and ``version + 1`` with the old state still in place, flush both lines, fence,
+  then ``state = RESERVED``, flush. The entry is now the producer's.
+* Fill (the producer, no lock): payload bytes of a layer with non-temporal stores and ``sfence``;
+  then the layer's bit in line 1, flush; the consumer sees the bit only after the bytes. After the
+  last layer: ``state = READY``, flush (DESIGN.md invariant 5). The entry is handed back.
+* Evict (global-lock holder): ``state = TOMBSTONE``, flush, then ``version + 1``, flush; only then
+  is the payload freed. Tombstones keep probe chains intact; reserve reuses them.
+* Touch (global-lock holder): ``last_access_ns`` of READY entries, batched: approximate LRU.
+
+Eviction is sampled LRU (as Redis does): from a rotating clock hand, up to ``sample`` READY
+entries are looked at and the least recently touched is evicted. Touches reach the region only
+when a node next holds the lock, so recency is approximate by up to one maintenance interval.
+Transfer-only entries are never victims before their deadline; after it, they go first.
+
+Lookups and probes are jitted and run one whole batch per call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numba import njit
+
+import tract_kernels as K
+
+from . import layout as L
+
+if TYPE_CHECKING:
+    from .region import Region
+
+S_IX_READ = K.site("index.entry.invalidate")
+S_IX_LINE1_READ = K.site("index.entry.line1.invalidate")
+S_IX_REVALIDATE = K.site("index.entry.revalidate.invalidate")
+S_IX_PAYLOAD_READ = K.site("index.payload.invalidate")
+S_IX_PAYLOAD_WRITE = K.site("index.payload.flush")
+S_IX_RESERVE_FLUSH = K.site("index.reserve.flush")
+S_IX_RESERVE_STATE = K.site("index.reserve.state.flush")
+S_IX_LAYER_FLUSH = K.site("index.layers.flush")
+S_IX_READY_FLUSH = K.site("index.ready.flush")
+S_IX_EVICT_FLUSH = K.site("index.evict.flush")
+S_IX_TOUCH_FLUSH = K.site("index.touch.flush")
+S_IX_HDR = K.site("index.header.flush")
+
+ENTRY_BYTES = L.INDEX_ENTRY.itemsize
+_E = {n: L.INDEX_ENTRY.dtype.fields[n][1] for n in L.INDEX_ENTRY.dtype.names}
+E_KEY0, E_VERSION, E_STATE = _E["key0"], _E["version"], _E["state"]
+E_POFF, E_PNB = _E["payload_offset"], _E["payload_nbytes"]
+E_LLO, E_LHI, E_OWNER, E_TOKEN = _E["layers_lo"], _E["layers_hi"], _E["owner"], _E["alloc_token"]
+E_LAST, E_PRODUCER, E_FLAGS, E_DEADLINE = (_E["last_access_ns"], _E["producer"], _E["flags"],
+                                           _E["deadline_ns"])
+_H = {n: L.INDEX_HEADER.dtype.fields[n][1] for n in L.INDEX_HEADER.dtype.names}
+H_CLOCK, H_EVICTIONS, H_PUBLISHES = _H["clock_hand"], _H["evictions"], _H["publishes"]
+
+EMPTY, RESERVED, READY, TOMBSTONE = L.IX_EMPTY, L.IX_RESERVED, L.IX_READY, L.IX_TOMBSTONE
+FLAG_TRANSFER = 1
+DEFAULT_MAX_PROBE = 32
+
+
+def section_bytes(capacity: int) -> int:
+    """Bytes of the index section for ``capacity`` entries (a power of two)."""
+    return L.PAGE_BYTES + capacity * ENTRY_BYTES
+
+
+def capacity_for(blocks: int) -> int:
+    """Entries for about ``blocks`` resident blocks: twice that, a power of two, at least 64."""
+    cap = 64
+    while cap < 2 * blocks:
+        cap *= 2
+    return cap
+
+
+# ---------------------------------------------------------------------------------------------
+# jitted primitives (no lock: readers)
+
+
+@njit(cache=True, nogil=True)
+def _find(m, eoff, mask, max_probe, k0, k1, k2, k3):
+    """Slot of the live (RESERVED/READY) entry for the key, or -1. Invalidates each line read."""
+    b = np.int64(k0 & np.uint64(mask))
+    for p in range(max_probe):
+        slot = (b + p) & mask
+        off = eoff + slot * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.full_fence(m)
+        st = K.load(m, off + 40)
+        if st == EMPTY:
+            return -1
+        if st == TOMBSTONE:
+            continue
+        if (K.load(m, off) == k0 and K.load(m, off + 8) == k1 and K.load(m, off + 16) == k2
+                and K.load(m, off + 24) == k3):
+            return slot
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def lookup_batch(m, eoff, mask, max_probe, keys):
+    """Number of leading keys whose entries are READY (resident and complete)."""
+    n = keys.shape[0]
+    for i in range(n):
+        slot = _find(m, eoff, mask, max_probe, keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3])
+        if slot < 0:
+            return i
+        if K.load(m, eoff + slot * 128 + 40) != READY:
+            return i
+    return n
+
+
+@njit(cache=True, nogil=True)
+def snapshot_batch(m, eoff, mask, max_probe, keys, out):
+    """For each key: out[i] = (slot, version, state, payload_offset, nbytes, layers_lo,
+    layers_hi, flags); slot = -1 when absent. Line 1 is invalidated too (layer bits)."""
+    for i in range(keys.shape[0]):
+        slot = _find(m, eoff, mask, max_probe, keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3])
+        out[i, 0] = slot
+        if slot < 0:
+            continue
+        off = eoff + slot * 128
+        out[i, 1] = np.int64(K.load(m, off + 32))
+        out[i, 2] = np.int64(K.load(m, off + 40))
+        out[i, 3] = np.int64(K.load(m, off + 48))
+        out[i, 4] = np.int64(K.load(m, off + 56))
+        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+        K.full_fence(m)
+        out[i, 5] = np.int64(K.load(m, off + 64))
+        out[i, 6] = np.int64(K.load(m, off + 72))
+        out[i, 7] = np.int64(K.load(m, off + 112))
+
+
+@njit(cache=True, nogil=True)
+def layer_bits_batch(m, eoff, slots, out):
+    """Fresh (state, layers_lo, layers_hi, version) of known slots, for layer waits."""
+    for i in range(slots.shape[0]):
+        off = eoff + slots[i] * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+        K.full_fence(m)
+        out[i, 0] = np.int64(K.load(m, off + 40))
+        out[i, 1] = np.int64(K.load(m, off + 64))
+        out[i, 2] = np.int64(K.load(m, off + 72))
+        out[i, 3] = np.int64(K.load(m, off + 32))
+
+
+@njit(cache=True, nogil=True)
+def revalidate_batch(m, eoff, slots, versions, ok):
+    """After a copy: ok[i] = entry i still has its version and a live state. Returns #failed."""
+    bad = 0
+    K.full_fence(m)
+    for i in range(slots.shape[0]):
+        off = eoff + slots[i] * 128
+        K.invalidate(m, off, S_IX_REVALIDATE)
+        K.full_fence(m)
+        st = K.load(m, off + 40)
+        good = (np.int64(K.load(m, off + 32)) == versions[i]) and (st == READY or st == RESERVED)
+        ok[i] = good
+        if not good:
+            bad += 1
+    return bad
+
+
+@njit(cache=True, nogil=True)
+def copy_out(m, plan, dst_base):
+    """Copy region ranges to private memory: plan rows (region_offset, dst_offset, nbytes)."""
+    for i in range(plan.shape[0]):
+        K.read_bytes(m, plan[i, 0], dst_base + np.uint64(plan[i, 1]), plan[i, 2], S_IX_PAYLOAD_READ)
+
+
+@njit(cache=True, nogil=True)
+def copy_in(m, plan, src_base):
+    """Copy private memory into the region: plan rows (region_offset, src_offset, nbytes).
+    Non-temporal stores; ``write_bytes`` ends with ``sfence`` so the bytes precede any flag."""
+    for i in range(plan.shape[0]):
+        K.write_bytes(m, plan[i, 0], src_base + np.uint64(plan[i, 1]), plan[i, 2], S_IX_PAYLOAD_WRITE)
+
+
+# ---------------------------------------------------------------------------------------------
+# producer (owns RESERVED entries, no lock)
+
+
+@njit(cache=True, nogil=True)
+def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi):
+    """OR layer bits into each entry (bytes already in memory); READY once all are present.
+    Returns the number of entries that became READY."""
+    became = 0
+    for i in range(slots.shape[0]):
+        off = eoff + slots[i] * 128
+        lo = K.load(m, off + 64) | np.uint64(lo_bits)
+        hi = K.load(m, off + 72) | np.uint64(hi_bits)
+        K.store(m, off + 64, lo)
+        K.store(m, off + 72, hi)
+        K.flush(m, off + 64, S_IX_LAYER_FLUSH)
+        K.store_fence(m)
+        if lo == np.uint64(all_lo) and hi == np.uint64(all_hi):
+            K.store(m, off + 40, READY)
+            K.flush(m, off, S_IX_READY_FLUSH)
+            K.store_fence(m)
+            became += 1
+    K.full_fence(m)
+    return became
+
+
+# ---------------------------------------------------------------------------------------------
+# global-lock holder
+
+
+@njit(cache=True, nogil=True)
+def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, token, now_ns,
+                producer, flags, deadline_ns):
+    """Reserve an entry for the key. Returns slot >= 0, -1 if the probe window is full, or
+    -(2 + slot) if the key is already live (RESERVED or READY)."""
+    b = np.int64(k0 & np.uint64(mask))
+    free = np.int64(-1)
+    for p in range(max_probe):
+        slot = (b + p) & mask
+        off = eoff + slot * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.full_fence(m)
+        st = K.load(m, off + 40)
+        if st == EMPTY:
+            if free < 0:
+                free = slot
+            break
+        if st == TOMBSTONE:
+            if free < 0:
+                free = slot
+            continue
+        if (K.load(m, off) == k0 and K.load(m, off + 8) == k1 and K.load(m, off + 16) == k2
+                and K.load(m, off + 24) == k3):
+            return -(2 + slot)
+    if free < 0:
+        return -1
+    off = eoff + free * 128
+    K.invalidate(m, off + 64, S_IX_READ)
+    K.full_fence(m)
+    # line 1 first, then line 0 with the old state, flushed; RESERVED last
+    K.store(m, off + 64, 0)
+    K.store(m, off + 72, 0)
+    K.store(m, off + 80, owner)
+    K.store(m, off + 88, token)
+    K.store(m, off + 96, now_ns)
+    K.store(m, off + 104, producer)
+    K.store(m, off + 112, flags)
+    K.store(m, off + 120, deadline_ns)
+    K.flush(m, off + 64, S_IX_RESERVE_FLUSH)
+    K.store(m, off + 32, K.load(m, off + 32) + np.uint64(1))
+    K.store(m, off, k0)
+    K.store(m, off + 8, k1)
+    K.store(m, off + 16, k2)
+    K.store(m, off + 24, k3)
+    K.store(m, off + 48, poff)
+    K.store(m, off + 56, pnb)
+    K.flush(m, off, S_IX_RESERVE_FLUSH)
+    K.store_fence(m)
+    K.store(m, off + 40, RESERVED)
+    K.flush(m, off, S_IX_RESERVE_STATE)
+    K.full_fence(m)
+    return free
+
+
+@njit(cache=True, nogil=True)
+def evict_slot(m, eoff, slot):
+    """Tombstone an entry, then bump its version (both flushed). The caller frees the payload."""
+    off = eoff + slot * 128
+    K.invalidate(m, off, S_IX_READ)
+    K.full_fence(m)
+    K.store(m, off + 40, TOMBSTONE)
+    K.flush(m, off, S_IX_EVICT_FLUSH)
+    K.full_fence(m)
+    K.store(m, off + 32, K.load(m, off + 32) + np.uint64(1))
+    K.flush(m, off, S_IX_EVICT_FLUSH)
+    K.full_fence(m)
+
+
+@njit(cache=True, nogil=True)
+def touch_batch(m, eoff, slots, versions, now_ns):
+    """Stamp last_access of READY entries whose version is unchanged. Returns #stamped."""
+    n = 0
+    for i in range(slots.shape[0]):
+        off = eoff + slots[i] * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.full_fence(m)
+        if K.load(m, off + 40) == READY and np.int64(K.load(m, off + 32)) == versions[i]:
+            K.store(m, off + 96, now_ns)
+            K.flush(m, off + 64, S_IX_TOUCH_FLUSH)
+            n += 1
+    K.full_fence(m)
+    return n
+
+
+@njit(cache=True, nogil=True)
+def pick_victim(m, hoff, eoff, cap, sample, now_ns):
+    """Sampled LRU: the least recently touched of up to ``sample`` evictable entries from the
+    clock hand (expired transfer-only entries win at once). Returns slot or -1."""
+    hand = np.int64(K.load_fresh(m, hoff + 64, S_IX_READ))
+    best = np.int64(-1)
+    best_t = np.uint64(0xFFFFFFFFFFFFFFFF)
+    seen = 0
+    steps = 0
+    while seen < sample and steps < cap:
+        slot = (hand + steps) % cap
+        steps += 1
+        off = eoff + slot * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+        K.full_fence(m)
+        if K.load(m, off + 40) != READY:
+            continue
+        flags = K.load(m, off + 112)
+        if flags & np.uint64(FLAG_TRANSFER):
+            if np.int64(K.load(m, off + 120)) <= now_ns:
+                best = slot
+                break
+            continue
+        seen += 1
+        t = K.load(m, off + 96)
+        if t < best_t:
+            best_t = t
+            best = slot
+    K.store(m, hoff + 64, np.uint64((hand + steps) % cap))
+    K.flush(m, hoff + 64, S_IX_HDR)
+    return best
+
+
+@njit(cache=True, nogil=True)
+def scan_entries(m, eoff, cap, out):
+    """Fresh (state, payload_offset, nbytes, producer, flags, deadline, owner, token) of every
+    entry, for recovery, reaping and fsck."""
+    for slot in range(cap):
+        off = eoff + slot * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+        K.full_fence(m)
+        out[slot, 0] = np.int64(K.load(m, off + 40))
+        out[slot, 1] = np.int64(K.load(m, off + 48))
+        out[slot, 2] = np.int64(K.load(m, off + 56))
+        out[slot, 3] = np.int64(K.load(m, off + 104))
+        out[slot, 4] = np.int64(K.load(m, off + 112))
+        out[slot, 5] = np.int64(K.load(m, off + 120))
+        out[slot, 6] = np.int64(K.load(m, off + 80))
+        out[slot, 7] = np.int64(K.load(m, off + 88))
+
+
+# ---------------------------------------------------------------------------------------------
+# the Python face
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexGeometry:
+    """Where the index lives: section offset, entry array, capacity, probe window."""
+    header_offset: int
+    entries_offset: int
+    capacity: int
+    max_probe: int
+
+
+class PrefixIndex:
+    """The index of one region, seen by one node (its ``Mem``). No asyncio here: the engine
+    takes the global lock around the ``*_locked`` methods."""
+
+    def __init__(self, region: "Region", section_name: str = "index") -> None:
+        self.region = region
+        sec = region.section(section_name)
+        m = region.mem
+        hdr = np.zeros(L.INDEX_HEADER.itemsize, dtype=np.uint8)
+        K.read_bytes(m, sec.offset_bytes, hdr.ctypes.data, hdr.size, S_IX_READ)
+        rec = hdr.view(L.INDEX_HEADER.dtype)[0]
+        if int(rec["magic"]) != L.INDEX_MAGIC:
+            raise AssertionError(f"index section at {sec.offset_bytes} has magic "
+                                 f"{int(rec['magic']):#x}, expected {L.INDEX_MAGIC:#x} "
+                                 f"(region created without an index?)")
+        cap = int(rec["capacity"])
+        self.geo = IndexGeometry(header_offset=sec.offset_bytes,
+                                 entries_offset=int(rec["entries_off"]), capacity=cap,
+                                 max_probe=int(rec["max_probe"]))
+        if sec.offset_bytes + section_bytes(cap) > sec.offset_bytes + sec.nbytes:
+            raise AssertionError("index section smaller than its recorded capacity")
+
+    @staticmethod
+    def format(region: "Region", section_name: str = "index", *,
+               max_probe: int = DEFAULT_MAX_PROBE) -> None:
+        """Write an empty index into its section (creator only, before anyone attaches)."""
+        sec = region.section(section_name)
+        cap = 64
+        while section_bytes(cap * 2) <= sec.nbytes:
+            cap *= 2
+        if section_bytes(cap) > sec.nbytes:
+            raise ValueError(f"index section of {sec.nbytes} bytes is too small")
+        m = region.mem
+        zeros = np.zeros(section_bytes(cap), dtype=np.uint8)
+        K.write_bytes(m, sec.offset_bytes, zeros.ctypes.data, zeros.size, S_IX_HDR)
+        hdr = np.zeros(1, dtype=L.INDEX_HEADER.dtype)
+        hdr["capacity"] = cap
+        hdr["max_probe"] = min(max_probe, cap)
+        hdr["entries_off"] = sec.offset_bytes + L.PAGE_BYTES
+        raw = hdr.view(np.uint8)
+        K.write_bytes(m, sec.offset_bytes, raw.ctypes.data, raw.size, S_IX_HDR)
+        K.store_flush(m, sec.offset_bytes, L.INDEX_MAGIC, S_IX_HDR)
+
+    @property
+    def mask(self) -> int:
+        return self.geo.capacity - 1
+
+    def lookup(self, key_words: np.ndarray) -> int:
+        """Leading READY keys (lock-free)."""
+        g = self.geo
+        return int(lookup_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe, key_words))
+
+    def snapshot(self, key_words: np.ndarray) -> np.ndarray:
+        """(n, 8) int64: slot, version, state, payload_offset, nbytes, layers_lo, layers_hi, flags."""
+        g = self.geo
+        out = np.zeros((key_words.shape[0], 8), dtype=np.int64)
+        snapshot_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe, key_words, out)
+        return out
+
+    def scan(self) -> np.ndarray:
+        """(capacity, 8) int64 of every entry (see ``scan_entries``)."""
+        out = np.zeros((self.geo.capacity, 8), dtype=np.int64)
+        scan_entries(self.region.mem, self.geo.entries_offset, self.geo.capacity, out)
+        return out
+
+    def counters(self) -> dict[str, int]:
+        m = self.region.mem
+        h = self.geo.header_offset
+        return {"evictions": int(K.load_fresh(m, h + H_EVICTIONS, S_IX_READ)),
+                "publishes": int(K.load_fresh(m, h + H_PUBLISHES, S_IX_READ))}
+
+    def bump_counter_locked(self, field_offset: int, by: int) -> None:
+        m = self.region.mem
+        h = self.geo.header_offset
+        K.store_flush(m, h + field_offset, K.load_fresh(m, h + field_offset, S_IX_READ) + by, S_IX_HDR)

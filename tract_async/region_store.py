@@ -1,0 +1,461 @@
+"""The region path of the Engine: put, get and lookup of KV blocks through the prefix index.
+
+This is the asyncio layer over the lock-free substrate (``region.index``, ``region.alloc``,
+``sync.lock``): it decides *when* to take the global lock (once per put batch, and for
+maintenance), *where* copies run (inline when small, in a worker thread when large), and how
+waits for layers still being produced are done (``waits``). The byte-level protocol lives in
+``region/index.py``; read its docstring first.
+
+Block lifetime. A block lives in a slot of its producer's heap. It is READY until evicted (LRU
+under memory pressure), consumed (transfer-only mode), expired (transfer-only deadline), or
+reclaimed with its owner's chunks when the owner node dies or leaves. A put that fails or is
+cancelled after reserving evicts its own entries (after its copies have finished: no write ever
+lands in a slot that was handed out again).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import tract_kernels as K
+
+from . import kvplan, waits
+from .config import EngineConfig
+from .errors import (BlockEvicted, BlockNotFound, LayerNotReady, RegionFull, TransferTimeout)
+from .keys import keys_to_words
+from .region import Region
+from .region import index as ix
+from .region.alloc import Allocation, Allocator
+from .region.chunks import alloc_geometry
+
+INLINE_COPY_BYTES = 1 << 20
+"""Copies up to this size run on the event loop (a thread hop costs ~50-100 µs here)."""
+
+VICTIM_SAMPLE = 16
+
+
+@dataclasses.dataclass
+class _Reservation:
+    """A block this node reserved and is filling, layer by layer."""
+    slot: int
+    version: int
+    allocation: Allocation
+    layers_lo: int = 0
+    layers_hi: int = 0
+
+
+@dataclasses.dataclass
+class StoreStats:
+    puts: int = 0
+    blocks_stored: int = 0
+    blocks_skipped: int = 0
+    gets: int = 0
+    blocks_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    evictions: int = 0
+    evictions_for_space: int = 0
+    validation_failures: int = 0
+    consumed: int = 0
+    expired: int = 0
+    reclaimed_entries: int = 0
+    layer_waits: int = 0
+    lock_acquisitions: int = 0
+    lock_wait_s: float = 0.0
+
+
+class RegionStore:
+    """put / get / lookup over one region for one node. Created and owned by the Engine."""
+
+    def __init__(self, cfg: EngineConfig, region: Region, lock: Any, allocator: Allocator,
+                 index: ix.PrefixIndex) -> None:
+        self.cfg = cfg
+        self.layout = cfg.layout
+        self.region = region
+        self.lock = lock
+        self.alloc = allocator
+        self.index = index
+        self.geo = index.geo
+        self.ageo = alloc_geometry(region)
+        self.node_id = cfg.node_id
+        self.stats = StoreStats()
+        self._reserved: dict[bytes, _Reservation] = {}
+        self._touches: dict[int, int] = {}            # slot -> version, flushed under the lock
+        self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
+        self._copy_lock = asyncio.Lock()
+        lo, hi = kvplan.layer_mask(self.layout, None)
+        self._all_lo, self._all_hi = lo, hi
+
+    # -- helpers ------------------------------------------------------------------------------
+    @property
+    def mem(self) -> K.Mem:
+        return self.region.mem
+
+    def _allocation_of(self, poff: int, pnb: int, owner_word: int, token: int) -> Allocation:
+        g = self.ageo
+        chunk = (poff - g.chunks_offset) // g.chunk_bytes
+        slot_bytes = self.alloc.class_for(pnb)
+        slot = (poff - g.chunk_off(chunk)) // slot_bytes
+        return Allocation(offset_bytes=poff, nbytes=pnb, slot_bytes=slot_bytes,
+                          owner_node=owner_word & 0xFFFF, chunk_index=chunk, slot_index=slot,
+                          generation=owner_word >> 16, token=token)
+
+    def _payload_ok(self, poff: int, pnb: int) -> bool:
+        g = self.ageo
+        end = g.chunks_offset + g.nchunks * g.chunk_bytes
+        return pnb == self.layout.block_bytes and g.chunks_offset <= poff and poff + pnb <= end
+
+    async def _locked(self, timeout: float | None):  # noqa: ANN202
+        t0 = time.perf_counter()
+        try:
+            await self.lock.acquire(timeout=timeout)
+        except Exception as e:
+            if type(e).__name__ == "LockTimeout":
+                raise TransferTimeout(f"global lock not granted within {timeout} s "
+                                      f"({self.lock.statistics()})") from e
+            raise
+        self.stats.lock_acquisitions += 1
+        self.stats.lock_wait_s += time.perf_counter() - t0
+
+    async def _copy(self, fn, plan: np.ndarray, base: int, nbytes: int) -> None:  # noqa: ANN001
+        if nbytes <= INLINE_COPY_BYTES:
+            fn(self.mem, plan, base)
+            return
+        # A copy in a thread cannot be interrupted: shield it so that a cancelled caller still
+        # waits for the last byte before anything is freed (DESIGN.md invariant 7).
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, self.mem, plan, base)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    # -- lookup -------------------------------------------------------------------------------
+    def lookup(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+        return self.index.lookup(keys_to_words(keys))
+
+    # -- put ----------------------------------------------------------------------------------
+    async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+                  timeout: float | None) -> int:
+        """Store blocks not yet present; returns how many this call stored (or filled)."""
+        n = len(keys)
+        kv = kv.contiguous()
+        words = keys_to_words(keys)
+        snap = self.index.snapshot(words)
+        todo: list[int] = []          # positions in keys this call writes
+        new: list[int] = []           # positions that need a reservation
+        for i, k in enumerate(keys):
+            if k in self._reserved:
+                todo.append(i)
+            elif snap[i, 0] >= 0:
+                self.stats.blocks_skipped += 1       # present, or produced by another node
+            else:
+                new.append(i)
+        if new:
+            await self._reserve(keys, words, new, timeout)
+            todo = sorted(set(todo) | {i for i in new if keys[i] in self._reserved})
+        if not todo:
+            self.stats.puts += 1
+            return 0
+        res = [self._reserved[keys[i]] for i in todo]
+        poffs = np.array([r.allocation.offset_bytes for r in res], dtype=np.int64)
+        plan = kvplan.plan(self.layout, poffs, np.array(todo), n, layer)
+        nbytes = int(plan[:, 2].sum())
+        try:
+            await self._copy(ix.copy_in, plan, kv.data_ptr(), nbytes)
+        except BaseException:
+            await self._abandon([keys[i] for i in todo])
+            raise
+        lo, hi = kvplan.layer_mask(self.layout, layer)
+        slots = np.array([r.slot for r in res], dtype=np.int64)
+        ix.publish_layers(self.mem, self.geo.entries_offset, slots, lo, hi, self._all_lo,
+                          self._all_hi)
+        for i, r in zip(todo, res):
+            r.layers_lo |= lo
+            r.layers_hi |= hi
+            if r.layers_lo == self._all_lo and r.layers_hi == self._all_hi:
+                del self._reserved[keys[i]]
+                self.stats.blocks_stored += 1
+        self.stats.puts += 1
+        self.stats.bytes_put += nbytes
+        return len(todo)
+
+    async def _reserve(self, keys: list[bytes], words: np.ndarray, positions: list[int],
+                       timeout: float | None) -> None:
+        """Reserve entries and payload for ``positions`` under one hold of the global lock."""
+        await self._locked(timeout)
+        try:
+            self.lock.check_token()
+            self._flush_touches_locked()
+            now = time.time_ns()
+            transfer = self.cfg.mode == "transfer"
+            flags = ix.FLAG_TRANSFER if transfer else 0
+            deadline = now + int(self.cfg.transfer_deadline_s * 1e9) if transfer else 0
+            producer = self.node_id  # the epoch lives in the node table; the id suffices here
+            for i in positions:
+                a = self._alloc_locked()
+                w = words[i]
+                slot = ix.reserve_one(self.mem, self.geo.entries_offset, self.index.mask,
+                                      self.geo.max_probe, w[0], w[1], w[2], w[3], a.offset_bytes,
+                                      a.nbytes, a.owner_node | (a.generation << 16), a.token, now,
+                                      producer, flags, deadline)
+                if slot == -1:
+                    self.alloc.free(a)
+                    raise RegionFull(f"index probe window of {self.geo.max_probe} entries is full "
+                                     f"(capacity {self.geo.capacity}); create the region with a "
+                                     f"larger index")
+                if slot <= -2:
+                    self.alloc.free(a)            # another node reserved it since our snapshot
+                    self.stats.blocks_skipped += 1
+                    continue
+                version = int(self.index.snapshot(words[i:i + 1])[0, 1])
+                self._reserved[keys[i]] = _Reservation(slot=slot, version=version, allocation=a)
+            self.index.bump_counter_locked(ix.H_PUBLISHES, len(positions))
+        finally:
+            self.lock.release()
+
+    def _alloc_locked(self) -> Allocation:
+        """A block slot, evicting LRU blocks while the region is full. Raises RegionFull."""
+        nbytes = self.layout.block_bytes
+        for _ in range(64):
+            try:
+                return self.alloc.alloc_locked(nbytes, self.lock)
+            except RegionFull:
+                if not self._evict_one_locked():
+                    raise
+                self.alloc.drain_returns()
+        raise RegionFull(f"no space for a {nbytes}-byte block after 64 evictions "
+                         f"(other nodes' freed slots return to them asynchronously)")
+
+    def _evict_one_locked(self) -> bool:
+        slot = ix.pick_victim(self.mem, self.geo.header_offset, self.geo.entries_offset,
+                              self.geo.capacity, VICTIM_SAMPLE, time.time_ns())
+        if slot < 0:
+            return False
+        self._evict_locked(slot)
+        self.stats.evictions_for_space += 1
+        return True
+
+    def _evict_locked(self, slot: int) -> None:
+        off = self.geo.entries_offset + slot * ix.ENTRY_BYTES
+        m = self.mem
+        poff = int(K.load_fresh(m, off + ix.E_POFF, ix.S_IX_READ))
+        pnb = int(K.load(m, off + ix.E_PNB))
+        owner = int(K.load_fresh(m, off + ix.E_OWNER, ix.S_IX_LINE1_READ))
+        token = int(K.load(m, off + ix.E_TOKEN))
+        ix.evict_slot(m, self.geo.entries_offset, slot)
+        self.index.bump_counter_locked(ix.H_EVICTIONS, 1)
+        self.stats.evictions += 1
+        if self._payload_ok(poff, pnb):
+            self.alloc.free(self._allocation_of(poff, pnb, owner, token))
+
+    async def _abandon(self, keys: list[bytes]) -> None:
+        """Evict this node's unfinished reservations (after a failed or cancelled put)."""
+        mine = [(k, self._reserved.pop(k)) for k in keys if k in self._reserved]
+        if not mine:
+            return
+        await asyncio.shield(self._abandon_locked(mine))
+
+    async def _abandon_locked(self, mine: list[tuple[bytes, _Reservation]]) -> None:
+        await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
+        try:
+            for _, r in mine:
+                self._evict_locked(r.slot)
+        finally:
+            self.lock.release()
+
+    # -- get ----------------------------------------------------------------------------------
+    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
+                  timeout: float | None) -> torch.Tensor:
+        n = len(keys)
+        words = keys_to_words(keys)
+        snap = self.index.snapshot(words)
+        if timeout is not None and timeout > 0:
+            snap = await self._wait_ready(words, snap, layer, timeout)
+        self._check_available(keys, snap, layer)
+        slots = snap[:, 0].copy()
+        versions = snap[:, 1].copy()
+        for i in range(n):
+            if not self._payload_ok(int(snap[i, 3]), int(snap[i, 4])):
+                self.stats.validation_failures += 1
+                raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload bounds "
+                                   f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
+                                   f"changed during the read; treat as a miss")
+        plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
+        nbytes = int(plan[:, 2].sum())
+        await self._copy(ix.copy_out, plan, out.data_ptr(), nbytes)
+        ok = np.zeros(n, dtype=np.bool_)
+        bad = ix.revalidate_batch(self.mem, self.geo.entries_offset, slots, versions, ok)
+        self.stats.gets += 1
+        if bad:
+            self.stats.validation_failures += 1
+            self.stats.misses += int(bad)
+            first = int(np.flatnonzero(~ok)[0])
+            raise BlockEvicted(f"{bad} of {n} blocks were evicted while being read (first: "
+                               f"block {first}, {keys[first][:8].hex()}…); the output is not "
+                               f"trusted: treat as a miss")
+        self.stats.hits += n
+        self.stats.blocks_read += n
+        self.stats.bytes_got += nbytes
+        for s, v in zip(slots.tolist(), versions.tolist()):
+            self._touches[s] = v
+        if self.cfg.mode == "transfer" and snap[:, 7].any():
+            await self._consume(keys, words, slots, versions, layer)
+        return out
+
+    def _check_available(self, keys: list[bytes], snap: np.ndarray, layer: int | None) -> None:
+        for i in range(len(keys)):
+            if snap[i, 0] < 0:
+                self.stats.misses += 1
+                raise BlockNotFound(f"block {i} of {len(keys)} ({keys[i][:8].hex()}…) is not in "
+                                    f"the region (never stored, or evicted); lookup() says how "
+                                    f"many leading blocks are resident")
+            st = snap[i, 2]
+            if st == ix.READY:
+                continue
+            if layer is None:
+                raise LayerNotReady(f"block {i} ({keys[i][:8].hex()}…) is still being produced; "
+                                    f"pass timeout= to wait for it, or get it layer by layer")
+            word, bit = divmod(layer, 64)
+            if not (int(snap[i, 5 + word]) >> bit) & 1:
+                raise LayerNotReady(f"layer {layer} of block {i} ({keys[i][:8].hex()}…) has not "
+                                    f"landed yet; pass timeout= to wait for it")
+
+    async def _wait_ready(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
+                          timeout: float) -> np.ndarray:
+        """Wait (event-driven poll) until every key is present and has the layer / is READY."""
+        deadline = waits.deadline_ns(timeout)
+        self.stats.layer_waits += 1
+        m, g = self.mem, self.geo
+        for _ in range(3):  # brief in-loop spin: the common case is "already there"
+            if self._satisfied(snap, layer):
+                return snap
+            await asyncio.sleep(0)
+            snap = self.index.snapshot(words)
+        stop = np.zeros(1, dtype=np.uint8)
+        if (snap[:, 0] < 0).any():
+            found = await waits.run_poll(waits.poll_present, m, g.entries_offset, self.index.mask,
+                                         g.max_probe, words, deadline, stop)
+            if not found:
+                raise TransferTimeout(f"blocks did not appear within {timeout} s")
+            snap = self.index.snapshot(words)
+        if not self._satisfied(snap, layer):
+            word, bit = (0, 0) if layer is None else divmod(layer, 64)
+            tmp = np.zeros((words.shape[0], 4), dtype=np.int64)
+            if layer is None:
+                # all layers: wait for the last one, then re-check READY
+                word, bit = divmod(self.layout.num_layers - 1, 64)
+            r = await waits.run_poll(waits.poll_layers, m, g.entries_offset, snap[:, 0].copy(),
+                                     word, np.uint64(1 << bit), deadline, stop, tmp)
+            snap = self.index.snapshot(words)
+            if r == 0 and not self._satisfied(snap, layer):
+                raise TransferTimeout(f"{'layer ' + str(layer) if layer is not None else 'blocks'} "
+                                      f"not produced within {timeout} s")
+            if layer is None and not self._satisfied(snap, layer):
+                # the last layer landed; READY follows in the same publish call
+                for _ in range(100):
+                    await asyncio.sleep(0)
+                    snap = self.index.snapshot(words)
+                    if self._satisfied(snap, layer):
+                        break
+        return snap
+
+    @staticmethod
+    def _satisfied(snap: np.ndarray, layer: int | None) -> bool:
+        if (snap[:, 0] < 0).any():
+            return False
+        if layer is None:
+            return bool((snap[:, 2] == ix.READY).all())
+        word, bit = divmod(layer, 64)
+        return bool(((snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)).all())
+
+    async def _consume(self, keys: list[bytes], words: np.ndarray, slots: np.ndarray,
+                       versions: np.ndarray, layer: int | None) -> None:
+        """Transfer-only mode: free blocks once their consumer has read every layer."""
+        done = []
+        for i, k in enumerate(keys):
+            if layer is None:
+                done.append(i)
+            else:
+                seen = self._consumed_layers.get(k, 0) | (1 << layer)
+                if seen == (1 << self.layout.num_layers) - 1:
+                    self._consumed_layers.pop(k, None)
+                    done.append(i)
+                else:
+                    self._consumed_layers[k] = seen
+        if not done:
+            return
+        await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
+        try:
+            check = np.zeros(len(done), dtype=np.bool_)
+            ix.revalidate_batch(self.mem, self.geo.entries_offset, slots[done], versions[done], check)
+            for j, i in enumerate(done):
+                if check[j]:
+                    self._evict_locked(int(slots[i]))
+                    self.stats.consumed += 1
+        finally:
+            self.lock.release()
+
+    # -- maintenance (under the lock) ---------------------------------------------------------
+    def _flush_touches_locked(self) -> None:
+        if not self._touches:
+            return
+        slots = np.fromiter(self._touches.keys(), dtype=np.int64)
+        versions = np.fromiter(self._touches.values(), dtype=np.int64)
+        self._touches.clear()
+        ix.touch_batch(self.mem, self.geo.entries_offset, slots, versions, time.time_ns())
+
+    async def maintain(self, timeout: float) -> None:
+        """Flush LRU touches, free expired transfer-only blocks, drain returned slots."""
+        self.alloc.drain_returns()
+        expired_possible = self.cfg.mode == "transfer"
+        if not self._touches and not expired_possible:
+            return
+        await self._locked(timeout)
+        try:
+            self._flush_touches_locked()
+            if expired_possible:
+                now = time.time_ns()
+                table = self.index.scan()
+                hit = np.flatnonzero((table[:, 0] == ix.READY) & ((table[:, 4] & ix.FLAG_TRANSFER) != 0)
+                                     & (table[:, 5] <= now))
+                for slot in hit.tolist():
+                    self._evict_locked(int(slot))
+                    self.stats.expired += 1
+        finally:
+            self.lock.release()
+
+    def on_reclaim(self, node_id: int, spans: list[tuple[int, int]]) -> None:
+        """Allocator hook (under the lock): a dead node's chunks go away; so do their entries."""
+        table = self.index.scan()
+        live = (table[:, 0] == ix.READY) | (table[:, 0] == ix.RESERVED)
+        for start, nbytes in spans:
+            inside = live & (table[:, 1] >= start) & (table[:, 1] < start + nbytes)
+            for slot in np.flatnonzero(inside).tolist():
+                ix.evict_slot(self.mem, self.geo.entries_offset, int(slot))
+                self.stats.reclaimed_entries += 1
+
+    async def close(self, timeout: float) -> None:
+        """Evict unfinished reservations and this node's blocks, return chunks."""
+        await self._locked(timeout)
+        try:
+            for r in self._reserved.values():
+                self._evict_locked(r.slot)
+            self._reserved.clear()
+            table = self.index.scan()
+            mine = np.flatnonzero(((table[:, 0] == ix.READY) | (table[:, 0] == ix.RESERVED))
+                                  & ((table[:, 6] & 0xFFFF) == self.node_id))
+            for slot in mine.tolist():
+                self._evict_locked(int(slot))
+        finally:
+            self.lock.release()
+        await self.alloc.close(self.lock, timeout=timeout)
