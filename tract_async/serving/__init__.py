@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "tiny_llama_config": "model",
     "weights_digest": "model",
     "decode_streaming": "streaming",
+    "generate_streaming": "streaming",
     "prefill_streaming": "streaming",
     "ByteTokenizer": "tokenizer",
     "render_chat": "tokenizer",
@@ -67,5 +68,5 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from tract_async.serving.model import (KVGeometry, PrefillResult, build_model, decode,
                                            kv_layout_for, llama3_8b_config, prefill,
                                            reference_generate, tiny_llama_config, weights_digest)
-    from tract_async.serving.streaming import decode_streaming, prefill_streaming
+    from tract_async.serving.streaming import decode_streaming, generate_streaming, prefill_streaming
     from tract_async.serving.tokenizer import ByteTokenizer, render_chat

@@ -332,11 +332,14 @@ def greedy_continue(
     max_new_tokens: int,
     eos_token_id: int | None,
     should_stop: Callable[[], None] | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Greedy tokens after ``first_token`` given a cache holding everything before it.
 
     Returns ``[first_token, ...]``, at most ``max_new_tokens`` long, ending at the first EOS.
     ``should_stop()`` (optional) is checked before each step and may raise to abort.
+    ``on_token(token)`` (optional) is called with each token computed here (not ``first_token``)
+    as soon as it exists.
     """
     tokens: list[int] = []
     token = first_token
@@ -351,6 +354,8 @@ def greedy_continue(
             step = torch.tensor([[token]], dtype=torch.long, device=device)
             out = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
             token = int(torch.argmax(out.logits[0, -1]))
+            if on_token is not None:
+                on_token(token)
 
 
 def decode(

@@ -32,9 +32,9 @@ from typing import TypeVar
 import torch
 from transformers import LlamaForCausalLM
 
-from tract_async.serving.errors import KVShapeError, LayerWaitTimeout, TokenIdError
+from tract_async.serving.errors import KVShapeError, LayerWaitTimeout, NothingToCompute, TokenIdError
 from tract_async.serving.kv_cache import build_cache, check_kv
-from tract_async.serving.model import PrefillResult, TokenIds, greedy_continue, prefill
+from tract_async.serving.model import PrefillResult, TokenIds, _as_ids, greedy_continue, prefill
 
 T = TypeVar("T")
 
@@ -167,6 +167,40 @@ async def prefill_streaming(
     return result
 
 
+def _layer_fetcher(
+    model: LlamaForCausalLM,
+    get_layer: GetLayer,
+    past_len: int,
+    layer_timeout: float | None,
+    abort: _Abort,
+    loop: asyncio.AbstractEventLoop,
+) -> Callable[[int], torch.Tensor]:
+    """The thread-side ``fetch(i)`` of a cache whose past arrives layer by layer: it runs
+    ``get_layer(i)`` on the loop under ``layer_timeout``, checks the tensor and keeps the first
+    ``past_len`` tokens."""
+    cfg = model.config
+    dtype = model.lm_head.weight.dtype
+
+    async def fetch_layer(layer_index: int) -> torch.Tensor:
+        try:
+            async with asyncio.timeout(layer_timeout):
+                kv_layer = await get_layer(layer_index)
+        except TimeoutError as exc:
+            raise LayerWaitTimeout(
+                f"layer {layer_index}: no KV within {layer_timeout} s"
+            ) from exc
+        if not isinstance(kv_layer, torch.Tensor):
+            raise KVShapeError(f"get_layer({layer_index}) returned {type(kv_layer).__name__}, not a tensor")
+        check_kv(kv_layer, num_layers=None, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                 dtype=dtype, min_tokens=past_len, what=f"get_layer({layer_index})")
+        return kv_layer[:, :past_len]
+
+    def fetch(layer_index: int) -> torch.Tensor:
+        return abort.submit(fetch_layer(layer_index), loop)
+
+    return fetch
+
+
 async def decode_streaming(
     model: LlamaForCausalLM,
     get_layer: GetLayer,
@@ -204,24 +238,7 @@ async def decode_streaming(
         return []
     loop = asyncio.get_running_loop()
     abort = _Abort()
-    dtype = model.lm_head.weight.dtype
-
-    async def fetch_layer(layer_index: int) -> torch.Tensor:
-        try:
-            async with asyncio.timeout(layer_timeout):
-                kv_layer = await get_layer(layer_index)
-        except TimeoutError as exc:
-            raise LayerWaitTimeout(
-                f"layer {layer_index}: no KV within {layer_timeout} s"
-            ) from exc
-        if not isinstance(kv_layer, torch.Tensor):
-            raise KVShapeError(f"get_layer({layer_index}) returned {type(kv_layer).__name__}, not a tensor")
-        check_kv(kv_layer, num_layers=None, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                 dtype=dtype, min_tokens=prompt_len, what=f"get_layer({layer_index})")
-        return kv_layer[:, :prompt_len]
-
-    def fetch(layer_index: int) -> torch.Tensor:
-        return abort.submit(fetch_layer(layer_index), loop)
+    fetch = _layer_fetcher(model, get_layer, prompt_len, layer_timeout, abort, loop)
 
     def compute() -> list[int]:
         cache = build_cache(cfg.num_hidden_layers, pending_past_len=prompt_len, fetch=fetch)
@@ -234,4 +251,72 @@ async def decode_streaming(
         # The thread only aborts when a fetch failed or we were cancelled; a cancellation is
         # re-raised by _run_in_thread itself, so reaching here means a fetch future was cancelled
         # from the outside (e.g. the loop is closing).
+        raise asyncio.CancelledError() from None
+
+
+async def generate_streaming(
+    model: LlamaForCausalLM,
+    input_ids: TokenIds,
+    *,
+    get_layer: GetLayer,
+    past_len: int,
+    max_new_tokens: int,
+    on_token: Callable[[int], object] | None = None,
+    eos_token_id: int | None = None,
+    layer_timeout: float | None = None,
+) -> list[int]:
+    """Greedy generation for a prompt whose first ``past_len`` tokens' KV arrive layer by layer.
+
+    What a decode worker runs when only *full blocks* travel (only they have keys): the first
+    forward pass computes the prompt tokens after ``past_len`` (the partial last block; at least
+    the last token, whose logits give the first generated token), and its layer ``i`` awaits
+    ``get_layer(i)`` (``(2, >= past_len, kv_heads, head_dim)``) just before that layer's
+    attention, so it overlaps a prefill still producing later layers. The following steps are
+    plain greedy decode. ``on_token(token)`` is called on the loop as soon as each token exists
+    (the first one included), so a server can stream it while the next step computes. With
+    ``past_len == 0`` the whole prompt is computed here and ``get_layer`` is never called.
+
+    Returns the generated tokens (the first one included), as
+    :func:`~tract_async.serving.model.reference_generate` does for the same prompt.
+
+    Raises:
+        NothingToCompute: ``past_len >= len(prompt)``; at least the last token is computed here.
+        TokenIdError: bad prompt ids.
+        LayerWaitTimeout, KVShapeError, ValueError, and whatever ``get_layer`` raises, as
+        :func:`decode_streaming`.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    ids = _as_ids(input_ids, model.config.vocab_size)
+    if not 0 <= past_len < len(ids):
+        raise NothingToCompute(f"past_len={past_len} must be in [0, {len(ids)}): the last prompt "
+                               f"token is computed here to produce the first generated token")
+    if max_new_tokens == 0:
+        return []
+    loop = asyncio.get_running_loop()
+    abort = _Abort()
+    num_layers = model.config.num_hidden_layers
+    device = model.lm_head.weight.device
+    if past_len > 0:
+        fetch = _layer_fetcher(model, get_layer, past_len, layer_timeout, abort, loop)
+        cache = build_cache(num_layers, pending_past_len=past_len, fetch=fetch)
+    else:
+        cache = build_cache(num_layers)
+
+    def emit(token: int) -> None:
+        if on_token is not None:
+            loop.call_soon_threadsafe(on_token, token)
+
+    def compute() -> list[int]:
+        tail = torch.tensor([ids[past_len:]], dtype=torch.long, device=device)
+        with torch.no_grad():
+            out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=1)
+        first = int(torch.argmax(out.logits[0, -1]))
+        emit(first)
+        return greedy_continue(model, cache, first, max_new_tokens=max_new_tokens,
+                               eos_token_id=eos_token_id, should_stop=abort.check, on_token=emit)
+
+    try:
+        return await _run_in_thread(compute, abort)
+    except _Aborted:
         raise asyncio.CancelledError() from None
