@@ -1,0 +1,502 @@
+"""The two-tier allocator: per-node heaps of KV-block slots over globally claimed chunks.
+
+Tier 1, global (``chunks.py``): fixed-size chunks (default 2 MiB) claimed from a bitmap in the
+region under the global lock, each with an owner record. Tier 2, per node (this module): a node
+carves each of its chunks into slots of one size class and hands slots out from private free
+lists without any lock, so the common allocation costs one flushed store.
+
+Size classes. A chunk serves one slot size, chosen when it is carved: by default the powers of
+two from ``min_slot_bytes`` up to ``chunk_bytes`` (a 3 KiB request takes a 4 KiB slot), or the
+exact sizes passed as ``size_classes`` (e.g. one per KV layout: a tiny model's few-KiB blocks,
+Llama-3-8B's 64 KiB layer blocks or 2 MiB whole blocks). A block is at most one chunk.
+
+Who writes what (layouts in ``layout.py``):
+* ``HEAP_META`` and ``HEAP_BITS`` of a chunk: its owner node only. The used-bit of a slot is set
+  (stored, flushed) before the slot is returned to the caller, and cleared when it is freed
+  back, so the region always records which slots are in use; the free lists are a private
+  cache of the clear bits. Nobody else reads these lines except ``fsck`` and recovery.
+* Return rings, one per (owner, sender) pair: a slot of node O freed by node S is pushed by S
+  onto ring (O, S): entry stored and flushed, then ``head += 1`` stored and flushed (publish
+  order: an entry is visible before the head that covers it). O pops in ``drain_returns``:
+  invalidate head, read entries, clear the used-bits, then ``tail = head``, flush. The head line
+  and the entries have one writer (S), the tail line one writer (O). S never overwrites an entry
+  O has not consumed (``head - tail < ring_entries``, tail read fresh); when the ring is full the
+  entry waits in S's private pending list and is retried on S's next call.
+* Entries carry the chunk generation (low 24 bits): a return for a chunk that was reclaimed and
+  claimed again since is recognised and dropped, never applied to the new owner's slot.
+
+Death. A dead node's private free lists die with it; recovery (``chunks.reclaim_dead``, run by
+whoever takes the global lock next) releases all of its chunks, calls the ``on_reclaim`` hooks so
+that the index drops entries into them, and records the reclaimed epoch. An incarnation of a node
+that finds its epoch recorded there (it was paused, not dead) gets ``NodeEvicted`` from every
+later ``alloc``/``free``: its memory belongs to others now. Slots that a *sender* had freed but
+not yet pushed when it died stay marked used in their owner's heap (a leak bounded by the sender's
+pending list, visible in ``fsck`` as used slots, recovered when the owner releases the chunk).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+import tract_kernels as K
+
+from ..errors import AllocationInvalid, AllocationTooLarge, NodeEvicted, RegionFull
+from . import layout as L
+from .chunks import (AllocGeometry, ChunkTable, alloc_geometry, sections_for,  # noqa: F401
+                     S_COUNT_READ)
+from .nodes import DEFAULT_LIVENESS_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from .region import Region
+
+S_HEAP_FLUSH = K.site("alloc.heap.flush")
+S_HEAP_READ = K.site("alloc.heap.invalidate")
+S_RING_ENTRY_FLUSH = K.site("alloc.ring.entry.flush")
+S_RING_ENTRY_READ = K.site("alloc.ring.entry.invalidate")
+S_RING_HEAD_FLUSH = K.site("alloc.ring.head.flush")
+S_RING_HEAD_READ = K.site("alloc.ring.head.invalidate")
+S_RING_TAIL_FLUSH = K.site("alloc.ring.tail.flush")
+S_RING_TAIL_READ = K.site("alloc.ring.tail.invalidate")
+
+GEN_MASK = 0xFFFFFF
+_H = {n: L.HEAP_META.dtype.fields[n][1] for n in ("slot_bytes", "nslots", "generation", "used")}
+
+
+def encode_entry(generation: int, chunk: int, slot: int) -> int:
+    """A return-ring entry (never 0: generations start at 1)."""
+    return ((generation & GEN_MASK) << 40) | (chunk << 16) | slot
+
+
+def decode_entry(entry: int) -> tuple[int, int, int]:
+    """(generation & GEN_MASK, chunk, slot) of a return-ring entry."""
+    return entry >> 40, (entry >> 16) & 0xFFFFFF, entry & 0xFFFF
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allocation:
+    """One allocated slot: the allocator's boundary type. Pass it back to ``free``."""
+    offset_bytes: int      # from the region base
+    nbytes: int            # as requested
+    slot_bytes: int        # capacity of the slot
+    owner_node: int        # node whose heap the slot belongs to
+    chunk_index: int
+    slot_index: int
+    generation: int        # chunk generation it was carved under
+    token: int             # fencing token of the chunk's claim
+
+
+@dataclass(kw_only=True)
+class _Chunk:
+    index: int
+    generation: int
+    token: int
+    slot_bytes: int
+    nslots: int
+    used: np.ndarray                      # bool[nslots]
+    free: list[int] = field(default_factory=list)
+
+    @property
+    def nused(self) -> int:
+        return self.nslots - len(self.free)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllocStatistics:
+    chunks: int
+    slots_used: int
+    bytes_used: int
+    by_class: dict[int, tuple[int, int]]      # slot_bytes -> (chunks, used slots)
+    returns_sent: int
+    returns_received: int
+    returns_dropped: int
+    returns_pending: int
+    chunk_claims: int
+    chunk_releases: int
+    reclaimed: int
+
+
+class Allocator:
+    """The allocator of ``region`` for node ``node_handle``: see the module docstring.
+
+    ``size_classes``: exact slot sizes to serve (multiples of 64 bytes, at most ``chunk_bytes``);
+    default powers of two from the region's ``min_slot_bytes``. ``keep_free_chunks``: empty
+    chunks per class kept when trimming. ``on_reclaim(node_id, [(offset_bytes, nbytes), ...])``
+    runs under the global lock before a dead node's chunks are released. ``fault_hook(point)``
+    is for crash tests.
+    """
+
+    def __init__(self, region: "Region", node_handle: Any, *,
+                 size_classes: Sequence[int] | None = None, keep_free_chunks: int = 1,
+                 liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
+                 on_reclaim: Callable[[int, list[tuple[int, int]]], None] | None = None,
+                 fault_hook: Callable[[str], None] | None = None) -> None:
+        self._region = region
+        self.geo: AllocGeometry = alloc_geometry(region)
+        self.table = ChunkTable(region, fault_hook=fault_hook)
+        self.node_id = int(node_handle.node_id)
+        self.epoch = int(node_handle.epoch)
+        self.liveness_timeout_s = liveness_timeout_s
+        self.keep_free_chunks = keep_free_chunks
+        self.on_reclaim = on_reclaim
+        g = self.geo
+        if size_classes is None:
+            classes, s = [], g.min_slot_bytes
+            while s <= g.chunk_bytes:
+                classes.append(s)
+                s *= 2
+        else:
+            classes = sorted(set(int(c) for c in size_classes))
+            for c in classes:
+                if c <= 0 or c % 64 or c > g.chunk_bytes or g.chunk_bytes // c > 65535 \
+                        or g.chunk_bytes // c > g.heap_bitmap_lines * 512:
+                    raise ValueError(f"size class {c}: must be a multiple of 64 bytes, at most "
+                                     f"chunk_bytes={g.chunk_bytes}, and give at most "
+                                     f"{g.heap_bitmap_lines * 512} slots per chunk")
+        self.size_classes: tuple[int, ...] = tuple(classes)
+        self._chunks: dict[int, _Chunk] = {}
+        self._free: dict[int, list[int]] = {c: [] for c in classes}   # class -> chunk indices
+        self._ring_head = np.zeros(g.max_nodes, dtype=np.int64)         # rings (o, me)
+        self._ring_tail = np.zeros(g.max_nodes, dtype=np.int64)         # rings (me, s)
+        m = region.mem
+        for other in range(g.max_nodes):
+            off_out = g.ring_off(other, self.node_id)
+            self._ring_head[other] = int(K.load_fresh(m, off_out, S_RING_HEAD_READ))
+            off_in = g.ring_off(self.node_id, other)
+            self._ring_tail[other] = int(K.load_fresh(m, off_in + 64, S_RING_TAIL_READ))
+        self._pending: dict[int, list[int]] = {}
+        self._sent = self._received = self._dropped = 0
+        self._claims = self._releases = self._reclaimed = 0
+
+    # -- helpers ----------------------------------------------------------------------------
+    def class_for(self, nbytes: int) -> int:
+        """The slot size serving ``nbytes``. Raises AllocationTooLarge, ValueError."""
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        for c in self.size_classes:
+            if c >= nbytes:
+                return c
+        raise AllocationTooLarge(f"{nbytes} bytes exceed the largest slot "
+                                 f"({self.size_classes[-1]} bytes, chunk_bytes="
+                                 f"{self.geo.chunk_bytes}); create the region with larger chunks")
+
+    def _check_not_fenced(self) -> None:
+        ep = int(K.load_fresh(self._region.mem, self.geo.count_off(self.node_id) + 8, S_COUNT_READ))
+        if ep >= self.epoch:
+            raise NodeEvicted(f"node {self.node_id} (epoch {self.epoch}) was judged dead and its "
+                              f"chunks were reclaimed: rejoin before allocating again")
+
+    def _write_heap_word(self, c: _Chunk, slot: int) -> None:
+        """Publish the bitmap word holding ``slot`` and the used count (owner-only lines)."""
+        m = self._region.mem
+        base = self.geo.heap_off(c.index)
+        w = slot // 64
+        word = np.packbits(c.used[w * 64:(w + 1) * 64], bitorder="little")
+        val = int.from_bytes(word.tobytes().ljust(8, b"\0"), "little")
+        off = base + L.LINE_BYTES + w * 8
+        K.store(m, off, np.uint64(val))
+        K.flush(m, off, S_HEAP_FLUSH)
+        K.store(m, base + _H["used"], c.nused)
+        K.flush(m, base, S_HEAP_FLUSH)
+        K.full_fence(m)
+
+    # -- allocation -------------------------------------------------------------------------
+    def alloc_nowait(self, nbytes: int) -> Allocation | None:
+        """A slot from this node's free lists, or None when a new chunk is needed.
+
+        Never blocks, takes no lock. Raises AllocationTooLarge, NodeEvicted.
+        """
+        cls = self.class_for(nbytes)
+        self._check_not_fenced()
+        if not self._free[cls]:
+            self.drain_returns()
+            if not self._free[cls]:
+                return None
+        c = self._chunks[self._free[cls][-1]]
+        slot = c.free.pop()
+        if not c.free:
+            self._free[cls].pop()
+        c.used[slot] = True
+        self._write_heap_word(c, slot)
+        return Allocation(offset_bytes=self.geo.chunk_off(c.index) + slot * c.slot_bytes,
+                          nbytes=nbytes, slot_bytes=c.slot_bytes, owner_node=self.node_id,
+                          chunk_index=c.index, slot_index=slot, generation=c.generation,
+                          token=c.token)
+
+    async def alloc(self, nbytes: int, lock: Any, *, timeout: float | None = None) -> Allocation:
+        """A slot; claims a chunk under ``lock`` (the global lock, index 0) when needed.
+
+        Raises RegionFull (no free chunk, even after returning this node's empty chunks),
+        AllocationTooLarge, LockTimeout, LockRevoked, NodeEvicted.
+        """
+        a = self.alloc_nowait(nbytes)
+        if a is not None:
+            return a
+        await lock.acquire(timeout=timeout)
+        try:
+            return self.alloc_locked(nbytes, lock)
+        finally:
+            lock.release()
+
+    def alloc_locked(self, nbytes: int, lock: Any) -> Allocation:
+        """``alloc`` for a caller that already holds ``lock``. Raises as ``alloc``."""
+        a = self.alloc_nowait(nbytes)
+        if a is not None:
+            return a
+        cls = self.class_for(nbytes)
+        self.recover_locked(lock)
+        got = self.table.claim(self.node_id, self.epoch, lock.token, lock.check_token)
+        if got is None and self._trim_locked(lock, keep=0):
+            got = self.table.claim(self.node_id, self.epoch, lock.token, lock.check_token)
+        if got is None:
+            raise RegionFull(f"no free chunk of {self.geo.chunk_bytes} bytes left in "
+                             f"{self._region.path} ({self.geo.nchunks} chunks) for a "
+                             f"{nbytes}-byte block")
+        self._claims += 1
+        self._carve(got[0], got[1], cls, lock.token)
+        a = self.alloc_nowait(nbytes)
+        assert a is not None, "allocator: a freshly carved chunk has no free slot"
+        return a
+
+    def _carve(self, chunk: int, generation: int, slot_bytes: int, token: int) -> None:
+        g, m = self.geo, self._region.mem
+        nslots = g.chunk_bytes // slot_bytes
+        base = g.heap_off(chunk)
+        for w in range(g.heap_bitmap_lines * 8):
+            K.store(m, base + L.LINE_BYTES + 8 * w, 0)
+        for name, v in (("slot_bytes", slot_bytes), ("nslots", nslots),
+                        ("generation", generation), ("used", 0)):
+            K.store(m, base + _H[name], v)
+        K.flush_range(m, base, (1 + g.heap_bitmap_lines) * L.LINE_BYTES, S_HEAP_FLUSH)
+        K.full_fence(m)
+        c = _Chunk(index=chunk, generation=generation, token=token, slot_bytes=slot_bytes,
+                   nslots=nslots, used=np.zeros(nslots, dtype=bool),
+                   free=list(range(nslots - 1, -1, -1)))
+        self._chunks[chunk] = c
+        self._free[slot_bytes].append(chunk)
+
+    # -- free -------------------------------------------------------------------------------
+    def free(self, allocation: Allocation) -> bool:
+        """Give a slot back: to this node's free list, or home through the owner's return ring.
+
+        Returns False when the slot's chunk was reclaimed since (its owner died): nothing to do.
+        Raises AllocationInvalid (double free, not an allocation of this region), NodeEvicted.
+        """
+        a = allocation
+        g = self.geo
+        if not (0 <= a.chunk_index < g.nchunks and 0 <= a.owner_node < g.max_nodes
+                and a.offset_bytes == g.chunk_off(a.chunk_index) + a.slot_index * a.slot_bytes):
+            raise AllocationInvalid(f"{a!r} is not an allocation of {self._region.path}")
+        self._check_not_fenced()
+        if a.owner_node == self.node_id:
+            self._free_local(a.chunk_index, a.slot_index, a.generation, strict=True)
+            return True
+        self._flush_pending()
+        if self.table.generation(a.chunk_index) != a.generation:
+            self._dropped += 1
+            return False
+        entry = encode_entry(a.generation, a.chunk_index, a.slot_index)
+        if self._pending.get(a.owner_node) or not self._push(a.owner_node, entry):
+            self._pending.setdefault(a.owner_node, []).append(entry)
+        return True
+
+    def _free_local(self, chunk: int, slot: int, generation: int, *, strict: bool) -> bool:
+        c = self._chunks.get(chunk)
+        if c is None or (c.generation & GEN_MASK) != (generation & GEN_MASK) \
+                or not 0 <= slot < c.nslots or not c.used[slot]:
+            if strict:
+                raise AllocationInvalid(f"free of chunk {chunk} slot {slot} (generation "
+                                        f"{generation}) on node {self.node_id}: not allocated "
+                                        f"(double free or stale allocation)")
+            return False
+        c.used[slot] = False
+        if not c.free:
+            self._free[c.slot_bytes].append(chunk)
+        c.free.append(slot)
+        self._write_heap_word(c, slot)
+        return True
+
+    def _push(self, owner: int, entry: int) -> bool:
+        g, m = self.geo, self._region.mem
+        off = g.ring_off(owner, self.node_id)
+        head = int(self._ring_head[owner])
+        tail = int(K.load_fresh(m, off + 64, S_RING_TAIL_READ))
+        if head - tail >= g.ring_entries:
+            return False
+        eoff = off + 128 + (head % g.ring_entries) * 8
+        K.store(m, eoff, entry)                       # 1. the entry
+        K.flush(m, eoff, S_RING_ENTRY_FLUSH)
+        K.store_fence(m)
+        K.store(m, off, head + 1)                     # 2. then the head that covers it
+        K.flush(m, off, S_RING_HEAD_FLUSH)
+        K.full_fence(m)
+        self._ring_head[owner] = head + 1
+        self._sent += 1
+        return True
+
+    def _flush_pending(self) -> None:
+        for owner, entries in list(self._pending.items()):
+            while entries:
+                gen, chunk, _slot = decode_entry(entries[0])
+                if (self.table.generation(chunk) & GEN_MASK) != gen:
+                    entries.pop(0)        # the owner's chunk was reclaimed meanwhile
+                    self._dropped += 1
+                    continue
+                if not self._push(owner, entries[0]):
+                    break
+                entries.pop(0)
+            if not entries:
+                del self._pending[owner]
+
+    def drain_returns(self) -> int:
+        """Take back the slots other nodes freed (every return ring into this node)."""
+        g, m = self.geo, self._region.mem
+        got = 0
+        for sender in range(g.max_nodes):
+            if sender == self.node_id:
+                continue
+            off = g.ring_off(self.node_id, sender)
+            head = int(K.load_fresh(m, off, S_RING_HEAD_READ))
+            tail = int(self._ring_tail[sender])
+            if head == tail:
+                continue
+            while tail < head:
+                entry = int(K.load_fresh(m, off + 128 + (tail % g.ring_entries) * 8,
+                                         S_RING_ENTRY_READ))
+                gen, chunk, slot = decode_entry(entry)
+                if self._free_local(chunk, slot, gen, strict=False):
+                    got += 1
+                else:
+                    self._dropped += 1
+                tail += 1
+            K.store(m, off + 64, tail)
+            K.flush(m, off + 64, S_RING_TAIL_FLUSH)
+            K.full_fence(m)
+            self._ring_tail[sender] = tail
+        self._received += got
+        if self._pending:
+            self._flush_pending()
+        return got
+
+    # -- chunk housekeeping (under the global lock) -------------------------------------------
+    def recover_locked(self, lock: Any) -> list[str]:
+        """Finish a pending journal and reclaim dead nodes' chunks; what was done."""
+        done = []
+        j = self.table.recover_journal(lock.check_token)
+        if j:
+            done.append(j)
+        nodes = self._region.nodes.all(timeout_s=self.liveness_timeout_s)
+        rec = self.table.reclaim_dead(nodes, lock.token, lock.check_token, self.on_reclaim)
+        for node, n in rec.items():
+            self._reclaimed += n
+            done.append(f"reclaimed {n} chunks of dead node {node}")
+        return done
+
+    async def recover(self, lock: Any, *, timeout: float | None = None) -> list[str]:
+        """Take the lock and run recovery (``recover_locked``)."""
+        await lock.acquire(timeout=timeout)
+        try:
+            return self.recover_locked(lock)
+        finally:
+            lock.release()
+
+    def _trim_locked(self, lock: Any, *, keep: int) -> int:
+        released = 0
+        for cls in self.size_classes:
+            empty = [ci for ci in self._free[cls] if self._chunks[ci].nused == 0]
+            for ci in empty[keep:]:
+                self._free[cls].remove(ci)
+                c = self._chunks.pop(ci)
+                K.store_flush(self._region.mem, self.geo.heap_off(ci) + _H["slot_bytes"], 0,
+                              S_HEAP_FLUSH)
+                self.table.release(c.index, self.node_id, self.epoch, lock.token,
+                                   lock.check_token)
+                released += 1
+        self._releases += released
+        return released
+
+    async def trim(self, lock: Any, *, keep: int | None = None,
+                   timeout: float | None = None) -> int:
+        """Return empty chunks beyond ``keep`` per class (default ``keep_free_chunks``)."""
+        await lock.acquire(timeout=timeout)
+        try:
+            return self._trim_locked(lock, keep=self.keep_free_chunks if keep is None else keep)
+        finally:
+            lock.release()
+
+    async def close(self, lock: Any, *, timeout: float | None = None) -> int:
+        """Deliver pending returns, take back returned slots, release every empty chunk.
+
+        Chunks with slots still in use stay owned (recovery reclaims them when the node dies).
+        Returns the number of chunks released.
+        """
+        self.drain_returns()
+        return await self.trim(lock, keep=0, timeout=timeout)
+
+    # -- introspection ------------------------------------------------------------------------
+    def owned_chunks(self) -> list[int]:
+        return sorted(self._chunks)
+
+    def self_check(self) -> list[str]:
+        """Compare this node's private heap state with the region; the problems found."""
+        g, m = self.geo, self._region.mem
+        problems = []
+        owners = self.table.owners()
+        for ci, c in self._chunks.items():
+            rec = owners[ci]
+            if int(rec["owner"]) != self.node_id + 1 or int(rec["generation"]) != c.generation:
+                problems.append(f"chunk {ci}: owner record {int(rec['owner']) - 1} gen "
+                                f"{int(rec['generation'])}, private gen {c.generation}")
+            raw = np.zeros((1 + g.heap_bitmap_lines) * 64, dtype=np.uint8)
+            K.read_bytes(m, g.heap_off(ci), raw.ctypes.data, raw.size, S_HEAP_READ)
+            bits = np.unpackbits(raw[64:], bitorder="little")[:c.nslots].astype(bool)
+            if not np.array_equal(bits, c.used):
+                problems.append(f"chunk {ci}: region bitmap differs from the private one")
+            if set(c.free) & set(np.flatnonzero(c.used).tolist()):
+                problems.append(f"chunk {ci}: a slot is both free and in use")
+            if len(set(c.free)) != len(c.free):
+                problems.append(f"chunk {ci}: a slot is twice on the free list")
+        return problems
+
+    def statistics(self) -> AllocStatistics:
+        by: dict[int, tuple[int, int]] = {}
+        for c in self._chunks.values():
+            n, u = by.get(c.slot_bytes, (0, 0))
+            by[c.slot_bytes] = (n + 1, u + c.nused)
+        return AllocStatistics(
+            chunks=len(self._chunks), slots_used=sum(u for _, u in by.values()),
+            bytes_used=sum(s * u for s, (_, u) in by.items()), by_class=by,
+            returns_sent=self._sent, returns_received=self._received,
+            returns_dropped=self._dropped,
+            returns_pending=sum(len(v) for v in self._pending.values()),
+            chunk_claims=self._claims, chunk_releases=self._releases, reclaimed=self._reclaimed)
+
+
+def heap_record(region: "Region", geo: AllocGeometry, chunk: int) -> tuple[dict[str, int],
+                                                                            np.ndarray]:
+    """(meta fields, bool used-bits) of one chunk's heap, fresh from memory (fsck, usage)."""
+    raw = np.zeros((1 + geo.heap_bitmap_lines) * 64, dtype=np.uint8)
+    K.read_bytes(region.mem, geo.heap_off(chunk), raw.ctypes.data, raw.size, S_HEAP_READ)
+    meta = raw[:64].view(L.HEAP_META.dtype)[0]
+    bits = np.unpackbits(raw[64:], bitorder="little").astype(bool)
+    return {n: int(meta[n]) for n in _H}, bits
+
+
+def ring_state(region: "Region", geo: AllocGeometry, owner: int, sender: int
+               ) -> tuple[int, int, list[int]]:
+    """(head, tail, pending entries) of ring (owner, sender), fresh from memory."""
+    m = region.mem
+    off = geo.ring_off(owner, sender)
+    head = int(K.load_fresh(m, off, S_RING_HEAD_READ))
+    tail = int(K.load_fresh(m, off + 64, S_RING_TAIL_READ))
+    entries = []
+    if 0 <= head - tail <= geo.ring_entries:
+        for k in range(tail, head):
+            entries.append(int(K.load_fresh(m, off + 128 + (k % geo.ring_entries) * 8,
+                                            S_RING_ENTRY_READ)))
+    return head, tail, entries
+
+
+__all__ = ["Allocation", "AllocStatistics", "Allocator", "AllocGeometry", "alloc_geometry",
+           "decode_entry", "encode_entry", "heap_record", "ring_state", "sections_for"]

@@ -1,0 +1,283 @@
+"""GlobalLock: the rack-wide lock without atomics, waiter side.
+
+Two tiers (TraCT section "two-tier inter-node locking"). First the node-local tier
+(``local.py``: an asyncio lock, then an OFD byte lock of the region file) lets at most one
+contender per node reach the region. Then the global tier (``slots.py``): post W on this node's
+request line, wait until the lock manager (``manager.py``) writes this request's number into this
+node's grant line, hold, post I. The protocol, its lines and writers, and the fencing argument
+are in ``slots.py``; this module is the asyncio shape around it.
+
+Waiting: the grant is first polled in the event loop for ``PollPolicy.loop_spin_s`` (yielding to
+other tasks between polls: the cheap path when the manager is quick), then from a worker thread
+in slices of ``slice_s`` (a nogil jitted poll: ``sched_yield`` for ``thread_spin_s``, then
+``usleep`` doubling up to ``sleep_us_max``), returning to the loop between slices so that a
+deadline or a cancellation is honoured within one slice. A request that times out or is
+cancelled is withdrawn (``rel_seq = req_seq``); if the grant raced the withdrawal, the manager
+sees the withdrawal as a release, so the lock is never left held by nobody.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+from ..errors import LockBusy, LockNotHeld, LockRevoked, LockTimeout
+from ..region import nodes as nodes_mod
+from . import slots as S
+from .local import NodeLocalLock
+
+
+@dataclass(frozen=True, kw_only=True)
+class PollPolicy:
+    """How a waiter polls for its grant (see the module docstring).
+
+    Defaults follow the 2-core measurements: a short in-loop phase, then a thread that yields
+    for a while and sleeps after that, so that idle waiters cost little CPU.
+    """
+    loop_spin_s: float = 50e-6
+    thread_spin_s: float = 500e-6
+    sleep_us_max: int = 200
+    slice_s: float = 0.005
+    nowait_s: float = 0.002
+
+
+@dataclass(frozen=True, kw_only=True)
+class LockStatistics:
+    """A snapshot of one GlobalLock object's counters and the lock's state line."""
+    acquisitions: int
+    timeouts: int
+    busy: int
+    wait_p50_s: float
+    wait_p99_s: float
+    wait_max_s: float
+    holder: int | None          # node id named by the manager's state line, None when free
+    token: int                  # current/last token in the state line
+    grants: int                 # grants issued by all managers
+    revocations: int            # holders revoked for a stale heartbeat
+    held_by_me: bool
+
+
+async def run_slice(loop: asyncio.AbstractEventLoop, fn, *args):  # noqa: ANN001, ANN201
+    """Run a bounded nogil poll in a worker thread; on cancellation wait for it to end (at most
+    one slice) before re-raising, so that nobody touches its Mem concurrently."""
+    fut = loop.run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+class GlobalLock:
+    """The rack-wide lock ``lock_index`` of ``region``, used by node ``node_handle``.
+
+    ``node_handle`` is the NodeHandle of this node (from ``region.nodes.join``); a helper process
+    of the same node may pass a copy of it (only ``node_id`` and ``epoch`` are used here).
+    Use ``async with lock:`` or ``await acquire(timeout=...)`` / ``release()``. While held,
+    ``token`` is the fencing token and ``check_token()`` re-validates it before a write batch.
+    """
+
+    def __init__(self, region, node_handle, *, lock_index: int = 0,  # noqa: ANN001
+                 policy: PollPolicy = PollPolicy()) -> None:
+        self._region = region
+        self._geo = S.geometry(region)
+        if not 0 <= lock_index < self._geo.num_locks:
+            raise ValueError(f"lock_index {lock_index} out of range: the region has "
+                             f"{self._geo.num_locks} locks")
+        region.nodes.line_offset(node_handle.node_id)  # raises NodeIdOutOfRange
+        self.node_id = int(node_handle.node_id)
+        self._epoch = int(node_handle.epoch)
+        self.lock_index = lock_index
+        self.policy = policy
+        self._req_off = self._geo.req_off(lock_index, self.node_id)
+        self._grant_off = self._geo.grant_off(lock_index, self.node_id)
+        self._state_off = self._geo.state_off(lock_index)
+        self._local = NodeLocalLock(region.path, lock_index, self.node_id)
+        self._mem = S.private_view(region, 1000 + 64 * lock_index + self.node_id)
+        self._req = 0
+        self._token = 0
+        self._held = False
+        self._acquired_at = 0.0
+        self._waits: collections.deque[float] = collections.deque(maxlen=4096)
+        self._acquisitions = 0
+        self._timeouts = 0
+        self._busy = 0
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    @property
+    def token(self) -> int:
+        """The fencing token of the current hold. Raises LockNotHeld when not held."""
+        if not self._held:
+            raise LockNotHeld(f"lock {self.lock_index} is not held by node {self.node_id}")
+        return self._token
+
+    def locked(self) -> bool:
+        """True while some node holds the lock (reads the manager's state line)."""
+        return self._read_state()["holder"] is not None
+
+    # -- acquire / release --------------------------------------------------------------------
+    async def acquire(self, timeout: float | None = None) -> int:
+        """Wait for the lock; returns the fencing token.
+
+        Raises LockTimeout (``timeout`` seconds passed; nothing is held afterwards),
+        asyncio.CancelledError (the request is withdrawn first).
+        """
+        t0 = time.monotonic()
+        deadline = t0 + (timeout if timeout is not None else 1e9)
+        await self._local.acquire(deadline)
+        try:
+            m = self._mem
+            req = int(S.post_request(m, self._req_off, self._epoch))
+            token = await self._wait_grant(m, req, deadline)
+        except BaseException:
+            self._local.release()
+            raise
+        if token == 0:
+            self._withdraw(req)
+            self._timeouts += 1
+            raise LockTimeout(f"global lock {self.lock_index} not granted to node {self.node_id} "
+                              f"within {timeout} s (is a LockManager running on a live node?)")
+        self._granted(req, token, time.monotonic() - t0)
+        return token
+
+    async def _wait_grant(self, m, req: int, deadline: float) -> int:  # noqa: ANN001
+        pol = self.policy
+        try:
+            spin_end = time.monotonic() + pol.loop_spin_s
+            while True:
+                tok = int(S.poll_grant(m, self._grant_off, req))
+                if tok:
+                    return tok
+                now = time.monotonic()
+                if now >= spin_end or now >= deadline:
+                    break
+                await asyncio.sleep(0)
+            loop = asyncio.get_running_loop()
+            spin_ns = int(pol.thread_spin_s * 1e9)
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    return 0
+                budget = int(min(pol.slice_s, deadline - now) * 1e9)
+                tok = int(await run_slice(loop, S.wait_grant, m, self._grant_off, req, budget,
+                                          spin_ns, pol.sleep_us_max))
+                if tok:
+                    return tok
+                spin_ns = 0  # later slices go straight to the sleeping phase
+        except BaseException:
+            self._withdraw(req)
+            raise
+
+    def acquire_nowait(self) -> int:
+        """Take the lock only if the manager grants it almost at once; returns the token.
+
+        "At once" is up to ``policy.nowait_s`` of polling (the manager must see the request: a
+        lock without atomics cannot be taken with a single instruction). Raises LockBusy.
+        """
+        t0 = time.monotonic()
+        if not self._local.acquire_nowait():
+            self._busy += 1
+            raise LockBusy(f"lock {self.lock_index} is in use on node {self.node_id}")
+        m = self._mem
+        req = int(S.post_request(m, self._req_off, self._epoch))
+        budget = int(self.policy.nowait_s * 1e9)
+        token = int(S.wait_grant(m, self._grant_off, req, budget, budget, 1))
+        if token == 0:
+            self._withdraw(req)
+            self._local.release()
+            self._busy += 1
+            raise LockBusy(f"global lock {self.lock_index} was not granted within "
+                           f"{self.policy.nowait_s} s")
+        self._granted(req, token, time.monotonic() - t0)
+        return token
+
+    def _granted(self, req: int, token: int, waited_s: float) -> None:
+        self._req, self._token, self._held = req, token, True
+        self._acquired_at = time.monotonic()
+        self._acquisitions += 1
+        self._waits.append(waited_s)
+
+    def _withdraw(self, req: int) -> None:
+        S.release(self._mem, self._req_off, req)
+
+    def release(self) -> None:
+        """Release the lock. The critical section's writes must already be flushed by their
+        writer (the kernels' publish rule). Raises LockNotHeld."""
+        if not self._held:
+            raise LockNotHeld(f"release() of lock {self.lock_index} on node {self.node_id}, "
+                              f"which does not hold it")
+        self._held = False
+        self._token = 0
+        try:
+            S.release(self._mem, self._req_off, self._req)
+        finally:
+            self._local.release()
+
+    def check_token(self) -> None:
+        """Re-validate the fencing token against the manager's state line.
+
+        Call it before every batch of metadata writes. Raises LockRevoked (this holder was
+        revoked: stop writing and release), LockNotHeld.
+        """
+        if not self._held:
+            raise LockNotHeld(f"check_token() without holding lock {self.lock_index}")
+        if not S.check_token(self._mem, self._state_off, self.node_id, self._token):
+            raise LockRevoked(f"node {self.node_id}'s token {self._token:#x} for lock "
+                              f"{self.lock_index} was revoked (heartbeat stale?): its writes "
+                              f"are refused")
+
+    def token_valid(self) -> bool:
+        """check_token() as a boolean (False when not held)."""
+        return self._held and bool(S.check_token(self._mem, self._state_off,
+                                                 self.node_id, self._token))
+
+    async def __aenter__(self) -> int:
+        return await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._held:
+            self.release()
+
+    # -- introspection ------------------------------------------------------------------------
+    def _read_state(self) -> dict:
+        import numpy as np
+
+        import tract_kernels as K
+        raw = np.zeros(64, dtype=np.uint8)
+        K.read_bytes(self._mem, self._state_off, raw.ctypes.data, 64, S.S_STATE_READ)
+        rec = raw.view(S.L.LOCK_STATE.dtype)[0]
+        holder = int(rec["holder"])
+        return {"holder": holder - 1 if holder else None, "token": int(rec["token"]),
+                "grants": int(rec["grants"]), "revocations": int(rec["revocations"])}
+
+    def statistics(self) -> LockStatistics:
+        """Counters of this object plus the lock's current holder and revocation count."""
+        st = self._read_state()
+        waits = list(self._waits)
+        return LockStatistics(
+            acquisitions=self._acquisitions, timeouts=self._timeouts, busy=self._busy,
+            wait_p50_s=_pct(waits, 50), wait_p99_s=_pct(waits, 99),
+            wait_max_s=max(waits) if waits else float("nan"), holder=st["holder"],
+            token=st["token"], grants=st["grants"], revocations=st["revocations"],
+            held_by_me=self._held)
+
+    def close(self) -> None:
+        """Release if held and drop the node-local lock's file description. Idempotent."""
+        if self._held:
+            self.release()
+        self._local.close()
+
+
+DEFAULT_LIVENESS_TIMEOUT_S = nodes_mod.DEFAULT_LIVENESS_TIMEOUT_S

@@ -1,0 +1,352 @@
+"""LockManager: the coroutine that grants the global locks, and its election.
+
+One manager grants at a time. Every engine process runs ``LockManager.run()`` in its TaskGroup;
+all of them are *candidates*, and at most one is the *manager* of the current term.
+
+Manager line and terms. The ``MANAGER`` line (``layout.py``) names the manager node, its node
+epoch and the term. A manager is *valid* while that node is live (heartbeat fresh, state LIVE)
+with the same epoch. Candidates poll the line every ``liveness_timeout_s / 4``.
+
+Election (no atomics: Lamport's bakery over the ``MANAGER_CANDIDATE`` lines, one per node, each
+written only by its node). When the manager is missing or invalid, the lowest live candidate
+campaigns at once and the others after ``liveness_timeout_s`` more (so the lowest live node
+manages by default, and a higher one steps in if it fails to). To campaign: ``choosing = 1``,
+flush; ``number = 1 + max(number of live candidates)``, flush; ``choosing = 0``, flush; wait for
+every live node ``j`` with ``choosing`` set to finish, and for every live ``j`` with a smaller
+``(number, j)`` to leave. Inside that critical section re-read the manager line; only if it is
+still missing or invalid write ``manager = me, term + 1``, flush. Then ``number = 0``, flush.
+Nodes judged dead are skipped by the bakery (a dead node's ticket would block it forever); that
+is safe for the same reason the lease below is.
+
+A live manager is never pre-empted: takeover happens only on death (or resignation, when
+``run()`` is cancelled), so terms do not flap.
+
+Lease (why two managers never grant at once). Before *every* grant, release or revocation the
+manager (1) checks its own lease: its node's last heartbeat is younger than
+``liveness_timeout_s / 2``, and (2) re-reads the manager line and finds its own term. Others
+elect a new manager only after this node's heartbeat is older than ``liveness_timeout_s``, by
+which time the old manager has stopped writing for ``liveness_timeout_s / 2``. Residual window:
+a manager thread that passed both checks and then stalls for more than half the liveness timeout
+before its next store (a store that is already in flight when it resumes). Heartbeats must come
+at least every ``liveness_timeout_s / 4`` (``liveness.heartbeat_forever``), and clocks of the
+rack agree within a small fraction of the timeout (NTP/PTP), as for node liveness.
+
+Takeover. The new manager reads every ``LOCK_STATE`` and ``LOCK_GRANT`` line fresh. A holder
+named in a state line keeps the lock (and its token); if its grant line lags the state line (the
+old manager died between the two stores) the grant is re-issued with the recorded token. New
+tokens are ``term << 32 | n``: larger than any token of an older term.
+
+Holder death. Between scan slices the manager reads the node table; a holder whose node is not
+live is revoked: ``holder = 0``, ``revocations += 1``, ``last_revoked_token = token``, flush. Its
+request stays recorded as granted, so it is never granted again; a new process of that node
+withdraws it before requesting (``slots.post_request``).
+
+Polling. The scan runs in a worker thread (``manager_slice``, nogil) for ``slice_s`` at a time:
+``sched_yield`` between scans while the lock saw a request or release within ``spin_s``, then
+``usleep`` doubling to ``sleep_us_max``. Idle, it costs a few percent of one core; busy, it
+yields the core to waiters on every scan (never busy-poll with more pollers than cores).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import tract_kernels as K
+
+from ..errors import NodeEvicted
+from ..region import layout as L
+from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
+from . import slots as S
+from .lock import run_slice
+
+S_CAND_FLUSH = K.site("lock.election.candidate.flush")
+S_CAND_READ = K.site("lock.election.candidate.invalidate")
+S_MGR_FLUSH = K.site("lock.election.manager.flush")
+S_MGR_READ = K.site("lock.election.manager.invalidate")
+
+CHOOSING, NUMBER, CANDIDATE, CAND_EPOCH = 0, 8, 16, 24
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerPolicy:
+    """Polling policy of the manager (see the module docstring)."""
+    spin_s: float = 0.002
+    sleep_us_max: int = 500
+    slice_s: float = 0.01
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerInfo:
+    """The manager line as read from memory."""
+    node_id: int | None
+    term: int
+    epoch: int
+    since_ns: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerStatistics:
+    is_manager: bool
+    term: int | None
+    terms_won: int
+    grants: int
+    revocations: int
+    slices: int
+    step_downs: int
+    self_fenced: int
+
+
+def read_manager(region, geo: S.LockGeometry | None = None,  # noqa: ANN001
+                 mem: K.Mem | None = None) -> ManagerInfo:
+    """The manager line of ``region`` (fresh from memory)."""
+    geo = geo or S.geometry(region)
+    raw = np.zeros(64, dtype=np.uint8)
+    K.read_bytes(mem if mem is not None else region.mem, geo.manager_offset, raw.ctypes.data, 64, S_MGR_READ)
+    rec = raw.view(L.MANAGER.dtype)[0]
+    mgr = int(rec["manager"])
+    return ManagerInfo(node_id=mgr - 1 if mgr else None, term=int(rec["term"]),
+                       epoch=int(rec["epoch"]), since_ns=int(rec["since_ns"]))
+
+
+def manager_valid(info: ManagerInfo, nodes: list[NodeInfo]) -> bool:
+    """True while the recorded manager's node is live with the recorded epoch."""
+    if info.node_id is None or info.node_id >= len(nodes):
+        return False
+    n = nodes[info.node_id]
+    return n.live and n.epoch == info.epoch
+
+
+class LockManager:
+    """Candidate for, and while elected the manager of, every global lock of ``region``.
+
+    Run ``await manager.run()`` as a task of the engine's TaskGroup: it never returns; cancel it
+    to stop (a manager resigns its term on the way out). One LockManager per node.
+    """
+
+    def __init__(self, region, node_handle, *,  # noqa: ANN001
+                 liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
+                 policy: ManagerPolicy = ManagerPolicy()) -> None:
+        self._region = region
+        self._handle = node_handle
+        self._geo = S.geometry(region)
+        self._mem = S.private_view(region, 5000 + int(node_handle.node_id))
+        self.node_id = int(node_handle.node_id)
+        self.liveness_timeout_s = float(liveness_timeout_s)
+        self.policy = policy
+        n, nl = self._geo.max_nodes, self._geo.num_locks
+        self._st = np.zeros((nl, S.M_COLS), dtype=np.int64)
+        self._granted = np.zeros((nl, n), dtype=np.int64)
+        self._live = np.zeros(n, dtype=np.uint8)
+        self._term: int | None = None
+        self._idle_ns = 0
+        self._terms_won = self._slices = self._step_downs = self._self_fenced = 0
+        self._revocations = 0
+        self._grants_at_start = 0
+        self.elected = asyncio.Event()
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def is_manager(self) -> bool:
+        return self._term is not None
+
+    async def run(self) -> None:
+        """Campaign, manage while elected, follow otherwise. Endless; cancel to stop."""
+        self._write_candidate(candidate=1, choosing=0, number=0)
+        try:
+            while True:
+                if self._term is None:
+                    await self._follow()
+                else:
+                    await self._manage()
+        finally:
+            try:
+                if self._term is not None:
+                    self._resign()
+            finally:
+                self._write_candidate(candidate=0, choosing=0, number=0)
+
+    def statistics(self) -> ManagerStatistics:
+        return ManagerStatistics(
+            is_manager=self.is_manager, term=self._term, terms_won=self._terms_won,
+            grants=int(self._st[:, S.M_GRANTS].sum()) - self._grants_at_start,
+            revocations=self._revocations, slices=self._slices, step_downs=self._step_downs,
+            self_fenced=self._self_fenced)
+
+    # -- candidate lines ----------------------------------------------------------------------
+    def _write_candidate(self, *, candidate: int, choosing: int, number: int) -> None:
+        m, off = self._mem, self._geo.cand_off(self.node_id)
+        K.store(m, off + CHOOSING, choosing)
+        K.store(m, off + NUMBER, number)
+        K.store(m, off + CANDIDATE, candidate)
+        K.store(m, off + CAND_EPOCH, self._handle.epoch)
+        K.flush(m, off, S_CAND_FLUSH)
+        K.full_fence(m)
+
+    def _read_candidate(self, node_id: int) -> tuple[int, int, int]:
+        m, off = self._mem, self._geo.cand_off(node_id)
+        choosing = int(K.load_fresh(m, off + CHOOSING, S_CAND_READ))
+        return choosing, int(K.load(m, off + NUMBER)), int(K.load(m, off + CANDIDATE))
+
+    def _nodes(self) -> list[NodeInfo]:
+        return self._region.nodes.all(timeout_s=self.liveness_timeout_s)
+
+    # -- follower -----------------------------------------------------------------------------
+    async def _follow(self) -> None:
+        poll = self.liveness_timeout_s / 4
+        missing_since: float | None = None
+        while True:
+            nodes = self._nodes()
+            info = read_manager(self._region, self._geo, self._mem)
+            if manager_valid(info, nodes):
+                missing_since = None
+            else:
+                now = time.monotonic()
+                if missing_since is None:
+                    missing_since = now
+                lower = [j for j in range(self.node_id) if nodes[j].live
+                         and self._read_candidate(j)[2] == 1]
+                if not lower or now - missing_since > self.liveness_timeout_s:
+                    if await self._elect():
+                        return
+            await asyncio.sleep(poll)
+
+    async def _elect(self) -> bool:
+        """One bakery round; True when this node won a new term."""
+        me = self.node_id
+        self._write_candidate(candidate=1, choosing=1, number=0)
+        nodes = self._nodes()
+        top = 0
+        for j in range(self._geo.max_nodes):
+            if j != me and nodes[j].live:
+                top = max(top, self._read_candidate(j)[1])
+        mine = top + 1
+        self._write_candidate(candidate=1, choosing=1, number=mine)
+        self._write_candidate(candidate=1, choosing=0, number=mine)
+        try:
+            for j in range(self._geo.max_nodes):
+                if j == me:
+                    continue
+                while True:
+                    if not self._region.nodes.info(j, timeout_s=self.liveness_timeout_s).live:
+                        break
+                    choosing, number, _ = self._read_candidate(j)
+                    if choosing:
+                        await asyncio.sleep(0.001)
+                        continue
+                    if number != 0 and (number, j) < (mine, me):
+                        await asyncio.sleep(0.001)
+                        continue
+                    break
+            # critical section of the election
+            nodes = self._nodes()
+            info = read_manager(self._region, self._geo, self._mem)
+            if manager_valid(info, nodes) or not nodes[me].live:
+                return False
+            term = info.term + 1
+            m, off = self._mem, self._geo.manager_offset
+            K.store(m, off + S.MGR_MANAGER, me + 1)
+            K.store(m, off + S.MGR_TERM, term)
+            K.store(m, off + S.MGR_EPOCH, self._handle.epoch)
+            K.store(m, off + S.MGR_SINCE, time.time_ns())
+            K.flush(m, off, S_MGR_FLUSH)
+            K.full_fence(m)
+        finally:
+            self._write_candidate(candidate=1, choosing=0, number=0)
+        self._take_over(term)
+        return True
+
+    def _take_over(self, term: int) -> None:
+        m, geo = self._mem, self._geo
+        raw = np.zeros(64, dtype=np.uint8)
+        for lk in range(geo.num_locks):
+            K.read_bytes(m, geo.state_off(lk), raw.ctypes.data, 64, S.S_M_TAKEOVER_READ)
+            rec = raw.view(L.LOCK_STATE.dtype)[0]
+            st = self._st[lk]
+            st[S.M_HOLDER] = int(rec["holder"]) - 1
+            st[S.M_HOLDER_REQ] = int(rec["holder_req"])
+            st[S.M_TOKEN] = int(rec["token"])
+            st[S.M_SEQ] = 0
+            st[S.M_GRANTS] = int(rec["grants"])
+            st[S.M_REVOKED] = int(rec["revocations"])
+            st[S.M_LAST_REVOKED] = int(rec["last_revoked_token"])
+            st[S.M_RR] = int(rec["rr_cursor"]) % geo.max_nodes
+            for j in range(geo.max_nodes):
+                self._granted[lk, j] = int(S.read_word_fresh(m, geo.grant_off(lk, j) + S.GRANT_SEQ,
+                                                             S.S_M_TAKEOVER_READ))
+            h = int(st[S.M_HOLDER])
+            if h >= 0 and self._granted[lk, h] < st[S.M_HOLDER_REQ]:
+                # the old manager died between the state line and the grant line: finish it
+                S.write_grant(m, geo.grant_off(lk, h), int(st[S.M_HOLDER_REQ]),
+                              int(st[S.M_TOKEN]), term)
+                self._granted[lk, h] = st[S.M_HOLDER_REQ]
+        self._term = term
+        self._terms_won += 1
+        self._grants_at_start = int(self._st[:, S.M_GRANTS].sum())
+        self._idle_ns = 0
+        self.elected.set()
+
+    def _resign(self) -> None:
+        info = read_manager(self._region, self._geo, self._mem)
+        if info.node_id == self.node_id and info.term == self._term:
+            K.store_flush(self._mem, self._geo.manager_offset + S.MGR_MANAGER, 0,
+                          S_MGR_FLUSH)
+        self._term = None
+        self.elected.clear()
+
+    def _step_down(self) -> None:
+        self._term = None
+        self._step_downs += 1
+        self.elected.clear()
+
+    # -- manager ------------------------------------------------------------------------------
+    async def _manage(self) -> None:
+        loop = asyncio.get_running_loop()
+        geo, pol = self._geo, self.policy
+        half_ns = int(self.liveness_timeout_s / 2 * 1e9)
+        while self._term is not None:
+            nodes = self._nodes()
+            me = nodes[self.node_id]
+            if me.owner_nonce != self._handle.owner_nonce:
+                self._step_down()
+                raise NodeEvicted(f"node {self.node_id} was taken over; its LockManager stops")
+            fence_deadline = me.heartbeat_ns + half_ns
+            for j, n in enumerate(nodes):
+                self._live[j] = 1 if n.live else 0
+            self._revoke_dead(nodes, fence_deadline)
+            if self._term is None:
+                return
+            rc, idle = await run_slice(
+                loop, S.manager_slice, self._mem, geo.locks_offset, geo.manager_offset,
+                geo.num_locks, geo.max_nodes, self._live, self._st, self._granted, self.node_id,
+                self._term, fence_deadline, int(pol.slice_s * 1e9), int(pol.spin_s * 1e9),
+                pol.sleep_us_max, self._idle_ns)
+            self._slices += 1
+            self._idle_ns = int(idle)
+            if rc == S.SLICE_LOST_TERM:
+                self._step_down()
+                return
+            if rc == S.SLICE_SELF_FENCED:
+                self._self_fenced += 1
+                await asyncio.sleep(min(0.01, self.liveness_timeout_s / 20))
+
+    def _revoke_dead(self, nodes: list[NodeInfo], fence_deadline: int) -> None:
+        m, geo = self._mem, self._geo
+        for lk in range(geo.num_locks):
+            h = int(self._st[lk, S.M_HOLDER])
+            if h < 0 or nodes[h].live:
+                continue
+            if time.time_ns() >= fence_deadline:
+                return
+            info = read_manager(self._region, geo, self._mem)
+            if info.node_id != self.node_id or info.term != self._term:
+                self._step_down()
+                return
+            st = self._st[lk]
+            st[S.M_HOLDER] = -1
+            st[S.M_REVOKED] += 1
+            st[S.M_LAST_REVOKED] = st[S.M_TOKEN]
+            S.write_state(m, geo.state_off(lk), st, self._term)
+            self._revocations += 1
