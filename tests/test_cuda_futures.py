@@ -1,0 +1,233 @@
+"""StreamFuture and the poller, with fake events (no CUDA needed): completion order, exactly-once
+completion, cancellation that stops publication but still waits for the bytes, no busy polling,
+no event-loop blocking. Written as sync tests around asyncio.run so they need no plugin."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from tract_async.cuda.futures import Poller, StreamFuture
+
+
+class FakeEvent:
+    """An event that completes when ``fire()`` is called (from any thread)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.queries = 0
+
+    def fire(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+def fire_later(ev: FakeEvent, delay_s: float) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay_s), ev.fire()))
+    t.start()
+    return t
+
+
+def test_await_resolves_after_the_event_and_runs_completion_once():
+    calls = []
+
+    async def main():
+        p = Poller()
+        ev = FakeEvent()
+        fut = StreamFuture(ev, completion=lambda: calls.append(1) or 42, poller_=p)
+        assert not fut.done() and not fut.landed()
+        th = fire_later(ev, 0.02)
+        assert await fut == 42
+        assert await fut == 42            # awaiting again gives the same result
+        th.join()
+        await asyncio.sleep(0.01)         # a late duplicate callback must not re-run it
+        return fut
+
+    fut = asyncio.run(main())
+    assert calls == [1]
+    assert fut.t_completed >= fut.t_landed_seen >= fut.t_submit
+
+
+def test_completion_runs_without_an_awaiter():
+    published = []
+
+    async def main():
+        p = Poller()
+        ev = FakeEvent()
+        fut = StreamFuture(ev, completion=lambda: published.append("bits"), poller_=p)
+        ev.fire()
+        for _ in range(200):
+            if fut.done():
+                break
+            await asyncio.sleep(0.005)
+        return fut
+
+    fut = asyncio.run(main())
+    assert published == ["bits"] and fut.done()
+
+
+def test_completion_error_reaches_the_awaiter():
+    async def main():
+        ev = FakeEvent()
+        ev.fire()
+
+        def bad():
+            raise LookupError("evicted under the read")
+        fut = StreamFuture(ev, completion=bad, poller_=Poller())
+        with pytest.raises(LookupError, match="evicted"):
+            await fut
+
+    asyncio.run(main())
+
+
+def test_cancel_before_landing_skips_completion_but_wait_landed_waits_for_the_bytes():
+    published = []
+
+    async def main():
+        ev = FakeEvent()
+        fut = StreamFuture(ev, completion=lambda: published.append(1), poller_=Poller())
+        assert fut.cancel() is True
+        assert fut.cancel() is False or fut.cancelled()
+        t0 = time.perf_counter()
+        th = fire_later(ev, 0.05)
+        await fut.wait_landed()           # must not return before the event completed
+        waited = time.perf_counter() - t0
+        th.join()
+        with pytest.raises(asyncio.CancelledError):
+            await fut
+        return waited
+
+    waited = asyncio.run(main())
+    assert waited >= 0.045
+    assert published == []
+
+
+def test_cancelled_awaiter_does_not_cancel_the_transfer():
+    published = []
+
+    async def main():
+        ev = FakeEvent()
+        fut = StreamFuture(ev, completion=lambda: published.append(1) or "ok", poller_=Poller())
+        waiter = asyncio.ensure_future(_await(fut))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        ev.fire()
+        assert await fut == "ok"          # the transfer itself completed and published
+
+    async def _await(f):
+        return await f
+
+    asyncio.run(main())
+    assert published == [1]
+
+
+def test_synchronize_completes_inline():
+    async def main():
+        ev = FakeEvent()
+        fut = StreamFuture(ev, completion=lambda: "v", poller_=Poller())
+        ev.fire()
+        assert fut.synchronize() == "v"
+        assert fut.done()
+
+    asyncio.run(main())
+
+
+def test_wait_stream_orders_a_stream_on_the_event():
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, ev):
+            self.waited.append(ev)
+
+    async def main():
+        ev = FakeEvent()
+        fut = StreamFuture(ev, poller_=Poller())
+        s = Stream()
+        fut.wait_stream(s)
+        assert s.waited == [ev]
+        ev.fire()
+        await fut
+
+    asyncio.run(main())
+
+
+def test_poller_backs_off_and_honours_not_before():
+    """A pending future for 150 ms costs at most a few hundred wake-ups (backoff to 200 µs), and
+    one that cannot land before 100 ms is not queried before then."""
+    async def main():
+        p = Poller()
+        ev = FakeEvent()
+        fut = StreamFuture(ev, poller_=p)
+        th = fire_later(ev, 0.15)
+        await fut
+        th.join()
+        wake = p.wakeups
+        ev2 = FakeEvent()
+        ev2.fire()
+        t0 = time.perf_counter()
+        fut2 = StreamFuture(ev2, poller_=p, not_before_s=0.1)
+        await fut2
+        return wake, time.perf_counter() - t0, ev2.queries
+
+    wake, dt, q2 = asyncio.run(main())
+    assert wake < 0.15 / 100e-6, wake        # far fewer than one per 100 µs: not spinning
+    assert dt >= 0.095 and q2 <= 3
+
+
+def test_event_loop_stays_responsive_while_futures_are_pending():
+    async def main():
+        p = Poller()
+        evs = [FakeEvent() for _ in range(50)]
+        futs = [StreamFuture(e, completion=lambda i=i: i, poller_=p) for i, e in enumerate(evs)]
+        ticks = 0
+        t_end = time.perf_counter() + 0.05
+        while time.perf_counter() < t_end:    # the loop keeps running other work
+            await asyncio.sleep(0.001)
+            ticks += 1
+        for e in evs[::-1]:
+            e.fire()
+        return ticks, await asyncio.gather(*futs)
+
+    ticks, res = asyncio.run(main())
+    assert ticks >= 20
+    assert res == list(range(50))
+
+
+def test_poller_thread_exits_when_idle_and_restarts():
+    async def main():
+        p = Poller(idle_exit_s=0.05)
+        ev = FakeEvent()
+        ev.fire()
+        await StreamFuture(ev, poller_=p)
+        await asyncio.sleep(0.2)
+        assert not p.running
+        ev2 = FakeEvent()
+        ev2.fire()
+        await StreamFuture(ev2, poller_=p)
+        return p.threads_started
+
+    assert asyncio.run(main()) == 2
+
+
+def test_query_error_is_reported_through_the_future():
+    class Broken(FakeEvent):
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    async def main():
+        fut = StreamFuture(Broken(), completion=lambda: "never", poller_=Poller())
+        with pytest.raises(RuntimeError, match="illegal"):
+            await fut
+
+    asyncio.run(main())

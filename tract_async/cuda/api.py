@@ -1,0 +1,286 @@
+"""The Engine's CUDA methods (a mixin, so that ``engine.py`` keeps only tiny hooks).
+
+    await eng.put_kv(keys, kv_cuda)                          # contiguous, like CPU tensors
+    await eng.put_kv(keys, kv_layer_cuda, layer=i)           # layer streaming
+    kv = await eng.get_kv(keys, device="cuda")               # or out=<cuda tensor>
+    await eng.put_kv_paged(keys, pool, block_ids)            # vLLM pool(s) + one block id per key
+    await eng.get_kv_paged(keys, pool, block_ids, layer=i)
+    fut = await eng.start_put_kv(keys, kv, layer=i)          # StreamFuture: enqueued, not landed
+    fut = await eng.start_get_kv(keys, layer=i, device="cuda")
+    fut.wait_stream(torch.cuda.current_stream())             # order compute after the DMA
+    out = await fut                                          # validated (or BlockEvicted)
+    sampler = eng.start_telemetry(interval_s=0.05)           # pynvml time series
+
+``ready`` (puts): the producer's CUDA event (or stream) the copy waits for; default: an event
+recorded on the current stream at the call. ``after`` (gets into a caller's ``out``): the event
+(or stream) the copy waits for before overwriting ``out``; default: the current stream when
+``out`` is given, nothing when the engine allocates it. ``method``: ``dma``, ``dma2d``,
+``zerocopy`` or ``auto`` (see ``cuda.copy``).
+
+The region is registered with CUDA on the first CUDA call (or ``cuda_setup()``) and
+unregistered when the engine closes. ``start_get_kv`` in transfer-only mode does not consume the
+blocks it read (their deadline frees them); ``get_kv`` does.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+from .. import kvplan
+from ..errors import TensorMismatch
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+class CudaEngineMixin:
+    """CUDA entry points of ``Engine``; uses its ``_store``, ``_region``, ``layout``, ``cfg``."""
+
+    _cuda: Any = None
+
+    # -- setup --------------------------------------------------------------------------------
+    def cuda_setup(self, *, method: str | None = None, piece_bytes: int = 32 << 20) -> Any:
+        """Register the region with CUDA now (else on the first CUDA call); returns the CudaPath.
+        ``method`` forces a copy method for every transfer (default auto)."""
+        self._check_open()  # type: ignore[attr-defined]
+        if self._cuda is None:
+            from .store import CudaPath
+            self._cuda = CudaPath(self._region, method=method,  # type: ignore[attr-defined]
+                                  piece_bytes=piece_bytes)
+        return self._cuda
+
+    def _cuda_path(self) -> Any:
+        return self._cuda if self._cuda is not None else self.cuda_setup()
+
+    def _cuda_stats(self) -> dict[str, Any] | None:
+        return None if self._cuda is None else self._cuda.describe()
+
+    async def _cuda_teardown(self) -> None:
+        """Engine teardown hook: wait for transfers in flight, stop telemetry, unregister."""
+        cp, errors = self._cuda, []
+        if cp is None:
+            return
+        try:
+            await cp.drain(DRAIN_TIMEOUT_S)
+        except Exception as e:
+            errors.append(e)
+        t = cp._sampler_task
+        if t is not None:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+        try:
+            cp.close()
+        except Exception as e:
+            errors.append(e)
+        self._cuda = None
+        if errors:
+            raise errors[0]
+
+    # -- contiguous ---------------------------------------------------------------------------
+    async def start_put_kv(self, keys: Sequence[bytes], kv: Any, *, layer: int | None = None,
+                           timeout: float | None = None, ready: Any = None,
+                           method: str | None = None) -> Any:
+        """Reserve and enqueue a put of a CUDA tensor; returns its StreamFuture (result: blocks
+        written; the layer bits are published when its DMA has landed, awaited or not).
+        Raises TensorMismatch, KeyMismatch, RegionFull, TransferTimeout, EngineClosed."""
+        from . import store as cs
+        self._check_open()  # type: ignore[attr-defined]
+        ks = kvplan.check_keys(keys)
+        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
+        kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv",  # type: ignore[attr-defined]
+                            allow_cuda=True)
+        if kv.device.type != "cuda":
+            raise TensorMismatch("start_put_kv takes CUDA tensors; use put_kv for CPU tensors")
+        kv = _contiguous(kv)
+        return await cs.start_put(self._store, self._cuda_path(), ks, [kv],  # type: ignore[attr-defined]
+                                  cs.contiguous_plan_fn(self.layout, len(ks), layer), layer,  # type: ignore[attr-defined]
+                                  self._put_timeout(timeout), ready=ready, method=method)
+
+    async def _put_kv_cuda(self, ks: list[bytes], kv: Any, layer: int | None,
+                           timeout: float | None) -> int:
+        """``put_kv`` with a CUDA tensor (hook target)."""
+        from . import store as cs
+        if not ks:
+            kvplan.check_tensor(kv, self.layout, 0, layer, what="kv", allow_cuda=True)  # type: ignore[attr-defined]
+            return 0
+        fut = await self.start_put_kv(ks, kv, layer=layer, timeout=timeout)
+        return await cs.finish_put(self._store, self._cuda, ks, fut)  # type: ignore[attr-defined]
+
+    async def start_get_kv(self, keys: Sequence[bytes], *, out: Any = None,
+                           layer: int | None = None, timeout: float | None = None,
+                           device: Any = None, after: Any = None,
+                           method: str | None = None) -> Any:
+        """Wait for the blocks (``timeout``), enqueue the read into ``out`` (or a new tensor on
+        ``device``); returns the StreamFuture (result: the tensor, validated).
+        Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted, TensorMismatch."""
+        import torch
+
+        from . import store as cs
+        self._check_open()  # type: ignore[attr-defined]
+        ks = kvplan.check_keys(keys)
+        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
+        cp = self._cuda_path()
+        if out is None:
+            dev = torch.device(device if device is not None else "cuda")
+            if dev.type != "cuda":
+                raise TensorMismatch(f"start_get_kv reads into CUDA tensors, got device={device}")
+            copier = cp.copier(dev)
+            # allocated on the copy stream (no wait for the caller's queued work), and marked
+            # as used by the caller's stream so that freeing it later is ordered after its use
+            with torch.cuda.stream(copier.get_xform):
+                out = torch.empty(self.layout.kv_shape(len(ks), layer),  # type: ignore[attr-defined]
+                                  dtype=self.layout.dtype, device=copier.device)  # type: ignore[attr-defined]
+            out.record_stream(torch.cuda.current_stream(copier.device))
+            after = after if after is not None else False
+        else:
+            kvplan.check_tensor(out, self.layout, len(ks), layer, what="out",  # type: ignore[attr-defined]
+                                allow_cuda=True)
+            if out.device.type != "cuda" or not out.is_contiguous():
+                raise TensorMismatch("out must be a contiguous CUDA tensor")
+        if not ks:
+            return _done_future(cp, out)
+        return await cs.start_get(self._store, cp, ks, [out],  # type: ignore[attr-defined]
+                                  cs.contiguous_plan_fn(self.layout, len(ks), layer), layer,  # type: ignore[attr-defined]
+                                  timeout, result=out, after=_after(after), method=method)
+
+    async def _get_kv_cuda(self, ks: list[bytes], out: Any, layer: int | None,
+                           timeout: float | None, device: Any) -> Any:
+        """``get_kv`` into CUDA memory (hook target)."""
+        from . import store as cs
+        fut = await self.start_get_kv(ks, out=out, layer=layer, timeout=timeout, device=device)
+        return await cs.finish_get(self._store, self._cuda, ks, fut, layer)  # type: ignore[attr-defined]
+
+    # -- paged --------------------------------------------------------------------------------
+    async def start_put_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
+                                 layer: int | None = None, timeout: float | None = None,
+                                 ready: Any = None, pool_layout: str = "2nb",
+                                 method: str | None = None) -> Any:
+        """Like ``start_put_kv`` from a paged pool (see ``cuda.paged`` for the forms):
+        ``block_ids[i]`` is the pool block holding key ``i``."""
+        from . import paged, store as cs, tables
+        self._check_open()  # type: ignore[attr-defined]
+        ks = kvplan.check_keys(keys)
+        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
+        p = paged.check_pool(pool, self.layout, layer, pool_layout=pool_layout)  # type: ignore[attr-defined]
+        ids = tables.check_block_ids(block_ids, len(ks), p.pool_blocks)
+        cp = self._cuda_path()
+        if not ks:
+            return _done_future(cp, 0)
+        return await cs.start_put(self._store, cp, ks, list(p.tensors),  # type: ignore[attr-defined]
+                                  cs.paged_plan_fn(self.layout, p, ids, layer), layer,  # type: ignore[attr-defined]
+                                  self._put_timeout(timeout), ready=ready, method=method)
+
+    async def put_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
+                           layer: int | None = None, timeout: float | None = None,
+                           ready: Any = None, pool_layout: str = "2nb",
+                           method: str | None = None) -> int:
+        """Store the KV of ``keys`` from pool blocks ``block_ids``; returns blocks written (after
+        they are published). Raises as ``put_kv``."""
+        from . import store as cs
+        ks = kvplan.check_keys(keys)
+        fut = await self.start_put_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
+                                            ready=ready, pool_layout=pool_layout, method=method)
+        return await cs.finish_put(self._store, self._cuda, ks, fut)  # type: ignore[attr-defined]
+
+    async def start_get_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
+                                 layer: int | None = None, timeout: float | None = None,
+                                 after: Any = None, pool_layout: str = "2nb",
+                                 method: str | None = None) -> Any:
+        """Enqueue reading ``keys`` into pool blocks ``block_ids``; the future's result is the
+        pool. ``after`` defaults to the current stream (the pool is the caller's)."""
+        from . import paged, store as cs, tables
+        self._check_open()  # type: ignore[attr-defined]
+        ks = kvplan.check_keys(keys)
+        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
+        p = paged.check_pool(pool, self.layout, layer, pool_layout=pool_layout)  # type: ignore[attr-defined]
+        ids = tables.check_block_ids(block_ids, len(ks), p.pool_blocks)
+        cp = self._cuda_path()
+        if not ks:
+            return _done_future(cp, pool)
+        return await cs.start_get(self._store, cp, ks, list(p.tensors),  # type: ignore[attr-defined]
+                                  cs.paged_plan_fn(self.layout, p, ids, layer), layer, timeout,  # type: ignore[attr-defined]
+                                  result=pool, after=_after(after), method=method)
+
+    async def get_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
+                           layer: int | None = None, timeout: float | None = None,
+                           after: Any = None, pool_layout: str = "2nb",
+                           method: str | None = None) -> Any:
+        """Read ``keys`` into pool blocks ``block_ids`` (every layer, or ``layer``); returns the
+        pool once validated. Raises as ``get_kv``."""
+        from . import store as cs
+        ks = kvplan.check_keys(keys)
+        fut = await self.start_get_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
+                                            after=after, pool_layout=pool_layout, method=method)
+        return await cs.finish_get(self._store, self._cuda, ks, fut, layer)  # type: ignore[attr-defined]
+
+    # -- telemetry ----------------------------------------------------------------------------
+    def start_telemetry(self, *, interval_s: float = 0.1, device_index: int = 0) -> Any:
+        """Start (once) a pynvml sampler task owned by the engine; returns the NvmlSampler (a
+        no-op where NVML is absent). It stops when the engine closes or ``stop_telemetry()``."""
+        from .telemetry import NvmlSampler
+        cp = self._cuda_path_for_telemetry()
+        if cp.sampler is None:
+            cp.sampler = NvmlSampler(device_index, interval_s=interval_s)
+            cp._sampler_task = self._tg.create_task(  # type: ignore[attr-defined]
+                cp.sampler.run(), name="tract-nvml-sampler")
+        return cp.sampler
+
+    async def stop_telemetry(self) -> Any:
+        """Stop the sampler; returns it (its series stay readable) or None."""
+        cp = self._cuda
+        if cp is None or cp._sampler_task is None:
+            return None
+        t, cp._sampler_task = cp._sampler_task, None
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        return cp.sampler
+
+    def _cuda_path_for_telemetry(self) -> Any:
+        import torch
+        if self._cuda is None and not torch.cuda.is_available():
+            # telemetry without CUDA: a holder that only carries the (no-op) sampler
+            self._check_open()  # type: ignore[attr-defined]
+            self._cuda = _TelemetryOnly()
+        return self._cuda_path()
+
+    def _put_timeout(self, timeout: float | None) -> float:
+        return timeout if timeout is not None else max(5.0, 4 * self.cfg.liveness_timeout_s)  # type: ignore[attr-defined]
+
+
+class _TelemetryOnly:
+    """Stands in for CudaPath on a machine without CUDA, so that telemetry still starts."""
+    sampler: Any = None
+    _sampler_task: Any = None
+    registered = False
+
+    async def drain(self, timeout: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"registered": False, "fallback": None, "reason": "no CUDA"}
+        if self.sampler is not None:
+            out["telemetry"] = self.sampler.summary()
+        return out
+
+
+def _contiguous(t: Any) -> Any:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _after(after: Any) -> Any:
+    """``after=False``: no ordering (the engine allocated ``out``)."""
+    if after is False:
+        from .copy import NO_WAIT
+        return NO_WAIT
+    return after
+
+
+def _done_future(cp: Any, value: Any) -> Any:
+    from .futures import StreamFuture
+    from .store import _DoneEvent
+    return cp.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="empty"))
+
+
+__all__ = ["CudaEngineMixin"]

@@ -1,0 +1,245 @@
+"""StreamFuture: an awaitable tied to a CUDA event, and the one poller thread that resolves them.
+
+A transfer is enqueued on the engine's copy streams and ends with an event. Its StreamFuture
+
+* is awaitable without blocking the event loop: one poller thread per process watches every
+  outstanding event (``event.query()``, a few hundred nanoseconds, no device sync) and hands the
+  completion to the future's loop with ``call_soon_threadsafe``. There is no thread, task or
+  spinning core per future;
+* runs its *completion* exactly once, on the loop, as soon as the event has completed and
+  whether or not anybody awaits: that is where a put publishes its layer bits (DESIGN.md
+  invariant 5: after the bytes) and a get re-validates its block versions (invariant 6: after
+  the DMA). Awaiting returns the completion's result or raises its error;
+* can order a consumer stream after the transfer with ``wait_stream(stream)`` (``cudaStreamWait
+  Event``: no host synchronization). For a get, the data is *trusted* only once the completion
+  has validated it: work ordered with ``wait_stream`` is speculative until ``await fut``
+  returns (a failed validation raises BlockEvicted: discard what was computed).
+
+Polling policy (why not a blocking wait per event: that is a thread per future or a spinning
+``cudaEventSynchronize``): the poller sleeps on a condition variable while nothing is
+outstanding; otherwise it queries every outstanding event, resolves the completed ones, and
+sleeps with exponential backoff from ``min_sleep_s`` to ``max_sleep_s`` (20 -> 200 µs) while
+nothing completes. A future may carry ``not_before``: the earliest time it can complete (its
+bytes over the link's bandwidth); the poller does not query it earlier, so a 1 GiB transfer costs
+a handful of wake-ups instead of ~100. Cost per future: one list append, some queries, one
+``call_soon_threadsafe``.
+
+Cancellation (trio's abort protocol): ``cancel()`` before the completion ran means the completion
+will not run (the put does not publish); the bytes may still be moving, so whoever owns the
+destination waits with ``await fut.wait_landed()`` before reusing or freeing it.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+
+class EventLike(Protocol):
+    """What the future needs of an event: ``torch.cuda.Event`` has both."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Poller:
+    """The process-wide poller thread: started on the first future, exits after ``idle_exit_s``
+    with nothing outstanding (a later future starts it again)."""
+
+    def __init__(self, *, min_sleep_s: float = 20e-6, max_sleep_s: float = 200e-6,
+                 idle_exit_s: float = 5.0) -> None:
+        self.min_sleep_s = min_sleep_s
+        self.max_sleep_s = max_sleep_s
+        self.idle_exit_s = idle_exit_s
+        self._cv = threading.Condition()
+        self._pending: list[StreamFuture] = []
+        self._thread: threading.Thread | None = None
+        # counters (read without the lock: approximate is fine)
+        self.wakeups = 0
+        self.queries = 0
+        self.resolved = 0
+        self.threads_started = 0
+
+    def add(self, fut: "StreamFuture") -> None:
+        with self._cv:
+            self._pending.append(fut)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tract-cuda-poller",
+                                                daemon=True)
+                self.threads_started += 1
+                self._thread.start()
+            self._cv.notify()
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def _run(self) -> None:
+        sleep = self.min_sleep_s
+        while True:
+            with self._cv:
+                if not self._pending:
+                    self._cv.wait_for(lambda: bool(self._pending), timeout=self.idle_exit_s)
+                    if not self._pending:
+                        self._thread = None
+                        return
+                batch = list(self._pending)
+            self.wakeups += 1
+            now = time.perf_counter()
+            done: list[StreamFuture] = []
+            earliest = float("inf")
+            for f in batch:
+                if f.not_before > now:
+                    earliest = min(earliest, f.not_before)
+                    continue
+                self.queries += 1
+                try:
+                    landed = f.event.query()
+                except Exception as e:  # a CUDA error: report it through the future
+                    f._poll_error = e
+                    landed = True
+                if landed:
+                    done.append(f)
+            if done:
+                with self._cv:
+                    gone = set(map(id, done))
+                    self._pending = [f for f in self._pending if id(f) not in gone]
+                for f in done:
+                    f._landed_from_poller()
+                    self.resolved += 1
+                sleep = self.min_sleep_s
+                continue
+            wait = sleep
+            if earliest != float("inf") and len(batch) and all(f.not_before > now for f in batch):
+                wait = max(sleep, earliest - now)
+            time.sleep(min(wait, 0.05))
+            sleep = min(self.max_sleep_s, sleep * 2)
+
+
+_POLLER: Poller | None = None
+_POLLER_LOCK = threading.Lock()
+
+
+def poller() -> Poller:
+    """The process-wide poller (created on first use)."""
+    global _POLLER
+    with _POLLER_LOCK:
+        if _POLLER is None:
+            _POLLER = Poller()
+        return _POLLER
+
+
+class StreamFuture:
+    """The outcome of a transfer enqueued on a CUDA stream; see the module docstring.
+
+    ``completion()`` runs once on the loop after the event completed (publish / validate) and
+    gives the result; ``keep`` holds tensors the transfer reads or writes (staging, sources)
+    until the event has completed, so the caching allocator cannot hand them out under the DMA.
+    Create it inside the loop that will await it.
+    """
+
+    def __init__(self, event: EventLike, *, completion: Callable[[], Any] | None = None,
+                 keep: tuple[Any, ...] = (), nbytes: int = 0, not_before_s: float = 0.0,
+                 poller_: Poller | None = None, label: str = "") -> None:
+        self.event = event
+        self.nbytes = nbytes
+        self.label = label
+        self._completion = completion
+        self._keep = keep
+        self._loop = asyncio.get_running_loop()
+        self._landed: asyncio.Future[None] = self._loop.create_future()
+        self._result: asyncio.Future[Any] = self._loop.create_future()
+        self._cancel_requested = False
+        self._poll_error: BaseException | None = None
+        self.t_submit = time.perf_counter()
+        self.not_before = self.t_submit + not_before_s
+        self.t_landed_seen: float | None = None     # when the poller saw the event complete
+        self.t_completed: float | None = None       # when the completion ran on the loop
+        (poller_ or poller()).add(self)
+
+    # -- state --------------------------------------------------------------------------------
+    def landed(self) -> bool:
+        """The event has completed (the bytes are in place); the completion may not have run."""
+        return self._landed.done() or bool(self.event.query())
+
+    def done(self) -> bool:
+        """The completion ran (or was cancelled): ``result()`` answers without waiting."""
+        return self._result.done()
+
+    def cancelled(self) -> bool:
+        return self._result.cancelled()
+
+    def result(self) -> Any:
+        """The completion's result; raises its error, CancelledError, or InvalidStateError if not
+        done yet."""
+        return self._result.result()
+
+    # -- waiting ------------------------------------------------------------------------------
+    def __await__(self):  # noqa: ANN204
+        # shielded: a cancelled awaiter does not cancel the transfer (see cancel())
+        return asyncio.shield(self._result).__await__()
+
+    async def wait_landed(self) -> None:
+        """Wait until no more bytes can move (also after cancel()). Never raises the
+        completion's error; a cancelled caller still gets CancelledError."""
+        await asyncio.wait([self._landed])
+
+    def wait_stream(self, stream: Any) -> None:
+        """Make ``stream`` wait for this transfer on the device (no host synchronization)."""
+        stream.wait_event(self.event)
+
+    def synchronize(self) -> Any:
+        """Block this thread until the event completed, run the completion now if it has not
+        run, and return the result. Call it on the future's loop thread (or the loop is idle)."""
+        self.event.synchronize()
+        self._on_landed()
+        return self.result()
+
+    def cancel(self) -> bool:
+        """Stop the completion from running (a put will not publish). True if it had not run.
+        The DMA itself cannot be stopped: ``await wait_landed()`` before reusing its memory."""
+        if self._result.done():
+            return False
+        self._cancel_requested = True
+        self._result.cancel()
+        return True
+
+    # -- completion ---------------------------------------------------------------------------
+    def _landed_from_poller(self) -> None:
+        self.t_landed_seen = time.perf_counter()
+        try:
+            self._loop.call_soon_threadsafe(self._on_landed)
+        except RuntimeError:  # the loop is closed: nobody can observe the result any more
+            self._keep = ()
+
+    def _on_landed(self) -> None:
+        if self._landed.done():
+            return
+        self._landed.set_result(None)
+        self._keep = ()
+        if self._result.done():
+            return  # cancelled before landing: the completion does not run
+        self.t_completed = time.perf_counter()
+        if self._poll_error is not None:
+            self._result.set_exception(self._poll_error)
+            return
+        try:
+            value = self._completion() if self._completion is not None else None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiter
+            self._result.set_exception(e)
+            # nobody may await a detached transfer: do not warn "exception never retrieved"
+            # for errors the owner chose not to look at; stats count them
+            self._result.exception()
+        else:
+            self._result.set_result(value)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else ("landed" if self._landed.done() else "pending")
+        return f"<StreamFuture {self.label or ''} {self.nbytes} B {state}>"

@@ -1,0 +1,306 @@
+"""The CUDA path of put / get: the region protocol of ``region_store`` with device transfers.
+
+Same protocol, same order, as ``RegionStore.put`` / ``RegionStore.get`` (read those first); what
+changes is the copy and *when* the metadata steps run:
+
+put:  snapshot -> reserve (global lock, once per batch) -> enqueue gather + DMA on the copy
+      streams after the producer's event -> [StreamFuture completion, on the loop, after the
+      DMA's event has completed] publish the layer bits (READY after the last layer).
+get:  snapshot -> wait for blocks / the layer (``timeout``) -> bounds check -> enqueue DMA +
+      scatter -> [completion, after the final event] re-validate every block's version: a
+      change is BlockEvicted (a miss), never wrong bytes handed over as good.
+
+A failed or cancelled put evicts its reservations only once its DMA has landed (invariant 7);
+a cancelled get returns only once no more bytes can land in ``out``.
+
+``CudaPath`` is the per-engine state: the region's registration, one ``Copier`` per device,
+the outstanding futures (drained before the engine closes), and the counters ``stats()`` shows.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .. import kvplan
+from ..errors import BlockEvicted
+from ..keys import keys_to_words
+from ..region import index as ix
+from . import tables
+from .copy import Copier
+from .futures import StreamFuture, poller
+from .hostreg import HostRegistration
+
+LINK_BYTES_PER_S = 60e9
+"""Upper bound of the link speed: a transfer of N bytes cannot land before N / this (used only
+as the poller's "do not look before" hint, so an overestimate is harmless)."""
+
+
+class _DoneEvent:
+    """An event that has completed (for transfers finished on the host: the fallback path)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CudaPath:
+    """Registration, copiers and bookkeeping of one engine's CUDA transfers."""
+
+    def __init__(self, region: Any, *, method: str | None = None,
+                 piece_bytes: int = 32 << 20) -> None:
+        import torch
+        if not torch.cuda.is_available():
+            from ..errors import TensorMismatch
+            raise TensorMismatch("CUDA tensors were given but torch.cuda is not available")
+        self.reg = HostRegistration(region.mem.buf)
+        self.method = method
+        self.piece_bytes = piece_bytes
+        self._copiers: dict[Any, Copier] = {}
+        self._outstanding: set[StreamFuture] = set()
+        self.futures_created = 0
+        self.validation_failures = 0
+        self.cancelled = 0
+        self.sampler: Any = None
+        self._sampler_task: asyncio.Task | None = None
+
+    @property
+    def registered(self) -> bool:
+        return self.reg.registered
+
+    def copier(self, device: Any) -> Copier:
+        import torch
+        dev = torch.device(device)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        c = self._copiers.get(dev)
+        if c is None:
+            c = Copier(self.reg, dev, method=self.method, piece_bytes=self.piece_bytes)
+            self._copiers[dev] = c
+        return c
+
+    def track(self, fut: StreamFuture) -> StreamFuture:
+        self.futures_created += 1
+        self._outstanding.add(fut)
+        fut._landed.add_done_callback(lambda _f, fut=fut: self._outstanding.discard(fut))
+        return fut
+
+    async def drain(self, timeout: float) -> None:
+        """Wait until every transfer has landed (nothing may write the region after this)."""
+        pending = [f._landed for f in list(self._outstanding)]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        left = [f for f in self._outstanding if not f._landed.done()]
+        for f in left:  # the poller could not tell us in time: block, the memory goes away next
+            f.synchronize()
+
+    def close(self) -> None:
+        self.reg.close()
+
+    def describe(self) -> dict[str, Any]:
+        p = poller()
+        out: dict[str, Any] = {**self.reg.describe(),
+                               "devices": {str(d): c.describe() for d, c in self._copiers.items()},
+                               "futures": self.futures_created,
+                               "outstanding": len(self._outstanding),
+                               "validation_failures": self.validation_failures,
+                               "cancelled": self.cancelled,
+                               "poller": {"wakeups": p.wakeups, "queries": p.queries,
+                                          "resolved": p.resolved, "running": p.running}}
+        if self.sampler is not None:
+            out["telemetry"] = self.sampler.summary()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# put
+
+PlanFn = Callable[[np.ndarray, np.ndarray], tables.RowPlan]
+
+
+def contiguous_plan_fn(layout: Any, n: int, layer: int | None) -> PlanFn:
+    def make(poffs: np.ndarray, positions: np.ndarray) -> tables.RowPlan:
+        return tables.from_kvplan(kvplan.plan(layout, poffs, positions, n, layer),
+                                  layout.half_layer_bytes)
+    return make
+
+
+def paged_plan_fn(layout: Any, pool: Any, block_ids: np.ndarray, layer: int | None) -> PlanFn:
+    def make(poffs: np.ndarray, positions: np.ndarray) -> tables.RowPlan:
+        return pool.plan(layout, poffs, block_ids[positions], layer)
+    return make
+
+
+def planes_of(layout: Any, layer: int | None) -> int:
+    return 2 if layer is not None else 2 * layout.num_layers
+
+
+async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
+                    make_plan: PlanFn, layer: int | None, timeout: float | None, *,
+                    ready: Any = None, method: str | None = None) -> StreamFuture:
+    """Reserve, enqueue, and return the transfer's future (its completion publishes).
+    Raises what ``RegionStore.put`` raises before the copy (RegionFull, TransferTimeout)."""
+    n = len(keys)
+    words = keys_to_words(keys)
+    snap = store.index.snapshot(words)
+    todo: list[int] = []
+    new: list[int] = []
+    for i, k in enumerate(keys):
+        if k in store._reserved:
+            todo.append(i)
+        elif snap[i, 0] >= 0:
+            store.stats.blocks_skipped += 1
+        else:
+            new.append(i)
+    if new:
+        await store._reserve(keys, words, new, timeout)
+        todo = sorted(set(todo) | {i for i in new if keys[i] in store._reserved})
+    if not todo:
+        store.stats.puts += 1
+        return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
+    res = [store._reserved[keys[i]] for i in todo]
+    poffs = np.array([r.allocation.offset_bytes for r in res], dtype=np.int64)
+    plan = make_plan(poffs, np.array(todo, dtype=np.int64))
+    nbytes = plan.nbytes
+    planes = planes_of(store.layout, layer)
+    layout = store.layout
+
+    def publish() -> int:
+        lo, hi = kvplan.layer_mask(layout, layer)
+        live = [(i, r) for i, r in zip(todo, res) if store._reserved.get(keys[i]) is r]
+        if live:
+            slots = np.array([r.slot for _, r in live], dtype=np.int64)
+            ix.publish_layers(store.mem, store.geo.entries_offset, slots, lo, hi, store._all_lo,
+                              store._all_hi)
+        for i, r in live:
+            r.layers_lo |= lo
+            r.layers_hi |= hi
+            if r.layers_lo == store._all_lo and r.layers_hi == store._all_hi:
+                del store._reserved[keys[i]]
+                store.stats.blocks_stored += 1
+        store.stats.puts += 1
+        store.stats.bytes_put += nbytes
+        return len(live)
+
+    try:
+        copier = cpath.copier(tensors[0].device)
+        if cpath.registered:
+            ev, keep, m = copier.put(plan, tensors, planes=planes, ready=ready, method=method)
+            fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
+                               not_before_s=nbytes / LINK_BYTES_PER_S, label=f"put/{m}")
+            return cpath.track(fut)
+        # fallback: device -> pinned buffer -> CPU copy into the region, then publish
+        ev, keep, pinned = copier.d2h_pinned(plan, tensors, planes=planes, ready=ready)
+        landed = cpath.track(StreamFuture(ev, keep=keep, nbytes=nbytes, label="put/pinned"))
+        await landed.wait_landed()
+        rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
+                         np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
+        await store._copy(ix.copy_in, rows, pinned.data_ptr(), nbytes)
+        value = publish()
+        return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="put/pinned"))
+    except BaseException:
+        await store._abandon([keys[i] for i in todo])
+        raise
+
+
+async def finish_put(store: Any, cpath: CudaPath, keys: list[bytes], fut: StreamFuture) -> int:
+    """Await a put's future; on cancellation, stop its publication, wait for the DMA, evict."""
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if fut.cancel():
+            cpath.cancelled += 1
+            await asyncio.shield(_abandon_after_landing(store, keys, fut))
+        raise
+    except BaseException:
+        await fut.wait_landed()
+        await store._abandon(keys)
+        raise
+
+
+async def _abandon_after_landing(store: Any, keys: list[bytes], fut: StreamFuture) -> None:
+    await fut.wait_landed()
+    await store._abandon(keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# get
+
+async def start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
+                    make_plan: PlanFn, layer: int | None, timeout: float | None, *,
+                    result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
+    """Wait for the blocks, enqueue, and return the future (its completion validates and gives
+    ``result``). Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted (bounds)."""
+    n = len(keys)
+    words = keys_to_words(keys)
+    snap = store.index.snapshot(words)
+    if timeout is not None and timeout > 0:
+        snap = await store._wait_ready(words, snap, layer, timeout)
+    store._check_available(keys, snap, layer)
+    slots = snap[:, 0].copy()
+    versions = snap[:, 1].copy()
+    for i in range(n):
+        if not store._payload_ok(int(snap[i, 3]), int(snap[i, 4])):
+            store.stats.validation_failures += 1
+            raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload bounds "
+                               f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
+                               f"changed during the read; treat as a miss")
+    plan = make_plan(snap[:, 3].copy(), np.arange(n, dtype=np.int64))
+    nbytes = plan.nbytes
+    planes = planes_of(store.layout, layer)
+
+    def validate() -> Any:
+        ok = np.zeros(n, dtype=np.bool_)
+        bad = ix.revalidate_batch(store.mem, store.geo.entries_offset, slots, versions, ok)
+        store.stats.gets += 1
+        if bad:
+            store.stats.validation_failures += 1
+            store.stats.misses += int(bad)
+            cpath.validation_failures += 1
+            first = int(np.flatnonzero(~ok)[0])
+            raise BlockEvicted(f"{bad} of {n} blocks were evicted while being read (first: "
+                               f"block {first}, {keys[first][:8].hex()}…); the output is not "
+                               f"trusted: treat as a miss")
+        store.stats.hits += n
+        store.stats.blocks_read += n
+        store.stats.bytes_got += nbytes
+        for s, v in zip(slots.tolist(), versions.tolist()):
+            store._touches[s] = v
+        return result
+
+    copier = cpath.copier(tensors[0].device)
+    if cpath.registered:
+        ev, keep, m = copier.get(plan, tensors, planes=planes, after=after, method=method)
+        fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
+                           not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}")
+    else:
+        import torch
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
+                         np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
+        await store._copy(ix.copy_out, rows, pinned.data_ptr(), nbytes)
+        ev, keep = copier.h2d_pinned(plan, tensors, pinned, planes=planes)
+        fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes, label="get/pinned")
+    fut.transfer_mode_info = (words, slots, versions, bool(snap[:, 7].any()))  # type: ignore[attr-defined]
+    return cpath.track(fut)
+
+
+async def finish_get(store: Any, cpath: CudaPath, keys: list[bytes], fut: StreamFuture,
+                     layer: int | None) -> Any:
+    """Await a get's future; on cancellation return only once no more bytes can land."""
+    try:
+        out = await fut
+    except asyncio.CancelledError:
+        if fut.cancel():
+            cpath.cancelled += 1
+        await asyncio.shield(fut.wait_landed())
+        raise
+    if store.cfg.mode == "transfer":
+        words, slots, versions, flagged = fut.transfer_mode_info  # type: ignore[attr-defined]
+        if flagged:
+            await store._consume(keys, words, slots, versions, layer)
+    return out
+
