@@ -24,11 +24,12 @@ import torch
 
 from . import kvplan
 from .config import EngineConfig
+from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
 from .errors import EngineClosed, NodeEvicted, TractError
 from .keys import BlockKey, KeyScheme, Namespace
 
 
-class Engine:
+class Engine(CudaEngineMixin):
     """One node's handle on the rack: see the module docstring. Build with ``Engine.open``."""
 
     def __init__(self, cfg: EngineConfig) -> None:
@@ -132,6 +133,10 @@ class Engine:
 
     async def _teardown(self, *, graceful: bool) -> None:
         errors: list[BaseException] = []
+        try:  # CUDA hook: DMAs in flight land, then the mapping is unregistered (before unmap)
+            await self._cuda_teardown()
+        except Exception as e:
+            errors.append(e)
         if graceful and self._store is not None and self._failure is None:
             try:
                 await self._store.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s))
@@ -195,6 +200,8 @@ class Engine:
         self._check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
+        if isinstance(kv, torch.Tensor) and kv.is_cuda:  # CUDA hook (tract_async.cuda.api)
+            return await self._put_kv_cuda(ks, kv, layer, timeout)
         kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv")
         if not ks:
             return 0
@@ -213,6 +220,9 @@ class Engine:
         self._check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
+        if (out.is_cuda if isinstance(out, torch.Tensor) else  # CUDA hook (tract_async.cuda.api)
+                device is not None and torch.device(device).type == "cuda"):
+            return await self._get_kv_cuda(ks, out, layer, timeout, device)
         if device is not None and torch.device(device).type != "cpu":
             raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
         if out is None:
@@ -241,6 +251,7 @@ class Engine:
             out["lock"] = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
         if self._manager is not None:
             out["is_lock_manager"] = self._manager.is_manager
+        out["cuda"] = self._cuda_stats()  # CUDA hook: None until a CUDA transfer or cuda_setup()
         return out
 
     @property
