@@ -18,7 +18,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
+    "BadCompletionRequest": "errors",
     "ChatTemplateError": "errors",
+    "KVPoolFull": "errors",
+    "KVUnavailable": "errors",
+    "ServiceConfigError": "errors",
+    "ServiceStartFailed": "errors",
+    "UpstreamFailed": "errors",
     "KVShapeError": "errors",
     "LayerWaitTimeout": "errors",
     "NothingToCompute": "errors",
@@ -61,9 +67,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
-    from tract_async.serving.errors import (ChatTemplateError, KVShapeError, LayerWaitTimeout,
-                                            NothingToCompute, ServingError, TokenIdError,
-                                            TokenizerError)
+    from tract_async.serving.errors import (BadCompletionRequest, ChatTemplateError, KVPoolFull,
+                                            KVShapeError, KVUnavailable, LayerWaitTimeout,
+                                            NothingToCompute, ServiceConfigError,
+                                            ServiceStartFailed, ServingError, TokenIdError,
+                                            TokenizerError, UpstreamFailed)
     from tract_async.serving.metrics import ServiceMetrics, metrics_handler
     from tract_async.serving.model import (KVGeometry, PrefillResult, build_model, decode,
                                            kv_layout_for, llama3_8b_config, prefill,

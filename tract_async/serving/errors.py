@@ -40,3 +40,27 @@ class TokenizerError(ServingError, ValueError):
 
 class ChatTemplateError(ServingError, ValueError):
     """A chat message has an unknown role or non-string content."""
+
+
+class BadCompletionRequest(ServingError, ValueError):
+    """A ``/v1/completions`` (or worker) request body is malformed: answered with HTTP 400."""
+
+
+class UpstreamFailed(ServingError):
+    """A worker the router called answered with an error, or the connection to it broke."""
+
+
+class KVPoolFull(ServingError):
+    """HTTP mode: the prefill worker's registered KV pool had no room within the deadline."""
+
+
+class KVUnavailable(ServingError):
+    """The decode worker could not obtain the prompt's KV (evicted, never produced, timed out)."""
+
+
+class ServiceStartFailed(ServingError):
+    """A launched service exited, or did not report ready before its deadline."""
+
+
+class ServiceConfigError(ServingError, ValueError):
+    """A service was configured with an unknown mode, model, device or an inconsistent option."""

@@ -1,0 +1,237 @@
+"""The decode worker: gets the prompt's KV layer by layer and streams generated tokens.
+
+``POST /decode`` (:class:`~tract_async.serving.protocol.DecodeRequest`) answers with NDJSON: one
+``{"token": id}`` line per generated token as soon as it exists, then ``{"done": true, ...}``
+with timing events (or ``{"error": ...}`` once the stream has started).
+
+The prompt's *full blocks* come from the transport; the decode worker computes the rest itself,
+in its first forward pass (:func:`~tract_async.serving.streaming.generate_streaming`): the
+tokens of the partial last block, which has no key, and always the last prompt token, whose
+logits are the first generated token. So the first token the client sees comes from here, after
+the KV arrived, as in vLLM's disaggregated serving. Layer ``i`` of that pass waits for layer
+``i`` of the prompt's KV:
+
+* region modes: ``get_kv(keys, layer=i, timeout=...)``, which waits in the region for a layer
+  the prefill worker is still producing, so decode runs layer ``i`` while prefill computes
+  ``i + 1`` (the router starts both at once);
+* http mode: the whole KV is READ over the agent first (the baseline: the transfer starts after
+  the prefill has finished), then the layers are taken from that buffer.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from tract_async.errors import TractError
+from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
+from tract_async.serving.metrics import ServiceMetrics, metrics_handler
+from tract_async.serving.protocol import DecodeRequest, decode_past_len, error_body, now
+from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_secret,
+                                         kv_layout, load_model, open_engine)
+
+
+class DecodeWorker:
+    """State of one decode worker; built and torn down by :func:`_resources`."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.metrics = ServiceMetrics("decode", role="decode", node_id=cfg.node_id)
+        self.model: Any = None
+        self.layout: Any = None
+        self.engine: Any = None
+        self.agent: Any = None
+        self.importer: Any = None
+        self.tasks = TaskOwner()
+        self.compute = asyncio.Semaphore(1)
+        self.served = 0
+
+    def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "decode", "mode": self.cfg.mode, "model": self.cfg.model,
+                               "node_id": self.cfg.node_id, "served": self.served,
+                               "ready": self.model is not None}
+        if self.agent is not None:
+            out.update(agent=self.agent.name,
+                       agent_url=f"http://{self.agent.config.host}:{self.agent.port}")
+        if self.engine is not None:
+            st = self.engine.stats()
+            out["engine"] = {k: st.get(k) for k in ("hits", "misses", "bytes_got", "consumed",
+                                                    "layer_waits", "lock_wait_s")}
+        return out
+
+    def layer_source(self, req: DecodeRequest, events: list[tuple[str, float]]) -> tuple[int, Any]:
+        """``(past_len, get_layer)`` for the request's transport (see the module docstring)."""
+        ids = req.prompt_ids
+        T = self.cfg.block_tokens
+        n_full = len(ids) // T
+        if n_full == 0:
+            return 0, None
+        past_len = decode_past_len(len(ids), T)
+        timeout = self.cfg.layer_timeout_s
+        if self.engine is not None:
+            from tract_async.errors import BlockEvicted, BlockNotFound
+            from tract_async.errors import TransferTimeout as RegionTimeout
+            salt = (req.request_id,) if self.cfg.mode == "region-transfer" else None
+            keys = self.engine.block_keys(list(ids), extra_keys=salt)[:n_full]
+            layer_bytes = n_full * self.layout.layer_bytes
+
+            async def get_layer(layer: int) -> Any:
+                try:
+                    kv = await self.engine.get_kv(keys, layer=layer, timeout=timeout)
+                except (BlockEvicted, BlockNotFound, RegionTimeout) as exc:
+                    raise KVUnavailable(f"request {req.request_id}: layer {layer} of {n_full} "
+                                        f"blocks: {type(exc).__name__}: {exc}") from exc
+                events.append((f"got_L{layer}", now()))
+                self.metrics.add_bytes_moved(layer_bytes, transport="region", direction="get")
+                return kv
+            return past_len, get_layer
+
+        if req.kv_source is None:
+            raise BadCompletionRequest(f"http mode: a {len(ids)}-token prompt needs kv_source")
+        return past_len, None   # the HTTP READ happens in read_http, before the compute
+
+    async def read_http(self, req: DecodeRequest, events: list[tuple[str, float]]) -> Any:
+        """http mode: the whole full-block KV over the agent (one READ). Raises KVUnavailable."""
+        n_full = len(req.prompt_ids) // self.cfg.block_tokens
+        shape = self.layout.kv_shape(n_full)
+        kv = await self.importer.read(req.request_id, req.kv_source, shape, self.layout.dtype,
+                                      timeout=self.cfg.layer_timeout_s)
+        events.append(("http_read_done", now()))
+        self.metrics.add_bytes_moved(kv.numel() * kv.element_size(), transport="http",
+                                     direction="get")
+
+        async def get_layer(layer: int) -> Any:
+            events.append((f"got_L{layer}", now()))
+            return kv[layer]
+        return get_layer
+
+    async def stream(self, req: DecodeRequest, resp: web.StreamResponse) -> None:
+        """Generate and write NDJSON lines to ``resp`` (already prepared)."""
+        from tract_async.serving.streaming import generate_streaming
+        events: list[tuple[str, float]] = [("decode_recv", now())]
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        eos = self.model.config.eos_token_id
+        if isinstance(eos, list):
+            eos = eos[0]
+
+        def on_token(token: int) -> None:
+            if not first_seen:
+                first_seen.append(True)
+                events.append(("first_token", now()))
+            queue.put_nowait(token)
+
+        first_seen: list[bool] = []
+
+        async def generate() -> None:
+            try:
+                past_len, get_layer = self.layer_source(req, events)
+                if past_len and get_layer is None:
+                    get_layer = await self.read_http(req, events)
+                async with self.compute:
+                    events.append(("decode_compute_start", now()))
+                    await generate_streaming(self.model, list(req.prompt_ids), get_layer=get_layer,
+                                             past_len=past_len, max_new_tokens=req.max_tokens,
+                                             on_token=on_token, eos_token_id=eos,
+                                             layer_timeout=self.cfg.layer_timeout_s)
+            finally:
+                queue.put_nowait(None)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(generate())
+                while (token := await queue.get()) is not None:
+                    await resp.write(orjson.dumps({"token": token}) + b"\n")
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        events.append(("decode_done", now()))
+        await resp.write(orjson.dumps({"done": True, "events": events}) + b"\n")
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error a failed TaskGroup stands for: its first that is not a cancellation."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return first_error(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
+
+
+DECODE_KEY = web.AppKey("decode_worker", DecodeWorker)
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    w = app[DECODE_KEY]
+    cfg = w.cfg
+    w.model = await asyncio.to_thread(load_model, cfg)
+    w.layout = kv_layout(cfg, w.model)
+    async with contextlib.AsyncExitStack() as stack:
+        if cfg.mode == "http":
+            from tract_async.serving.http_kv import KVImporter
+            from tract_async.transport.http import Agent
+            secret = agent_secret()
+            w.agent = Agent(f"decode-{cfg.node_id}", host=cfg.host, secret=secret,
+                            allow_unauthenticated=secret is None)
+            w.importer = KVImporter(w.agent, tasks=w.tasks)
+            await w.agent.start()
+            stack.push_async_callback(w.agent.close)
+        else:
+            w.engine = await open_engine(cfg, w.layout)
+            stack.push_async_callback(w.engine.close)
+        stack.push_async_callback(w.tasks.close)
+        yield
+
+
+async def handle_decode(request: web.Request) -> web.StreamResponse:
+    w = request.app[DECODE_KEY]
+    try:
+        req = DecodeRequest.from_json(await request.json(), w.model.config.vocab_size)
+    except (BadCompletionRequest, ValueError) as exc:
+        w.metrics.count_request("error")
+        return web.json_response(error_body(exc, 400), status=400)
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    try:
+        await w.stream(req, resp)
+    except (TractError, ValueError) as exc:
+        w.metrics.count_request("error")
+        with contextlib.suppress(ConnectionError):
+            await resp.write(orjson.dumps(error_body(exc, 500)) + b"\n")
+        return resp
+    except asyncio.CancelledError:
+        w.metrics.count_request("cancelled")
+        raise
+    w.served += 1
+    w.metrics.count_request("ok")
+    await resp.write_eof()
+    return resp
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return web.json_response(request.app[DECODE_KEY].health())
+
+
+def build_app(cfg: ServiceConfig) -> web.Application:
+    """The decode worker's application (the resources are built when it starts)."""
+    if cfg.role != "decode":
+        raise ValueError(f"build_app for the decode worker got role {cfg.role!r}")
+    app = web.Application(client_max_size=64 << 20)
+    w = DecodeWorker(cfg)
+    app[DECODE_KEY] = w
+    app.cleanup_ctx.append(_resources)
+    app.router.add_post("/decode", handle_decode)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", metrics_handler(w.metrics))
+    return app
+
+
+def ready_info(app: web.Application) -> dict[str, Any]:
+    h = app[DECODE_KEY].health()
+    return {k: h[k] for k in ("agent", "agent_url") if k in h}
+
+
+__all__ = ["DECODE_KEY", "DecodeWorker", "build_app", "ready_info"]

@@ -1,0 +1,310 @@
+"""What every serving process shares: its configuration, its model, its engine, its life cycle.
+
+A service (prefill worker, decode worker, router) is one aiohttp application run by
+:func:`serve`: bind ``host:port`` (port 0: the OS picks), print one ``TRACT-READY {json}`` line
+on stdout (how a launcher learns the port), serve until SIGTERM or SIGINT, then clean up in
+reverse order of setup (aiohttp's ``cleanup_ctx``: background tasks, engine, agent, model) and
+exit 0. With ``die_with_parent`` the kernel sends SIGTERM when the launching process dies
+(``PR_SET_PDEATHSIG``), so even a SIGKILLed ``tract demo`` leaves no worker behind.
+
+Resources live in the application under typed ``web.AppKey``s, created in ``cleanup_ctx``
+generators so that a failed start releases what was already built.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from tract_async.serving.errors import ServiceConfigError
+from tract_async.serving.protocol import MODES, READY_PREFIX, ROLES, SECRET_ENV
+
+MODELS = ("tiny", "llama3-8b")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """Configuration of one service; every field has a command-line flag (``add_arguments``)."""
+
+    role: str
+    mode: str = "region-cache"
+    host: str = "127.0.0.1"
+    port: int = 0
+    # the model (prefill and decode)
+    model: str = "tiny"
+    tiny_layers: int = 4
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None          # default: the config's (fp32 tiny, bf16 8B)
+    block_tokens: int = 16
+    torch_threads: int | None = None
+    # the region (region modes)
+    region: str | None = None
+    region_bytes: int = 256 << 20
+    create_region: bool = False
+    node_id: int = 0
+    max_nodes: int = 8
+    liveness_timeout_s: float = 5.0
+    # the HTTP agent (http mode)
+    kv_pool_bytes: int = 64 << 20
+    kv_hold_s: float = 60.0           # an un-READ span is freed after this long
+    # deadlines
+    layer_timeout_s: float = 30.0     # decode: wait for one layer's KV
+    request_timeout_s: float = 120.0  # router: one whole request
+    # the router's workers
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    die_with_parent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ServiceConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.mode not in MODES:
+            raise ServiceConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.model not in MODELS:
+            raise ServiceConfigError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.role != "router" and self.mode != "http" and not self.region:
+            raise ServiceConfigError(f"mode {self.mode!r} needs --region (a path in /dev/shm)")
+        if self.role == "router" and not (self.prefill_url and self.decode_url):
+            raise ServiceConfigError("the router needs --prefill-url and --decode-url")
+        if self.block_tokens <= 0:
+            raise ServiceConfigError(f"block_tokens must be positive, got {self.block_tokens}")
+
+    @property
+    def namespace(self) -> str:
+        """Engine namespace: blocks of different models or weights never mix."""
+        return f"{self.model}-L{self.tiny_layers if self.model == 'tiny' else 32}-seed{self.seed}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags for every :class:`ServiceConfig` field (``--kebab-case``)."""
+    p.add_argument("role", choices=ROLES)
+    for f in dataclasses.fields(ServiceConfig):
+        if f.name == "role":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", default=default)
+        elif f.name in ("dtype", "region", "prefill_url", "decode_url"):
+            p.add_argument(flag, default=default)
+        elif f.name == "torch_threads":
+            p.add_argument(flag, type=int, default=default)
+        else:
+            p.add_argument(flag, type=type(default), default=default)
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    names = {f.name for f in dataclasses.fields(ServiceConfig)}
+    return ServiceConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def config_to_argv(cfg: ServiceConfig) -> list[str]:
+    """The command line that rebuilds ``cfg`` (what the launcher runs)."""
+    out = [cfg.role]
+    for f in dataclasses.fields(ServiceConfig):
+        if f.name == "role":
+            continue
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+        elif value is not None and value != f.default:
+            out += [flag, str(value)]
+    return out
+
+
+# --- model and engine ---------------------------------------------------------------------------
+def model_config(cfg: ServiceConfig) -> Any:
+    from tract_async.serving.model import llama3_8b_config, tiny_llama_config
+    if cfg.model == "tiny":
+        return tiny_llama_config(num_layers=cfg.tiny_layers)
+    return llama3_8b_config()
+
+
+def torch_dtype(cfg: ServiceConfig) -> Any:
+    import torch
+    if cfg.dtype is None:
+        return None
+    dt = getattr(torch, cfg.dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise ServiceConfigError(f"unknown dtype {cfg.dtype!r}")
+    return dt
+
+
+def load_model(cfg: ServiceConfig) -> Any:
+    """The worker's model: seeded random weights, identical in every worker of the run."""
+    import torch
+    from tract_async.serving.model import build_model
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    init_device = "cuda" if cfg.device.startswith("cuda") else "cpu"
+    return build_model(model_config(cfg), cfg.seed, cfg.device, torch_dtype(cfg),
+                       init_device=init_device)
+
+
+def kv_layout(cfg: ServiceConfig, model: Any) -> Any:
+    """The engine KVLayout of the model (dtype: the model's)."""
+    import tract_async as tract
+    from tract_async.serving.model import kv_layout_for
+    geo = kv_layout_for(model.config, cfg.block_tokens)
+    return tract.KVLayout(num_layers=geo.num_layers, block_tokens=geo.block_tokens,
+                          kv_heads=geo.kv_heads, head_dim=geo.head_dim,
+                          dtype=model.lm_head.weight.dtype)
+
+
+def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
+    import tract_async as tract
+    from tract_async.serving.protocol import engine_mode
+    chunk = 2 << 20
+    while chunk < layout.block_bytes:
+        chunk <<= 1
+    return tract.EngineConfig(layout=layout, region=cfg.region, region_bytes=cfg.region_bytes,
+                              create=cfg.create_region, node_id=cfg.node_id,
+                              max_nodes=cfg.max_nodes, namespace=cfg.namespace,
+                              mode=engine_mode(cfg.mode), chunk_bytes=chunk,
+                              liveness_timeout_s=cfg.liveness_timeout_s,
+                              heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4))
+
+
+async def open_engine(cfg: ServiceConfig, layout: Any, *, attach_timeout_s: float = 60.0) -> Any:
+    """Open the worker's Engine. An attaching worker (``create_region`` false) waits, up to
+    ``attach_timeout_s``, for the creating worker to have made the region (they start together).
+
+    Raises whatever ``Engine.open`` raises once the deadline has passed.
+    """
+    import tract_async as tract
+    from tract_async.errors import RegionError
+    ecfg = engine_config(cfg, layout)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + attach_timeout_s
+    delay = 0.02
+    while True:
+        try:
+            return await tract.Engine.open(ecfg)
+        except RegionError:
+            if cfg.create_region or loop.time() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.25)
+
+
+class KVDevice:
+    """Moves KV between the model's device and the engine, which may take CPU tensors only.
+
+    The first CUDA tensor offered to ``put_kv`` tells: if the engine refuses it (TensorMismatch),
+    every later put goes through ``.cpu()``; reads come back as CPU tensors and move to the
+    model's device at the layer that uses them (``kv_cache.EngineLayer``). On a CPU model this is
+    a plain pass-through.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.cuda_puts: bool | None = None   # unknown until the first CUDA tensor
+
+    async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int) -> int:
+        from tract_async.errors import TensorMismatch
+        if kv_layer.device.type == "cuda" and self.cuda_puts is not False:
+            try:
+                n = await self.engine.put_kv(keys, kv_layer.contiguous(), layer=layer)
+                self.cuda_puts = True
+                return n
+            except TensorMismatch:
+                if self.cuda_puts:
+                    raise
+                self.cuda_puts = False
+        if kv_layer.device.type != "cpu":
+            kv_layer = kv_layer.cpu()
+        return await self.engine.put_kv(keys, kv_layer.contiguous(), layer=layer)
+
+
+# --- life cycle ---------------------------------------------------------------------------------
+def _set_pdeathsig() -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux); no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def agent_secret() -> bytes | None:
+    """The agents' shared secret from the environment (hex), or None."""
+    raw = os.environ.get(SECRET_ENV)
+    return bytes.fromhex(raw) if raw else None
+
+
+async def serve(app: web.Application, cfg: ServiceConfig, *, ready_info: Callable[[web.Application], dict[str, Any]]
+                | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run ``app`` until SIGTERM/SIGINT (or ``stop``), then clean up. Prints the ready line."""
+    parent = os.getppid()
+    if cfg.die_with_parent:
+        _set_pdeathsig()
+        if os.getppid() != parent:   # the parent died before prctl took effect
+            return
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        info = {"role": cfg.role, "mode": cfg.mode, "pid": os.getpid(), "host": cfg.host, "port": port,
+                "url": f"http://{cfg.host}:{port}"}
+        if ready_info is not None:
+            info.update(ready_info(app))
+        sys.stdout.write(READY_PREFIX + json.dumps(info) + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+class TaskOwner:
+    """Owns a service's background tasks (per-request releases, watchers): ``spawn`` keeps a
+    reference until the task ends; ``close`` cancels what is left and waits for it. Unlike a
+    TaskGroup, one failing task does not cancel the others: each is a separate request's
+    business, and its error is logged by the service, not lost (``errors``)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.errors: list[BaseException] = []
+        self._closed = False
+
+    def spawn(self, coro: Any, *, name: str | None = None) -> asyncio.Task[Any]:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("TaskOwner is closed")
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.errors.append(task.exception())  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        """Cancel every task and wait until all have ended. Idempotent."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
