@@ -143,7 +143,6 @@ async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
                     ready: Any = None, method: str | None = None) -> StreamFuture:
     """Reserve, enqueue, and return the transfer's future (its completion publishes).
     Raises what ``RegionStore.put`` raises before the copy (RegionFull, TransferTimeout)."""
-    n = len(keys)
     words = keys_to_words(keys)
     snap = store.index.snapshot(words)
     todo: list[int] = []
