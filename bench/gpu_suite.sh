@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The CUDA path on a lent GPU, in one run (<= 9 minutes): GPU tests, put/get bandwidth, layer
+# pipelining. Run from the repository root. Installs nothing but wheels found in .whl/ (for what
+# the image lacks: pytest & co, cbor2, orjson) and uses the checkout through PYTHONPATH.
+# Results: bench/results/gpu_*.json, and copies + logs under $OUT (at most 8 files).
+# Every step is bounded by `timeout`; a failed step does not stop the others; the summary lists
+# each step's exit code. Without CUDA it says so and exits 0 after the import checks.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT="${OUT:-$ROOT/bench/results/gpu_out}"
+mkdir -p "$OUT" bench/results
+T0=$(date +%s)
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+declare -A RC
+
+log() { echo "[gpu_suite +$(( $(date +%s) - T0 ))s] $*" | tee -a "$SUMMARY"; }
+
+# -- environment -------------------------------------------------------------------------------
+export PYTHONUNBUFFERED=1
+export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/tract-numba-cache}"
+SHIM=/tmp/tract-pypath
+mkdir -p "$SHIM"
+ln -sfn "$ROOT/kernels" "$SHIM/tract_kernels"        # pyproject maps kernels/ -> tract_kernels
+export PYTHONPATH="$ROOT:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  need=()
+  for mod in pytest pytest_asyncio pytest_timeout cbor2 orjson; do
+    $PY -c "import $mod" 2>/dev/null || need+=("$mod")
+  done
+  if [ ${#need[@]} -gt 0 ]; then
+    log "installing from .whl/: ${need[*]}"
+    timeout 120 $PY -m pip install -q --no-index --find-links .whl \
+      $(printf '%s\n' "${need[@]}" | sed 's/_/-/g') >>"$OUT/setup.log" 2>&1
+    RC[setup]=$?
+  fi
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv 2>&1 | head -3
+  $PY - <<'PY'
+import importlib
+for m in ("torch", "triton", "numba", "transformers", "pytest", "pytest_asyncio", "cbor2", "orjson", "pynvml"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m} {getattr(mod, '__version__', '?')}")
+    except Exception as e:
+        print(f"{m} MISSING ({type(e).__name__}: {e})")
+import torch
+print("cuda available:", torch.cuda.is_available(), torch.version.cuda)
+import tract_async, tract_kernels, tract_async.cuda.api
+print("tract_async from", tract_async.__file__)
+PY
+  df -h /dev/shm | tail -1
+} >>"$OUT/setup.log" 2>&1
+RC[env]=$?
+cat "$OUT/setup.log" | tee -a "$SUMMARY" >/dev/null
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  log "no CUDA device: skipping the GPU steps (imports: rc=${RC[env]})"
+  cat "$SUMMARY"
+  exit "${RC[env]}"
+fi
+
+step() {  # step NAME SECONDS CMD...  (output to $OUT/NAME.log)
+  local name=$1 secs=$2; shift 2
+  log "step $name (limit ${secs}s): $*"
+  timeout --kill-after=10 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  RC[$name]=$?
+  log "step $name: rc=${RC[$name]}"
+  tail -25 "$OUT/$name.log" | sed "s/^/  [$name] /" >>"$SUMMARY"
+}
+
+# -- steps -------------------------------------------------------------------------------------
+step gpu_tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/test_cuda_gpu.py --maxfail=10
+step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
+step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
+if $PY -c "import pytest_asyncio, orjson" 2>/dev/null; then
+  step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
+    --continue-on-collection-errors tests/test_transport_gpu.py
+fi
+
+# -- results -----------------------------------------------------------------------------------
+for f in bench/results/gpu_putget.json bench/results/gpu_pipeline.json; do
+  [ -f "$f" ] && cp "$f" "$OUT/"
+done
+ls /dev/shm | grep -c '^tract-' | xargs -I{} echo "tract files left in /dev/shm: {}" >>"$SUMMARY"
+log "summary of exit codes:"
+fail=0
+for k in "${!RC[@]}"; do
+  echo "  $k: ${RC[$k]}" | tee -a "$SUMMARY"
+  [ "${RC[$k]}" -ne 0 ] && fail=1
+done
+log "total $(( $(date +%s) - T0 ))s"
+exit $fail
