@@ -55,7 +55,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     try:
         return tract.run(_main(args, modes))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):   # SIGINT/SIGTERM: cleaned up already
         return 130
 
 

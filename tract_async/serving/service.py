@@ -215,6 +215,13 @@ class KVDevice:
 
     async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int) -> int:
         from tract_async.errors import TensorMismatch
+        if kv_layer.device.type == "cuda":
+            # The layer may still be computing on the compute thread's stream (the default
+            # stream, shared by threads): wait for an event recorded behind it, off the loop.
+            import torch
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(kv_layer.device))
+            await asyncio.to_thread(done.synchronize)
         if kv_layer.device.type == "cuda" and self.cuda_puts is not False:
             try:
                 n = await self.engine.put_kv(keys, kv_layer.contiguous(), layer=layer)

@@ -1,0 +1,67 @@
+"""`tract demo`: registered on the CLI; a Ctrl-C in the middle leaves no process and no region."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tract_async.cli import build_parser
+
+
+def test_demo_is_a_cli_subcommand_with_its_options():
+    args = build_parser().parse_args(["demo", "--modes", "http,region-cache", "--turns", "2",
+                                      "--conversations", "3", "--region-bytes", "64M",
+                                      "--out-dir", "x", "--max-new-tokens", "4", "--seed", "1"])
+    assert args.turns == 2 and args.conversations == 3 and args.region_bytes == 64 << 20
+    assert callable(args.func)
+
+
+def test_demo_rejects_an_unknown_mode(capsys):
+    args = build_parser().parse_args(["demo", "--modes", "carrier-pigeon"])
+    assert args.func(args) == 2
+    assert "unknown mode" in capsys.readouterr().err
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_sigint_mid_run_stops_every_service_and_removes_the_region(tmp_path):
+    """Run the demo until its rack is up, interrupt it, and look for leftovers. The services'
+    command lines name the region, which names the demo's pid: none may survive it."""
+    proc = subprocess.Popen([sys.executable, "-m", "tract_async.cli", "demo", "--modes",
+                             "region-cache", "--conversations", "1", "--turns", "50",
+                             "--out-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marker = f"tract-demo-{proc.pid}-"
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:   # wait for the event, not for a time
+            lines.append(line)
+            if "] up in" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        assert _processes_mentioning(marker), "the services should be running now"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, "".join(lines) + out
+    assert "stopping the services" in out
+    assert not _processes_mentioning(marker)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(marker)]
