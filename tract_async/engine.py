@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -50,6 +51,8 @@ class Engine(CudaEngineMixin):
         self._closed = True
         self._failure: BaseException | None = None
         self._opened_at = 0.0
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
@@ -96,7 +99,11 @@ class Engine(CudaEngineMixin):
             store_box.append(self._store)
             self._tg = asyncio.TaskGroup()
             await self._tg.__aenter__()
-            self._tg.create_task(self._heartbeat(), name=f"tract-heartbeat-{cfg.node_id}")
+            self._hb_stop = threading.Event()
+            self._hb_thread = threading.Thread(target=self._heartbeat_thread,
+                                               name=f"tract-heartbeat-{cfg.node_id}", daemon=True)
+            self._hb_thread.start()
+            self._tg.create_task(self._watch_failure(), name=f"tract-watch-{cfg.node_id}")
             self._tg.create_task(self._manager.run(), name=f"tract-manager-{cfg.node_id}")
             self._tg.create_task(self._maintenance(), name=f"tract-maintenance-{cfg.node_id}")
         except BaseException:
@@ -105,14 +112,27 @@ class Engine(CudaEngineMixin):
         self._closed = False
         self._opened_at = time.monotonic()
 
-    async def _heartbeat(self) -> None:
-        while True:
+    def _heartbeat_thread(self) -> None:
+        """Beat from a thread, not a task: a caller that keeps the event loop busy (a loop of
+        gets that never suspend, a long jitted call) must not get a live node judged dead,
+        revoked, and its chunks reclaimed under its feet."""
+        region, handle = self._region, self._handle
+        while not self._hb_stop.wait(self.cfg.heartbeat_interval_s):
             try:
-                self._region.nodes.heartbeat(self._handle)
+                region.nodes.heartbeat(handle)
             except NodeEvicted as e:
                 self._failure = e
-                raise
+                return
+            except Exception as e:  # a closed region at shutdown: stop quietly
+                if not self._hb_stop.is_set():
+                    self._failure = e
+                return
+
+    async def _watch_failure(self) -> None:
+        """Surface a heartbeat failure (this node was taken over) into the TaskGroup."""
+        while self._failure is None:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
+        raise self._failure
 
     async def _maintenance(self) -> None:
         period = max(0.05, self.cfg.heartbeat_interval_s * 2)
@@ -142,6 +162,10 @@ class Engine(CudaEngineMixin):
                 await self._store.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s))
             except Exception as e:  # keep going: the rest must still be released
                 errors.append(e)
+        if getattr(self, "_hb_thread", None) is not None:
+            self._hb_stop.set()
+            await asyncio.get_running_loop().run_in_executor(None, self._hb_thread.join, 5.0)
+            self._hb_thread = None
         if self._tg is not None:
             tg, self._tg = self._tg, None
             for t in list(getattr(tg, "_tasks", ())):

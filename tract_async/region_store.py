@@ -89,7 +89,9 @@ class RegionStore:
         self._reserved: dict[bytes, _Reservation] = {}
         self._touches: dict[int, int] = {}            # slot -> version, flushed under the lock
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
-        self._copy_lock = asyncio.Lock()
+        self.validate_reads = True
+        """Re-validate versions after each copy (invariant 6). Only the torn-read stress test's
+        negative control turns this off, to show that without it wrong bytes get through."""
         lo, hi = kvplan.layer_mask(self.layout, None)
         self._all_lo, self._all_hi = lo, hi
 
@@ -193,6 +195,7 @@ class RegionStore:
                        timeout: float | None) -> None:
         """Reserve entries and payload for ``positions`` under one hold of the global lock."""
         await self._locked(timeout)
+        mine: list[tuple[bytes, int]] = []
         try:
             self.lock.check_token()
             self._flush_touches_locked()
@@ -204,7 +207,7 @@ class RegionStore:
             for i in positions:
                 a = self._alloc_locked()
                 w = words[i]
-                slot = ix.reserve_one(self.mem, self.geo.entries_offset, self.index.mask,
+                slot, prev = ix.reserve_one(self.mem, self.geo.entries_offset, self.index.mask,
                                       self.geo.max_probe, w[0], w[1], w[2], w[3], a.offset_bytes,
                                       a.nbytes, a.owner_node | (a.generation << 16), a.token, now,
                                       producer, flags, deadline)
@@ -219,7 +222,14 @@ class RegionStore:
                     continue
                 version = int(self.index.snapshot(words[i:i + 1])[0, 1])
                 self._reserved[keys[i]] = _Reservation(slot=slot, version=version, allocation=a)
-            self.index.bump_counter_locked(ix.H_PUBLISHES, len(positions))
+                mine.append((keys[i], int(prev)))
+            self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
+        except BaseException:
+            # all or nothing: a batch that cannot be placed whole leaves the region as it was
+            for k, prev in reversed(mine):
+                r = self._reserved.pop(k)
+                self._evict_locked(r.slot, count=False, new_state=prev)
+            raise
         finally:
             self.lock.release()
 
@@ -245,16 +255,17 @@ class RegionStore:
         self.stats.evictions_for_space += 1
         return True
 
-    def _evict_locked(self, slot: int) -> None:
+    def _evict_locked(self, slot: int, *, count: bool = True, new_state: int = ix.TOMBSTONE) -> None:
         off = self.geo.entries_offset + slot * ix.ENTRY_BYTES
         m = self.mem
         poff = int(K.load_fresh(m, off + ix.E_POFF, ix.S_IX_READ))
         pnb = int(K.load(m, off + ix.E_PNB))
         owner = int(K.load_fresh(m, off + ix.E_OWNER, ix.S_IX_LINE1_READ))
         token = int(K.load(m, off + ix.E_TOKEN))
-        ix.evict_slot(m, self.geo.entries_offset, slot)
-        self.index.bump_counter_locked(ix.H_EVICTIONS, 1)
-        self.stats.evictions += 1
+        ix.evict_slot(m, self.geo.entries_offset, slot, new_state)
+        if count:
+            self.index.bump_counter_locked(ix.H_EVICTIONS, 1)
+            self.stats.evictions += 1
         if self._payload_ok(poff, pnb):
             self.alloc.free(self._allocation_of(poff, pnb, owner, token))
 
@@ -293,8 +304,10 @@ class RegionStore:
         plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
         nbytes = int(plan[:, 2].sum())
         await self._copy(ix.copy_out, plan, out.data_ptr(), nbytes)
-        ok = np.zeros(n, dtype=np.bool_)
-        bad = ix.revalidate_batch(self.mem, self.geo.entries_offset, slots, versions, ok)
+        ok = np.ones(n, dtype=np.bool_)
+        bad = (ix.revalidate_batch(self.mem, self.geo.entries_offset, slots, versions,
+                                   snap[:, 3].copy(), words, ok)
+               if self.validate_reads else 0)
         self.stats.gets += 1
         if bad:
             self.stats.validation_failures += 1
@@ -309,7 +322,7 @@ class RegionStore:
         for s, v in zip(slots.tolist(), versions.tolist()):
             self._touches[s] = v
         if self.cfg.mode == "transfer" and snap[:, 7].any():
-            await self._consume(keys, words, slots, versions, layer)
+            await self._consume(keys, words, slots, versions, snap[:, 3].copy(), layer)
         return out
 
     def _check_available(self, keys: list[bytes], snap: np.ndarray, layer: int | None) -> None:
@@ -379,7 +392,7 @@ class RegionStore:
         return bool(((snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)).all())
 
     async def _consume(self, keys: list[bytes], words: np.ndarray, slots: np.ndarray,
-                       versions: np.ndarray, layer: int | None) -> None:
+                       versions: np.ndarray, poffs: np.ndarray, layer: int | None) -> None:
         """Transfer-only mode: free blocks once their consumer has read every layer."""
         done = []
         for i, k in enumerate(keys):
@@ -397,7 +410,8 @@ class RegionStore:
         await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
             check = np.zeros(len(done), dtype=np.bool_)
-            ix.revalidate_batch(self.mem, self.geo.entries_offset, slots[done], versions[done], check)
+            ix.revalidate_batch(self.mem, self.geo.entries_offset, slots[done], versions[done],
+                                poffs[done], words[done], check)
             for j, i in enumerate(done):
                 if check[j]:
                     self._evict_locked(int(slots[i]))

@@ -9,9 +9,12 @@ the entry starts to mean something else (reserve, evict) and at no other time. A
 2. checks state (READY, or RESERVED with the wanted layer bit), the full 256-bit key, and that
    the payload lies inside the chunk area and has the size its layout expects;
 3. invalidates and copies the payload;
-4. invalidates line 0 again and re-reads version and state (after the copy has completed: on a
-   GPU, after the DMA's event). Any change means the block was evicted (and maybe reused) during
-   the copy: the result is a miss, never wrong bytes (DESIGN.md invariant 6).
+4. invalidates line 0 again and re-reads key, version, state and payload offset (after the copy
+   has completed: on a GPU, after the DMA's event). Any change means the block was evicted (and
+   maybe reused) during the copy: the result is a miss, never wrong bytes (DESIGN.md invariant
+   6). The key is compared again because a read of a line is not atomic: the first read can be
+   torn against a re-reservation (old key words with the new version) -- the torn-read stress
+   test found exactly this when only the version was re-checked.
 
 Readers therefore pin nothing: an evictor may free a block while a reader copies it, and the
 reader's step 4 notices. (What must never be reused under a transfer is memory a *write* may
@@ -167,8 +170,16 @@ def layer_bits_batch(m, eoff, slots, out):
 
 
 @njit(cache=True, nogil=True)
-def revalidate_batch(m, eoff, slots, versions, ok):
-    """After a copy: ok[i] = entry i still has its version and a live state. Returns #failed."""
+def revalidate_batch(m, eoff, slots, versions, poffs, keys, ok):
+    """After a copy: ok[i] = entry i still holds the same key, version and payload, live.
+    Returns the number that failed.
+
+    The key and payload are compared too, not just the version: the first read of a line may be
+    torn against a concurrent re-reservation (old key words, new version and payload: a fill or
+    a word-by-word read is not atomic), and such a snapshot carries the *new* version. A later,
+    fresh read cannot show the old key once memory holds the newer version (the writer stores
+    the key words before the version becomes visible with them), so comparing the key catches it.
+    """
     bad = 0
     K.full_fence(m)
     for i in range(slots.shape[0]):
@@ -176,7 +187,11 @@ def revalidate_batch(m, eoff, slots, versions, ok):
         K.invalidate(m, off, S_IX_REVALIDATE)
         K.full_fence(m)
         st = K.load(m, off + 40)
-        good = (np.int64(K.load(m, off + 32)) == versions[i]) and (st == READY or st == RESERVED)
+        good = ((st == READY or st == RESERVED)
+                and K.load(m, off) == keys[i, 0] and K.load(m, off + 8) == keys[i, 1]
+                and K.load(m, off + 16) == keys[i, 2] and K.load(m, off + 24) == keys[i, 3]
+                and np.int64(K.load(m, off + 48)) == poffs[i]
+                and np.int64(K.load(m, off + 32)) == versions[i])
         ok[i] = good
         if not good:
             bad += 1
@@ -231,10 +246,11 @@ def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi):
 @njit(cache=True, nogil=True)
 def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, token, now_ns,
                 producer, flags, deadline_ns):
-    """Reserve an entry for the key. Returns slot >= 0, -1 if the probe window is full, or
-    -(2 + slot) if the key is already live (RESERVED or READY)."""
+    """Reserve an entry for the key. Returns (slot, previous state): slot >= 0, -1 if the probe
+    window is full, or -(2 + slot) if the key is already live (RESERVED or READY)."""
     b = np.int64(k0 & np.uint64(mask))
     free = np.int64(-1)
+    prev = np.uint64(EMPTY)
     for p in range(max_probe):
         slot = (b + p) & mask
         off = eoff + slot * 128
@@ -244,16 +260,18 @@ def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, toke
         if st == EMPTY:
             if free < 0:
                 free = slot
+                prev = st
             break
         if st == TOMBSTONE:
             if free < 0:
                 free = slot
+                prev = st
             continue
         if (K.load(m, off) == k0 and K.load(m, off + 8) == k1 and K.load(m, off + 16) == k2
                 and K.load(m, off + 24) == k3):
-            return -(2 + slot)
+            return -(2 + slot), np.uint64(0)
     if free < 0:
-        return -1
+        return np.int64(-1), np.uint64(0)
     off = eoff + free * 128
     K.invalidate(m, off + 64, S_IX_READ)
     K.full_fence(m)
@@ -279,16 +297,19 @@ def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, toke
     K.store(m, off + 40, RESERVED)
     K.flush(m, off, S_IX_RESERVE_STATE)
     K.full_fence(m)
-    return free
+    return free, prev
 
 
 @njit(cache=True, nogil=True)
-def evict_slot(m, eoff, slot):
-    """Tombstone an entry, then bump its version (both flushed). The caller frees the payload."""
+def evict_slot(m, eoff, slot, new_state=TOMBSTONE):
+    """Tombstone an entry, then bump its version (both flushed). The caller frees the payload.
+
+    ``new_state=EMPTY`` is only for undoing a reservation of a slot that was EMPTY within the
+    same hold of the lock (no probe chain can run through it then)."""
     off = eoff + slot * 128
     K.invalidate(m, off, S_IX_READ)
     K.full_fence(m)
-    K.store(m, off + 40, TOMBSTONE)
+    K.store(m, off + 40, new_state)
     K.flush(m, off, S_IX_EVICT_FLUSH)
     K.full_fence(m)
     K.store(m, off + 32, K.load(m, off + 32) + np.uint64(1))
@@ -305,6 +326,8 @@ def touch_batch(m, eoff, slots, versions, now_ns):
         K.invalidate(m, off, S_IX_READ)
         K.full_fence(m)
         if K.load(m, off + 40) == READY and np.int64(K.load(m, off + 32)) == versions[i]:
+            K.invalidate(m, off + 64, S_IX_LINE1_READ)   # our copy of line 1 may be stale
+            K.full_fence(m)
             K.store(m, off + 96, now_ns)
             K.flush(m, off + 64, S_IX_TOUCH_FLUSH)
             n += 1

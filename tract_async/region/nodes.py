@@ -205,7 +205,10 @@ class NodeTable:
         return h
 
     def heartbeat(self, handle: NodeHandle) -> None:
-        """Stamp this node alive. Raises NodeEvicted if another process took the id over."""
+        """Stamp this node alive. Raises NodeEvicted if another process took the id over.
+
+        Safe to call from a dedicated thread (the engine does, so that a busy event loop cannot
+        starve its heartbeat and get a live node judged dead)."""
         self._check_owner(handle)
         off = self.line_offset(handle.node_id)
         mem = self._region.mem

@@ -25,6 +25,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 import time
 import uuid as uuid_mod
 import zlib
@@ -178,7 +179,10 @@ class Region:
         self.path = path
         self._fd = fd
         self._mm: mmap.mmap | None = mm
-        self.mem: K.Mem | None = mem
+        self._mem: K.Mem | None = mem
+        self._owner_thread = threading.get_ident()
+        self._tls = threading.local()
+        self._mem_generation = 0
         self._header = header
         self.backing = backing
         self.readonly = readonly
@@ -188,6 +192,35 @@ class Region:
         self.root = RootDirectory(self)
 
     # -- properties ---------------------------------------------------------------------------
+    @property
+    def mem(self) -> K.Mem | None:
+        """This node's view for the kernels.
+
+        With the sim backend every thread gets its own private cache (built on first use):
+        the model's cache state is plain arrays, not safe to share between threads, and a
+        separate cache per thread is the stricter model (each thread behaves like another
+        host, so anything this node publishes to its own other threads must be flushed too).
+        The hardware backend keeps no state and is shared.
+        """
+        m = self._mem
+        if m is None or m.backend != K.BACKEND_SIM or threading.get_ident() == self._owner_thread:
+            return m
+        got = getattr(self._tls, "mem", None)
+        if got is None or got[0] != self._mem_generation:
+            seed = (int(m.ctl[0]) ^ threading.get_ident()) & 0x7FFFFFFF
+            tm = K.make_mem(m.buf, "sim", seed=seed,
+                            evict_prob=int(m.ctl[1]) / 2**32, cache_lines=m.tags.shape[0],
+                            skip_site=m.skip_site)
+            got = (self._mem_generation, tm)
+            self._tls.mem = got
+        return got[1]
+
+    @mem.setter
+    def mem(self, value: K.Mem | None) -> None:
+        """Replace the owner thread's view (fault injection); other threads rebuild theirs."""
+        self._mem = value
+        self._mem_generation += 1
+
     @property
     def size_bytes(self) -> int:
         return int(self._header["region_bytes"])
@@ -226,7 +259,7 @@ class Region:
     def with_backend(self, backend: str, **sim_options: object) -> K.Mem:
         """Another node view of this mapping (e.g. a sim cache for a second in-process node)."""
         assert self._mm is not None, "region is closed"
-        return K.make_mem(self.mem.buf, backend, **sim_options)  # type: ignore[union-attr]
+        return K.make_mem(self._mem.buf, backend, **sim_options)  # type: ignore[union-attr]
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod

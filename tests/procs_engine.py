@@ -1,0 +1,93 @@
+"""Worker processes for the cross-process engine tests (spawned; importable)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import torch
+
+import tract_async as tract
+from tract_async import errors as E
+from tests.engine_util import TINY, block_matches, cfg
+
+
+def consumer(path: str, backend: str, node_id: int, token_ids: list[int], q_out, q_in) -> None:  # noqa: ANN001
+    """Node 1: waits for blocks node 0 writes later: all layers, then layer by layer."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(path, node_id, backend=backend)) as eng:
+            keys = eng.block_keys(token_ids)
+            q_out.put(("ready", len(keys), 0))
+            got = await eng.get_kv(keys, timeout=60.0)          # produced after we started waiting
+            q_out.put(("all-layers", sum(block_matches(keys, got)), eng.lookup(keys)))
+            keys2 = eng.block_keys([t + 7 for t in token_ids])
+            for layer in range(TINY.num_layers):
+                # the producer writes layer `layer` only after it hears we are waiting for it
+                waiting = asyncio.create_task(eng.get_kv(keys2, layer=layer, timeout=60.0))
+                await asyncio.sleep(0)
+                q_out.put(("waiting", layer, eng.lookup(keys2)))
+                got = await waiting
+                q_out.put(("layer", layer, sum(block_matches(keys2, got, layer=layer))))
+            st = eng.stats()
+            q_out.put(("done", st["hits"], st["layer_waits"]))
+            await asyncio.get_running_loop().run_in_executor(None, q_in.get)
+    tract.run(main())
+
+
+def stress_worker(path: str, backend: str, node_id: int, seconds: float, universe: int,
+                  validate: bool, seed: int, q_out, stop) -> None:  # noqa: ANN001
+    """Put / get / (implicitly) evict random prompts; count every wrong byte seen."""
+    async def main() -> dict:
+        rnd = random.Random(seed)
+        c = cfg(path, node_id, backend=backend, liveness_timeout_s=2.0)
+        async with tract.Engine.open(c) as eng:
+            eng._store.validate_reads = validate
+            prompts = [eng.block_keys([p * 1000 + t for t in range(16 * (1 + p % 8))])
+                       for p in range(universe)]
+            res = {"puts": 0, "gets_ok": 0, "misses": 0, "wrong_blocks": 0, "full": 0}
+            from tests.engine_util import kv_for_keys
+            t_end = time.monotonic() + seconds
+            while time.monotonic() < t_end and not stop.is_set():
+                keys = prompts[rnd.randrange(universe)]
+                if rnd.random() < 0.6 and eng.lookup(keys) < len(keys):
+                    try:
+                        await eng.put_kv(keys, kv_for_keys(keys))
+                        res["puts"] += 1
+                    except E.RegionFull:
+                        res["full"] += 1
+                    except E.TransferTimeout:
+                        res["full"] += 1
+                    continue
+                try:
+                    got = await eng.get_kv(keys)
+                except (E.BlockNotFound, E.BlockEvicted, E.LayerNotReady):
+                    res["misses"] += 1
+                    continue
+                ok = block_matches(keys, got)
+                res["gets_ok"] += 1
+                res["wrong_blocks"] += ok.count(False)
+                if not validate and res["wrong_blocks"]:
+                    stop.set()           # the negative control has made its point
+            st = eng.stats()
+            res["evictions"] = st["evictions"]
+            res["validation_failures"] = st["validation_failures"]
+            return res
+    try:
+        q_out.put(("result", node_id, tract.run(main())))
+    except BaseException as e:  # report, don't hang the parent
+        q_out.put(("error", node_id, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def kill_me_later(path: str, backend: str, node_id: int, q_out) -> None:  # noqa: ANN001
+    """Joins, reports, then sleeps until killed."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(path, node_id, backend=backend)):
+            q_out.put(("up", node_id, os.getpid()))
+            await asyncio.sleep(600)
+    tract.run(main())
+
+
+def _unused() -> torch.Tensor:  # keep torch import used for type checkers
+    return torch.empty(0)

@@ -1,0 +1,258 @@
+"""The Engine API on the CPU path: put_kv, get_kv, lookup, layer streaming, modes, bad input.
+
+Two Engines in one process are two nodes (each maps the region itself; with the sim backend
+each has its own incoherent cache), so these tests exercise the cross-node protocol; the
+cross-process versions are in test_engine_xproc.py.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+import tract_async as tract
+from tract_async import errors as E
+from tests.engine_util import TINY, block_matches, cfg, kv_for_keys
+
+
+@pytest.fixture(params=["hw", "sim"])
+def be(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+async def _pair(path: str, backend: str, **kw):
+    a = await tract.Engine.open(cfg(path, 0, create=True, backend=backend, **kw))
+    b = await tract.Engine.open(cfg(path, 1, backend=backend, **kw))
+    return a, b
+
+
+def _index_state(eng: tract.Engine) -> tuple[list[int], int]:
+    table = eng._store.index.scan()
+    return sorted(table[:, 0].tolist()), eng._store.alloc.statistics().slots_used
+
+
+async def test_put_then_get_on_another_node(region_path: str, be: str) -> None:
+    a, b = await _pair(region_path, be)
+    try:
+        keys = a.block_keys(range(16 * 5 + 3))
+        assert len(keys) == 5 and b.block_keys(range(83)) == keys   # same on every node
+        assert b.lookup(keys) == 0
+        kv = kv_for_keys(keys)
+        assert await a.put_kv(keys, kv) == 5
+        assert b.lookup(keys) == 5
+        got = await b.get_kv(keys)
+        assert torch.equal(got, kv)
+        # a longer prompt sharing the prefix: partial hit
+        longer = b.block_keys(list(range(16 * 5)) + list(range(500, 548)))
+        assert longer[:5] == keys and b.lookup(longer) == 5
+        # keys already present are not stored twice
+        assert await b.put_kv(keys, kv) == 0
+        assert b.stats()["blocks_skipped"] == 5
+        out = torch.empty_like(kv)
+        assert (await b.get_kv(keys[1:3], out=out[:, :, 16:48].contiguous())).shape == (4, 2, 32, 2, 32)
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_layer_by_layer_and_waiting_consumer(region_path: str, be: str) -> None:
+    a, b = await _pair(region_path, be)
+    try:
+        keys = a.block_keys(range(64))
+        kv = kv_for_keys(keys)
+        waiter = asyncio.create_task(b.get_kv(keys, layer=2, timeout=30.0))
+        full = asyncio.create_task(b.get_kv(keys, timeout=30.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and not full.done()
+        for layer in range(TINY.num_layers):
+            await a.put_kv(keys, kv[layer].contiguous(), layer=layer)
+            if layer < TINY.num_layers - 1:
+                assert b.lookup(keys) == 0          # not complete: lookup does not count it
+            got = await b.get_kv(keys, layer=layer)  # landed layers are readable at once
+            assert torch.equal(got, kv[layer])
+            if layer == 1:
+                await asyncio.sleep(0.05)
+                assert not waiter.done()            # layer 2 not yet there
+        assert torch.equal(await asyncio.wait_for(waiter, 30), kv[2])
+        assert torch.equal(await asyncio.wait_for(full, 30), kv)
+        assert b.lookup(keys) == 4
+        assert b.stats()["layer_waits"] >= 2
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_bad_input_changes_nothing(region_path: str) -> None:
+    a, b = await _pair(region_path, "hw")
+    try:
+        keys = a.block_keys(range(32))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv)
+        before = _index_state(a)
+        with pytest.raises(E.TensorMismatch, match=r"expected \(4, 2, 32, 2, 32\)"):
+            await a.put_kv(keys, kv[:, :, :16])
+        with pytest.raises(E.TensorMismatch, match="dtype torch.float16"):
+            await a.put_kv(keys, kv.half())
+        with pytest.raises(E.TensorMismatch, match="one layer"):
+            await a.put_kv(keys, kv, layer=0)
+        with pytest.raises(E.TensorMismatch, match="layer must be in 0..3"):
+            await a.put_kv(keys, kv[0], layer=7)
+        with pytest.raises(E.TensorMismatch, match="meta"):
+            await a.put_kv(keys, kv.to("meta"))
+        with pytest.raises(E.KeyMismatch, match="32-byte"):
+            await a.put_kv([b"x" * 31, keys[1]], kv)
+        with pytest.raises(E.KeyMismatch, match="single bytes"):
+            a.lookup(keys[0])
+        unknown = a.block_keys(range(1000, 1032))
+        with pytest.raises(E.BlockNotFound, match="not in the region"):
+            await b.get_kv(unknown)
+        with pytest.raises(E.TransferTimeout, match="did not appear"):
+            await b.get_kv(unknown, timeout=0.2)
+        with pytest.raises(E.TensorMismatch, match="out has shape"):
+            await b.get_kv(keys, out=torch.empty(3))
+        assert _index_state(a) == before
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_layer_not_ready_and_timeout(region_path: str) -> None:
+    a, b = await _pair(region_path, "sim")
+    try:
+        keys = a.block_keys(range(16))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv[0].contiguous(), layer=0)
+        with pytest.raises(E.LayerNotReady, match="layer 1"):
+            await b.get_kv(keys, layer=1)
+        with pytest.raises(E.LayerNotReady, match="still being produced"):
+            await b.get_kv(keys)
+        with pytest.raises(E.TransferTimeout, match="layer 3"):
+            await b.get_kv(keys, layer=3, timeout=0.2)
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_region_full_is_all_or_nothing(region_path: str) -> None:
+    # 4 MiB region with 1 MiB chunks: a few dozen 32 KiB blocks at most
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=4 << 20, mode="transfer"))
+    try:
+        keys = a.block_keys(range(16 * 200))
+        before = _index_state(a)
+        with pytest.raises(E.RegionFull):
+            await a.put_kv(keys, kv_for_keys(keys))
+        assert _index_state(a) == before, "a failed put must leave the index and heaps as they were"
+        small = keys[:4]
+        assert await a.put_kv(small, kv_for_keys(small)) == 4   # still usable afterwards
+    finally:
+        await a.close()
+
+
+async def test_lru_eviction_keeps_recent_blocks(region_path: str) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=6 << 20))
+    try:
+        per = 16
+        first = a.block_keys(range(16 * per))
+        await a.put_kv(first, kv_for_keys(first))
+        hot = first[:4]
+        for _ in range(3):
+            await a.get_kv(hot)
+        await a._store.maintain(timeout=5)     # touches reach the region under the lock
+        stored = list(first)
+        for r in range(1, 12):               # keep putting until the region has evicted
+            more = a.block_keys(range(10_000 * r, 10_000 * r + 16 * per))
+            await a.put_kv(more, kv_for_keys(more))
+            stored += more
+            for _ in range(2):
+                await a.get_kv(hot)
+            await a._store.maintain(timeout=5)
+            if a.stats()["evictions_for_space"] > 2 * per:
+                break
+        st = a.stats()
+        assert st["evictions_for_space"] > 0
+        assert a.lookup(hot) == 4, "recently used blocks must survive sampled-LRU eviction"
+        cold_left = sum(a.lookup([k]) for k in first[4:])
+        assert cold_left < len(first) - 4
+        got = await a.get_kv(hot)
+        assert all(block_matches(hot, got))
+    finally:
+        await a.close()
+
+
+async def test_transfer_only_mode_frees_on_consume_and_deadline(region_path: str) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, mode="transfer",
+                                    transfer_deadline_s=0.3))
+    b = await tract.Engine.open(cfg(region_path, 1, mode="transfer", transfer_deadline_s=0.3))
+    try:
+        keys = a.block_keys(range(48))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv)
+        assert b.lookup(keys) == 3
+        assert torch.equal(await b.get_kv(keys), kv)
+        assert b.lookup(keys) == 0 and b.stats()["consumed"] == 3
+        # layer-by-layer consumption frees after the last layer
+        k2 = a.block_keys(range(100, 132))
+        kv2 = kv_for_keys(k2)
+        await a.put_kv(k2, kv2)
+        for layer in range(TINY.num_layers):
+            assert torch.equal(await b.get_kv(k2, layer=layer), kv2[layer])
+        assert b.lookup(k2) == 0
+        # nobody consumes: freed after the deadline by maintenance
+        k3 = a.block_keys(range(200, 232))
+        await a.put_kv(k3, kv_for_keys(k3))
+        assert a.lookup(k3) == 2
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if a.lookup(k3) == 0:
+                break
+        assert a.lookup(k3) == 0
+        assert a.stats()["expired"] + b.stats()["expired"] == 2
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_cancelled_put_releases_its_reservation(region_path: str) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True))
+    try:
+        keys = a.block_keys(range(64))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv[0].contiguous(), layer=0)
+        assert a.stats()["reserved_in_flight"] == 4
+        await a.close()
+        b = await tract.Engine.open(cfg(region_path, 1))
+        try:
+            table = b._store.index.scan()
+            assert not (table[:, 0] == 1).any(), "close must evict unfinished reservations"
+            assert b.lookup(keys) == 0
+        finally:
+            await b.close()
+    finally:
+        await a.close()
+
+
+async def test_closed_engine_and_stats(region_path: str) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True))
+    s = a.stats()
+    assert s["open"] and s["transport"] == "region" and "lock" in s and "index" in s
+    await a.close()
+    await a.close()   # idempotent
+    with pytest.raises(E.EngineClosed):
+        a.lookup([])
+    with pytest.raises(E.RegionExists):
+        await tract.Engine.open(cfg(region_path, 0, create=True))
+
+
+def test_config_errors() -> None:
+    with pytest.raises(E.ConfigError, match="mode"):
+        tract.EngineConfig(layout=TINY, region="/dev/shm/x", mode="bogus")
+    with pytest.raises(E.ConfigError, match="node_id 9 must be below max_nodes 8"):
+        tract.EngineConfig(layout=TINY, region="/dev/shm/x", node_id=9)
+    with pytest.raises(E.ConfigError, match="num_layers"):
+        tract.KVLayout(num_layers=0, block_tokens=16, kv_heads=1, head_dim=8)
+    big = tract.KVLayout(num_layers=32, block_tokens=16, kv_heads=8, head_dim=128)
+    assert big.block_bytes == 2 << 20 and big.layer_bytes == 64 << 10
+    with pytest.raises(E.ConfigError, match="exceeds chunk_bytes"):
+        tract.EngineConfig(layout=big, region="/dev/shm/x", chunk_bytes=1 << 20)
