@@ -250,10 +250,16 @@ async def start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
     plan = make_plan(snap[:, 3].copy(), np.arange(n, dtype=np.int64))
     nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)
+    poffs = snap[:, 3].copy()
+    # drop this host's cached copies of the payload before the DMA reads it (non-coherent CXL)
+    lay = store.layout
+    rel, span = (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes, lay.layer_bytes)
+    ix.invalidate_payloads(store.mem, poffs, rel, span)
 
     def validate() -> Any:
         ok = np.zeros(n, dtype=np.bool_)
-        bad = ix.revalidate_batch(store.mem, store.geo.entries_offset, slots, versions, ok)
+        bad = ix.revalidate_batch(store.mem, store.geo.entries_offset, slots, versions, poffs,
+                                  words, ok)
         store.stats.gets += 1
         if bad:
             store.stats.validation_failures += 1

@@ -199,6 +199,17 @@ def revalidate_batch(m, eoff, slots, versions, poffs, keys, ok):
 
 
 @njit(cache=True, nogil=True)
+def invalidate_payloads(m, poffs, rel_offset, nbytes):
+    """Invalidate [poff + rel_offset, +nbytes) of each block before a device (DMA) reads it.
+
+    A DMA engine is coherent with this host's caches: on non-coherent shared memory a stale
+    line cached here would be what the DMA reads, so the reader drops its lines first, exactly
+    as a CPU copy does (``read_bytes``)."""
+    for i in range(poffs.shape[0]):
+        K.invalidate_range(m, poffs[i] + rel_offset, nbytes, S_IX_PAYLOAD_READ)
+
+
+@njit(cache=True, nogil=True)
 def copy_out(m, plan, dst_base):
     """Copy region ranges to private memory: plan rows (region_offset, dst_offset, nbytes)."""
     for i in range(plan.shape[0]):

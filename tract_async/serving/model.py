@@ -27,6 +27,8 @@ behave alike. Greedy tokens are unaffected unless two logits tie within that mar
 from __future__ import annotations
 
 import copy
+import inspect
+from typing import Any
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
@@ -71,6 +73,22 @@ def tiny_llama_config(*, num_layers: int = 4, max_position_embeddings: int = 409
         attn_implementation="eager",
         dtype="float32",
     )
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword a model's forward takes its cache under: ``cache`` in transformers >= 5.18
+    (where ``past_key_values`` is deprecated), ``past_key_values`` before (the lent GPU image
+    has 5.17)."""
+    fwd = type(model).forward
+    name = _CACHE_KW.get(fwd)
+    if name is None:
+        params = inspect.signature(fwd).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        _CACHE_KW[fwd] = name
+    return {name: cache}
+
+
+_CACHE_KW: dict[Any, str] = {}
 
 
 def llama3_8b_config() -> LlamaConfig:
@@ -318,7 +336,7 @@ def prefill(
     cache = build_cache(num_layers, past_kv=past_kv, notify=on_layer)
     new_ids = torch.tensor([ids[past_len:]], dtype=torch.long, device=device)
     with torch.no_grad():
-        out = model(input_ids=new_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=new_ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         kv = cache_to_kv(cache)
     return PrefillResult(logits=out.logits[0, -1], kv=kv, past_len=past_len, total_len=len(ids))
 
@@ -352,7 +370,7 @@ def greedy_continue(
             if should_stop is not None:
                 should_stop()
             step = torch.tensor([[token]], dtype=torch.long, device=device)
-            out = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=step, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             token = int(torch.argmax(out.logits[0, -1]))
             if on_token is not None:
                 on_token(token)
@@ -435,7 +453,7 @@ def reference_generate(
     cache = DynamicCache(config=model.config)
     prompt = torch.tensor([ids], dtype=torch.long, device=device)
     with torch.no_grad():
-        out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     first = int(torch.argmax(out.logits[0, -1]))
     return greedy_continue(model, cache, first, max_new_tokens=max_new_tokens,
                            eos_token_id=eos_token_id)

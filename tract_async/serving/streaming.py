@@ -34,6 +34,7 @@ from transformers import LlamaForCausalLM
 
 from tract_async.serving.errors import KVShapeError, LayerWaitTimeout, NothingToCompute, TokenIdError
 from tract_async.serving.kv_cache import build_cache, check_kv
+from tract_async.serving.model import cache_kwargs
 from tract_async.serving.model import PrefillResult, TokenIds, _as_ids, greedy_continue, prefill
 
 T = TypeVar("T")
@@ -310,7 +311,7 @@ async def generate_streaming(
     def compute() -> list[int]:
         tail = torch.tensor([ids[past_len:]], dtype=torch.long, device=device)
         with torch.no_grad():
-            out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         first = int(torch.argmax(out.logits[0, -1]))
         emit(first)
         return greedy_continue(model, cache, first, max_new_tokens=max_new_tokens,

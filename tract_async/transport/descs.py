@@ -251,7 +251,8 @@ class SpanWriter:
 
     @property
     def remaining(self) -> int:
-        return self.span.nbytes - self.pos
+        # staged bytes count as written: they land on the device at the next flush
+        return self.span.nbytes - self.pos - self._buf_fill
 
     async def write(self, data: memoryview | bytes) -> None:
         """Copy ``data`` (at most ``remaining`` bytes) to the next position of the span."""
