@@ -19,6 +19,7 @@ import contextlib
 import threading
 import dataclasses
 import time
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -26,7 +27,8 @@ import torch
 from . import kvplan
 from .config import EngineConfig
 from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
-from .errors import EngineClosed, NodeEvicted, TractError
+from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionTooSmall,
+                     TensorMismatch, TractError)
 from .keys import BlockKey, KeyScheme, Namespace
 
 
@@ -43,6 +45,10 @@ class Engine(CudaEngineMixin):
         self.keys = KeyScheme(seed=cfg.seed, namespace=None if cfg.vllm_compatible_keys else ns,
                               vllm_compatible=cfg.vllm_compatible_keys)
         self._store: Any = None
+        self._http: Any = None      # HttpStore: the HTTP transport, or the region's fallback
+        self._xfer: Any = None      # what put/get/lookup use: RegionStore, HttpStore, FallbackStore
+        self.fallbacks: Counter[str] = Counter()   # transfers (or opens) that fell back, by reason
+        self.fallback_reason: str | None = None    # why the region could not be attached
         self._region: Any = None
         self._handle: Any = None
         self._lock: Any = None
@@ -61,11 +67,54 @@ class Engine(CudaEngineMixin):
         ``await eng.close()``)."""
         return _EngineContext(cls(cfg))
 
+    def _http_configured(self) -> bool:
+        c = self.cfg
+        return bool(c.peers) or c.secret is not None or c.allow_unauthenticated
+
     async def _start(self) -> None:
+        """region=None: HTTP transport. A region: the region, plus (fallback=True and HTTP
+        configured: peers, or a secret to serve them) an HttpStore per transfer; a region that
+        cannot be attached then runs the whole engine on HTTP (``fallbacks['attach']``)."""
         cfg = self.cfg
         if cfg.region is None:
-            raise TractError("EngineConfig(region=None) uses the HTTP transport: not available "
-                             "in this build yet")
+            return await self._start_http(region_uuid=None)
+        want_http = cfg.fallback and self._http_configured()
+        try:
+            await self._start_region()
+        except RegionError as e:
+            if not want_http or isinstance(e, (RegionExists, RegionTooSmall)):
+                raise
+            self.fallbacks["attach"] += 1
+            self.fallback_reason = f"{type(e).__name__}: {e}"
+            return await self._start_http(region_uuid=None)
+        if want_http:
+            from .fallback_store import FallbackStore
+            from .http_store import HttpStore
+            try:
+                self._http = HttpStore(cfg, region_uuid=str(self._region.uuid))
+                await self._http.open()
+                self._xfer = FallbackStore(self._store, self._http, self.fallbacks)
+            except BaseException:
+                await self._teardown(graceful=False)
+                raise
+
+    async def _start_http(self, *, region_uuid: str | None) -> None:
+        from .http_store import HttpStore
+        try:
+            self._http = HttpStore(self.cfg, region_uuid=region_uuid)
+            await self._http.open()
+            self._store = self._xfer = self._http
+            self._tg = asyncio.TaskGroup()
+            await self._tg.__aenter__()
+            self._tg.create_task(self._maintenance(), name=f"tract-maintenance-{self.cfg.node_id}")
+        except BaseException:
+            await self._teardown(graceful=False)
+            raise
+        self._closed = False
+        self._opened_at = time.monotonic()
+
+    async def _start_region(self) -> None:
+        cfg = self.cfg
         from .engine_layout import initialize, region_sections
         from .region import Region
         from .region.alloc import Allocator
@@ -95,7 +144,8 @@ class Engine(CudaEngineMixin):
             alloc = Allocator(self._region, self._handle, liveness_timeout_s=cfg.liveness_timeout_s,
                               on_reclaim=lambda node, spans: store_box[0].on_reclaim(node, spans)
                               if store_box else None)
-            self._store = RegionStore(cfg, self._region, self._lock, alloc, PrefixIndex(self._region))
+            self._store = self._xfer = RegionStore(cfg, self._region, self._lock, alloc,
+                                                   PrefixIndex(self._region))
             store_box.append(self._store)
             self._tg = asyncio.TaskGroup()
             await self._tg.__aenter__()
@@ -106,11 +156,24 @@ class Engine(CudaEngineMixin):
             self._tg.create_task(self._watch_failure(), name=f"tract-watch-{cfg.node_id}")
             self._tg.create_task(self._manager.run(), name=f"tract-manager-{cfg.node_id}")
             self._tg.create_task(self._maintenance(), name=f"tract-maintenance-{cfg.node_id}")
+            await self._warm_up()
         except BaseException:
             await self._teardown(graceful=False)
             raise
         self._closed = False
         self._opened_at = time.monotonic()
+
+    async def _warm_up(self) -> None:
+        """Return from open only once this node can take the global lock.
+
+        With a cold Numba cache the first lock round trip compiles the waiter's and the
+        manager's kernels (seconds); doing it here, with a generous deadline, keeps that out of
+        the first put's lock timeout. With a warm cache it costs one round trip.
+        """
+        import numpy as np
+        self._store.index.lookup(np.zeros((0, 4), dtype=np.uint64))
+        await self._lock.acquire(timeout=max(60.0, 8 * self.cfg.liveness_timeout_s))
+        self._lock.release()
 
     def _heartbeat_thread(self) -> None:
         """Beat from a thread, not a task: a caller that keeps the event loop busy (a loop of
@@ -139,14 +202,14 @@ class Engine(CudaEngineMixin):
         while True:
             await asyncio.sleep(period)
             try:
-                await self._store.maintain(timeout=self.cfg.liveness_timeout_s * 4)
+                await self._xfer.maintain(timeout=self.cfg.liveness_timeout_s * 4)
             except TractError:
                 pass  # transient (lock timeout while the manager fails over): next round
 
     async def close(self) -> None:
         """Stop background tasks, evict unfinished puts and this node's blocks, return chunks,
         leave the node table, unmap. Idempotent; raises the first error after finishing all."""
-        if self._closed and self._tg is None and self._region is None:
+        if self._closed and self._tg is None and self._region is None and self._http is None:
             return
         self._closed = True
         await self._teardown(graceful=True)
@@ -157,7 +220,13 @@ class Engine(CudaEngineMixin):
             await self._cuda_teardown()
         except Exception as e:
             errors.append(e)
-        if graceful and self._store is not None and self._failure is None:
+        if self._http is not None:  # first: peers hear this node's blocks are gone
+            http, self._http = self._http, None
+            try:
+                await http.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s))
+            except Exception as e:
+                errors.append(e)
+        if graceful and self._region is not None and self._failure is None:
             try:
                 await self._store.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s))
             except Exception as e:  # keep going: the rest must still be released
@@ -187,9 +256,9 @@ class Engine(CudaEngineMixin):
                     region.nodes.leave(self._handle)
             except Exception as e:
                 errors.append(e)
-            self._store = None
             self._manager = None
             region.close()
+        self._store = self._xfer = None
         if errors:
             raise errors[0]
 
@@ -210,7 +279,7 @@ class Engine(CudaEngineMixin):
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks are resident and complete. Never blocks, takes no lock."""
         self._check_open()
-        return self._store.lookup(kvplan.check_keys(keys))
+        return self._xfer.lookup(kvplan.check_keys(keys))
 
     async def put_kv(self, keys: Sequence[bytes], kv: torch.Tensor, *, layer: int | None = None,
                      timeout: float | None = None) -> int:
@@ -225,11 +294,12 @@ class Engine(CudaEngineMixin):
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
         if isinstance(kv, torch.Tensor) and kv.is_cuda:  # CUDA hook (tract_async.cuda.api)
+            self._check_cuda_transport()
             return await self._put_kv_cuda(ks, kv, layer, timeout)
         kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv")
         if not ks:
             return 0
-        return await self._store.put(ks, kv, layer, timeout if timeout is not None
+        return await self._xfer.put(ks, kv, layer, timeout if timeout is not None
                                      else max(5.0, 4 * self.cfg.liveness_timeout_s))
 
     async def get_kv(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
@@ -246,6 +316,7 @@ class Engine(CudaEngineMixin):
         kvplan.check_layer(layer, self.layout)
         if (out.is_cuda if isinstance(out, torch.Tensor) else  # CUDA hook (tract_async.cuda.api)
                 device is not None and torch.device(device).type == "cuda"):
+            self._check_cuda_transport()
             return await self._get_kv_cuda(ks, out, layer, timeout, device)
         if device is not None and torch.device(device).type != "cpu":
             raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
@@ -257,14 +328,27 @@ class Engine(CudaEngineMixin):
                 raise kvplan.TensorMismatch("out must be contiguous")
         if not ks:
             return out
-        return await self._store.get(ks, out, layer, timeout)
+        return await self._xfer.get(ks, out, layer, timeout)
+
+    def _check_cuda_transport(self) -> None:
+        if self._region is None:
+            raise TensorMismatch("this engine runs on the HTTP transport, which takes CPU tensors; "
+                                 "copy to the CPU (or use a region)")
 
     def stats(self) -> dict[str, Any]:
         """Counters: hits, misses, bytes, evictions, lock waits, ... (a fresh dict)."""
-        out: dict[str, Any] = {"node_id": self.cfg.node_id, "transport": "region",
-                               "open": not self._closed,
+        transport = ("region+http" if self._region is not None and self._http is not None
+                     else "http" if self._http is not None else "region")
+        out: dict[str, Any] = {"node_id": self.cfg.node_id, "transport": transport,
+                               "open": not self._closed, "fallbacks": dict(self.fallbacks),
                                "uptime_s": time.monotonic() - self._opened_at if self._opened_at else 0.0}
-        if self._store is not None:
+        if self._http is not None:
+            h = {**dataclasses.asdict(self._http.stats), **self._http.describe()}
+            if self._region is None:
+                out.update(h)
+            else:
+                out["http"] = h
+        if self._store is not None and self._region is not None:
             out.update(dataclasses.asdict(self._store.stats))
             out["reserved_in_flight"] = len(self._store._reserved)
             out["index"] = self._store.index.counters()
@@ -277,6 +361,11 @@ class Engine(CudaEngineMixin):
             out["is_lock_manager"] = self._manager.is_manager
         out["cuda"] = self._cuda_stats()  # CUDA hook: None until a CUDA transfer or cuda_setup()
         return out
+
+    @property
+    def url(self) -> str | None:
+        """Where this engine's HTTP agent serves (peers list it in ``peers``); None without HTTP."""
+        return None if self._http is None else self._http.url
 
     @property
     def region(self) -> Any:

@@ -17,7 +17,11 @@ def region_sections(*, size_bytes: int, max_nodes: int, chunk_bytes: int = 2 << 
     number of ``block_bytes`` blocks that fit)."""
     min_slot = min(DEFAULT_MIN_SLOT_BYTES, chunk_bytes)
     secs = sections_for(size_bytes, max_nodes, chunk_bytes, min_slot_bytes=min_slot)
-    cap = index_capacity or ix.capacity_for(max(1, size_bytes // max(block_bytes, 1)))
+    # every block takes at least one slot of min_slot bytes; the index never takes more than
+    # about 1/16 of the region (an entry is 128 bytes, capacity_for doubles the block count)
+    blocks = size_bytes // max(block_bytes, min_slot, 1)
+    blocks = min(blocks, size_bytes // (32 * ix.ENTRY_BYTES))
+    cap = index_capacity or ix.capacity_for(max(1, blocks))
     index = SectionSpec(name="index", nbytes=ix.section_bytes(cap))
     return secs[:-1] + [index, secs[-1]]
 

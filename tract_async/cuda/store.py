@@ -306,6 +306,6 @@ async def finish_get(store: Any, cpath: CudaPath, keys: list[bytes], fut: Stream
     if store.cfg.mode == "transfer":
         words, slots, versions, flagged = fut.transfer_mode_info  # type: ignore[attr-defined]
         if flagged:
-            await store._consume(keys, words, slots, versions, layer)
+            await store._consume(keys, words, slots, versions, poffs, layer)
     return out
 
