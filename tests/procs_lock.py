@@ -238,14 +238,23 @@ async def _alloc(r: Region, h, node_id: int, seconds: float, start, done, q, inb
 
 # ---- crash scenarios ------------------------------------------------------------------------
 
+async def _poll_event(ev, timeout_s: float = 120.0) -> None:  # noqa: ANN001
+    """Wait for a multiprocessing Event by polling: a process killed inside Event.wait() would
+    leave the Event's condition waiting for it forever (set() then hangs)."""
+    end = time.monotonic() + timeout_s
+    while not ev.is_set() and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+
+
 def crash_worker(path: str, backend: str, node_id: int, role: str, q, liveness_s: float,  # noqa: ANN001
-                 manager: bool) -> None:
-    """Roles: 'hold' (acquire, then hang), 'claim' (hang inside a chunk claim), 'manage' (be the
-    manager and hang), 'survivor' (acquire, allocate, recover, report). Hung ones are killed."""
+                 manager: bool, go, stop) -> None:
+    """Roles: 'serve' (heartbeat and manager candidate until ``stop``), 'hold' (acquire, then
+    hang), 'claim' (hang inside a chunk claim), 'survivor' (after ``go``: acquire, recover,
+    allocate, report, free, close). Hung ones are killed by the test with SIGKILL."""
     r = attach(path, backend, node_id, 1 / 256, -1)
     try:
         h = r.nodes.join(node_id, timeout_s=liveness_s)
-        asyncio.run(_crash(r, h, node_id, role, q, liveness_s, manager))
+        asyncio.run(_crash(r, h, node_id, role, q, liveness_s, manager, go, stop))
     except BaseException as e:
         q.put(("error", node_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -253,50 +262,48 @@ def crash_worker(path: str, backend: str, node_id: int, role: str, q, liveness_s
 
 
 async def _crash(r: Region, h, node_id: int, role: str, q, liveness_s: float,  # noqa: ANN001
-                 manager: bool) -> None:
+                 manager: bool, go, stop) -> None:
+    from tract_async.sync import read_manager
+
     def hang_in_claim(point: str) -> None:
         if role == "claim" and point == "claim.owner":
             q.put(("in-claim", node_id, os.getpid()))
-            time.sleep(600)   # the test kills us here: journal PENDING, owner written, bit not
+            time.sleep(600)   # killed here: journal PENDING, owner record written, bit not
 
     al = Allocator(r, h, liveness_timeout_s=liveness_s, fault_hook=hang_in_claim)
     lock = GlobalLock(r, h, policy=PollPolicy(slice_s=0.005))
     async with asyncio.TaskGroup() as tg:
         services = await _node_services(r, h, liveness_s, tg, manager=manager)
-        if role == "hold":
+        if role == "serve":
+            while read_manager(r).node_id is None:
+                await asyncio.sleep(0.01)
+            q.put(("serving", node_id, read_manager(r).node_id))
+            await _poll_event(stop)
+        elif role == "hold":
             a = await al.alloc(5000, lock, timeout=30)
             await lock.acquire(timeout=30)
             q.put(("holding", node_id, a.offset_bytes))
             await asyncio.sleep(600)
         elif role == "claim":
             await al.alloc(5000, lock, timeout=30)   # hangs in the hook
-        elif role == "manage":
-            mgr_task = services[1]
-            del mgr_task
-            for _ in range(3000):
-                from tract_async.sync import read_manager
-                if read_manager(r).node_id == node_id:
-                    break
-                await asyncio.sleep(0.01)
-            q.put(("managing", node_id, read_manager(r).node_id))
-            await asyncio.sleep(600)
         elif role == "survivor":
             q.put(("ready", node_id, 0))
-            t0 = time.monotonic()
+            await _poll_event(go)
             token = await lock.acquire(timeout=30)
-            waited = time.monotonic() - t0
+            acquired_at = time.monotonic()
             lock.release()
             done = await al.recover(lock, timeout=30)
             a = await al.alloc(5000, lock, timeout=30)
             b = await al.alloc(5000, lock, timeout=30)
-            q.put(("survived", node_id, {"waited": waited, "token": token, "recovery": done,
+            q.put(("survived", node_id, {"acquired_at": acquired_at, "token": token,
+                                         "recovery": done,
                                          "allocs": [a.offset_bytes, b.offset_bytes],
                                          "chunks": al.owned_chunks(),
-                                         "stats": lock.statistics().revocations}))
+                                         "revocations": lock.statistics().revocations}))
+            await _poll_event(stop)
             al.free(a)
             al.free(b)
             await al.close(lock, timeout=30)
-            q.put(("closed", node_id, 0))
         for t in services:
             t.cancel()
     lock.close()

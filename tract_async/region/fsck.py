@@ -1,0 +1,321 @@
+"""fsck: check every invariant of the lock and allocator structures; optionally repair.
+
+``tract region fsck PATH [--repair]``. Reads everything fresh from memory (invalidating first),
+takes no lock, and reports:
+
+* manager: the manager line names a live node with its epoch (or nobody); no dead node's
+  candidate line is left mid-election;
+* locks: no lock is held by a dead node; no grant line is ahead of its node's request line;
+* allocator journal: IDLE (a PENDING batch means a holder died or was revoked inside it);
+* chunk bitmap against the owner records, per-node counts against a recount;
+* ownership: no chunk owned by a node that is not live with the recorded epoch (a leak until
+  recovery reclaims it);
+* heaps: each owned chunk is carved consistently (slot size, slot count, generation, used count
+  equals the bitmap's popcount, no bit past the last slot);
+* return rings: ``0 <= head - tail <= ring_entries``; a pending return of a live chunk names a
+  slot still marked used (else the slot is both free and being returned: a double free), and no
+  slot is pending twice.
+
+``--repair`` does what recovery does. Structures under the global lock are repaired under the
+lock: when nodes are live, fsck joins a free node id for the duration, runs a LockManager
+candidate and takes the lock like any node; when no node is live it repairs directly. Lines owned
+by the manager (manager line, lock state, dead candidates) are repaired only when no node is
+live; otherwise the live manager's own recovery (election, revocation) is what fixes them.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import tract_kernels as K
+
+from ..errors import RootNameNotFound
+from . import layout as L
+from .alloc import GEN_MASK, decode_entry, heap_record, ring_state
+from .chunks import J_PENDING, OP_NAMES, ChunkTable
+from .nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
+from .region import Region
+
+S_FSCK_READ = K.site("fsck.read.invalidate")
+S_FSCK_FLUSH = K.site("fsck.repair.flush")
+
+
+@dataclass(kw_only=True)
+class FsckReport:
+    path: str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    repairs: list[str] = field(default_factory=list)
+    summary: list[str] = field(default_factory=list)
+    repaired: bool = False
+
+    @property
+    def clean(self) -> bool:
+        """No problem left (after repair, when repairing: the re-check's verdict)."""
+        return not self.problems
+
+    def text(self) -> str:
+        out = [f"fsck {self.path}: {'clean' if self.clean else f'{len(self.problems)} problem(s)'}"]
+        out += [f"  PROBLEM {p}" for p in self.problems]
+        out += [f"  repaired: {r}" for r in self.repairs]
+        out += [f"  note: {n}" for n in self.notes]
+        out += [f"  {s}" for s in self.summary]
+        return "\n".join(out)
+
+
+def _u64(raw: np.ndarray, off: int) -> int:
+    return int(raw[off:off + 8].view("<u8")[0])
+
+
+def check(region: Region, *, liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
+          report: FsckReport | None = None) -> FsckReport:
+    """Check ``region`` (read-only). Returns the report."""
+    from ..sync import slots as S  # the lock's geometry; fsck sits above both layers
+    from ..sync.manager import manager_valid, read_manager
+    rep = report or FsckReport(path=region.path)
+    rep.problems.clear()
+    rep.summary.clear()
+    nodes = region.nodes.all(timeout_s=liveness_timeout_s)
+    m = region.mem
+    try:
+        geo = S.geometry(region)
+    except RootNameNotFound:
+        rep.notes.append("no lock sections: nothing to check beyond the header")
+        return rep
+    # -- manager and election lines
+    mi = read_manager(region, geo)
+    if mi.node_id is not None and not manager_valid(mi, nodes):
+        rep.problems.append(f"manager: node {mi.node_id} (term {mi.term}) is not live")
+    rep.summary.append(f"manager: {'none' if mi.node_id is None else f'node {mi.node_id}'} "
+                       f"term {mi.term}")
+    raw = np.zeros(64, dtype=np.uint8)
+    for j in range(geo.max_nodes):
+        K.read_bytes(m, geo.cand_off(j), raw.ctypes.data, 64, S_FSCK_READ)
+        if (_u64(raw, 0) or _u64(raw, 8)) and not nodes[j].live:
+            rep.problems.append(f"election: dead node {j} left choosing/number set")
+    # -- locks
+    for lk in range(geo.num_locks):
+        K.read_bytes(m, geo.state_off(lk), raw.ctypes.data, 64, S_FSCK_READ)
+        st = raw.view(L.LOCK_STATE.dtype)[0]
+        holder = int(st["holder"]) - 1
+        if holder >= 0:
+            released = int(K.load_fresh(m, geo.req_off(lk, holder) + 8, S_FSCK_READ)) >= \
+                int(st["holder_req"])
+            if released:   # the holder released; a manager has not looked since
+                rep.notes.append(f"lock {lk}: node {holder} released; the next manager scan "
+                                 f"clears the holder")
+                holder = -1
+            elif not nodes[holder].live:
+                rep.problems.append(f"lock {lk}: held by dead node {holder} (token "
+                                    f"{int(st['token']):#x})")
+        for j in range(geo.max_nodes):
+            req = int(K.load_fresh(m, geo.req_off(lk, j), S_FSCK_READ))
+            rel = int(K.load(m, geo.req_off(lk, j) + 8))
+            g = int(K.load_fresh(m, geo.grant_off(lk, j), S_FSCK_READ))
+            if g > req or rel > req:
+                rep.problems.append(f"lock {lk}: node {j} has grant {g} / release {rel} ahead "
+                                    f"of its request {req}")
+        rep.summary.append(f"lock {lk}: holder {'-' if holder < 0 else holder}, grants "
+                           f"{int(st['grants'])}, revocations {int(st['revocations'])}")
+    # -- allocator
+    try:
+        table = ChunkTable(region)
+    except RootNameNotFound:
+        rep.notes.append("no allocator sections")
+        return rep
+    _check_alloc(region, table, nodes, rep)
+    return rep
+
+
+def _check_alloc(region: Region, table: ChunkTable, nodes: list[NodeInfo],
+                 rep: FsckReport) -> None:
+    g = table.geo
+    j = table.journal()
+    if j.state == J_PENDING:
+        rep.problems.append(f"journal: {OP_NAMES.get(j.op, j.op)} by node {j.node} (token "
+                            f"{j.token:#x}) left PENDING")
+    bits = table.bitmap()
+    own = table.owners()
+    owned = own["owner"] != 0
+    for c in np.flatnonzero(bits != owned):
+        rep.problems.append(f"bitmap: chunk {int(c)} bit {int(bits[c])} but owner "
+                            f"{int(own[c]['owner']) - 1}")
+    counts = table.counts()
+    for n in range(g.max_nodes):
+        want = int(np.count_nonzero(own["owner"] == n + 1))
+        if int(counts[n]["chunks"]) != want:
+            rep.problems.append(f"counts: node {n} records {int(counts[n]['chunks'])} chunks, "
+                                f"owns {want}")
+    for n, epochs in sorted(table.dead_owners(nodes).items()):
+        k = sum(int(np.count_nonzero((own["owner"] == n + 1) & (own["owner_epoch"] == e)))
+                for e in epochs)
+        rep.problems.append(f"leak: {k} chunk(s) owned by dead node {n} (epochs "
+                            f"{sorted(epochs)}) await reclaim")
+    used_by_node: Counter[int] = Counter()
+    chunks_by_node: Counter[int] = Counter()
+    used_bits: dict[int, np.ndarray] = {}
+    for c in np.flatnonzero(owned):
+        c = int(c)
+        n = int(own[c]["owner"]) - 1
+        chunks_by_node[n] += 1
+        meta, ubits = heap_record(region, g, c)
+        if meta["slot_bytes"] == 0:
+            continue  # claimed, not carved yet (or its owner died before carving)
+        sb, ns = meta["slot_bytes"], meta["nslots"]
+        if sb % 64 or ns != g.chunk_bytes // sb or ns > ubits.size:
+            rep.problems.append(f"heap: chunk {c} carved as {ns} x {sb} bytes in a "
+                                f"{g.chunk_bytes}-byte chunk")
+            continue
+        if meta["generation"] != int(own[c]["generation"]):
+            rep.problems.append(f"heap: chunk {c} carved under generation {meta['generation']}, "
+                                f"owner record says {int(own[c]['generation'])}")
+        pop = int(np.count_nonzero(ubits[:ns]))
+        if ubits[ns:].any():
+            rep.problems.append(f"heap: chunk {c} has used bits past its {ns} slots")
+        if meta["used"] != pop:
+            rep.problems.append(f"heap: chunk {c} used count {meta['used']} != bitmap {pop}")
+        used_by_node[n] += pop
+        used_bits[c] = ubits
+    for o in range(g.max_nodes):
+        for s in range(g.max_nodes):
+            if o == s:
+                continue
+            head, tail, entries = ring_state(region, g, o, s)
+            if not 0 <= head - tail <= g.ring_entries:
+                rep.problems.append(f"ring ({o} <- {s}): head {head}, tail {tail}")
+                continue
+            seen: Counter[tuple[int, int]] = Counter()
+            for e in entries:
+                gen, c, slot = decode_entry(e)
+                if c >= g.nchunks or int(own[c]["owner"]) != o + 1 or \
+                        (int(own[c]["generation"]) & GEN_MASK) != gen:
+                    continue  # stale: the chunk was reclaimed since; the owner drops it
+                seen[(c, slot)] += 1
+                if c in used_bits and not used_bits[c][slot]:
+                    rep.problems.append(f"ring ({o} <- {s}): chunk {c} slot {slot} is free and "
+                                        f"being returned (double free)")
+            for (c, slot), k in seen.items():
+                if k > 1:
+                    rep.problems.append(f"ring ({o} <- {s}): chunk {c} slot {slot} returned "
+                                        f"{k} times")
+            if entries:
+                rep.summary.append(f"ring ({o} <- {s}): {len(entries)} return(s) pending")
+    free = int(g.nchunks - np.count_nonzero(owned))
+    rep.summary.append(f"chunks: {g.nchunks} x {g.chunk_bytes} bytes, {free} free")
+    for n in sorted(chunks_by_node):
+        rep.summary.append(f"node {n}: {chunks_by_node[n]} chunk(s), {used_by_node[n]} slot(s) "
+                           f"in use")
+
+
+class _OfflineLock:
+    """Stands in for the global lock when no node is live (nobody else can write)."""
+    token = 0
+
+    def check_token(self) -> None:
+        pass
+
+
+def _repair_locked(region: Region, table: ChunkTable, lock, nodes: list[NodeInfo],  # noqa: ANN001
+                   rep: FsckReport) -> None:
+    done = table.recover_journal(lock.check_token)
+    if done:
+        rep.repairs.append(done)
+    own = table.owners()
+    bits = table.bitmap()
+    for c in np.flatnonzero(bits != (own["owner"] != 0)):
+        table._set_bit(int(c), bool(own[c]["owner"] != 0))
+        rep.repairs.append(f"bitmap bit of chunk {int(c)} set from its owner record")
+    for n, k in table.reclaim_dead(nodes, lock.token, lock.check_token).items():
+        rep.repairs.append(f"reclaimed {k} chunk(s) of dead node {n}")
+    table.recount()
+
+
+def _repair_offline(region: Region, rep: FsckReport, liveness_timeout_s: float) -> None:
+    from ..sync import slots as S
+    nodes = region.nodes.all(timeout_s=liveness_timeout_s)
+    m = region.mem
+    geo = S.geometry(region)
+    mi_raw = int(K.load_fresh(m, geo.manager_offset, S_FSCK_READ))
+    if mi_raw:
+        K.store_flush(m, geo.manager_offset, 0, S_FSCK_FLUSH)
+        rep.repairs.append(f"cleared the manager line (node {mi_raw - 1} is not live)")
+    for j in range(geo.max_nodes):
+        off = geo.cand_off(j)
+        if int(K.load_fresh(m, off, S_FSCK_READ)) or int(K.load(m, off + 8)):
+            K.store(m, off, 0)
+            K.store(m, off + 8, 0)
+            K.flush(m, off, S_FSCK_FLUSH)
+            rep.repairs.append(f"cleared dead node {j}'s election ticket")
+    for lk in range(geo.num_locks):
+        off = geo.state_off(lk)
+        holder = int(K.load_fresh(m, off, S_FSCK_READ))
+        if holder:
+            token = int(K.load(m, off + S.ST_TOKEN))
+            K.store(m, off + S.ST_REVOKED, int(K.load(m, off + S.ST_REVOKED)) + 1)
+            K.store(m, off + S.ST_LAST_REVOKED, token)
+            K.store(m, off + S.ST_HOLDER, 0)
+            K.flush(m, off, S_FSCK_FLUSH)
+            rep.repairs.append(f"revoked lock {lk} from dead node {holder - 1}")
+    K.full_fence(m)
+    try:
+        table = ChunkTable(region)
+    except RootNameNotFound:
+        return
+    _repair_locked(region, table, _OfflineLock(), nodes, rep)
+
+
+async def _repair_online(region: Region, rep: FsckReport, liveness_timeout_s: float) -> None:
+    from ..sync import GlobalLock, LockManager, heartbeat_forever
+    nodes = region.nodes.all(timeout_s=liveness_timeout_s)
+    free_ids = [n.node_id for n in nodes if not n.live]
+    for nid in free_ids:
+        try:
+            h = region.nodes.join(nid, timeout_s=liveness_timeout_s)
+            break
+        except Exception:  # noqa: BLE001 - held on this host: try the next id
+            continue
+    else:
+        rep.notes.append("repair: no free node id to join; repair skipped")
+        return
+    rep.notes.append(f"repair: joined as node {h.node_id} and took the global lock")
+    lock = GlobalLock(region, h)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            beat = tg.create_task(heartbeat_forever(region, h, interval_s=liveness_timeout_s / 8))
+            mgr = tg.create_task(LockManager(region, h, liveness_timeout_s=liveness_timeout_s).run())
+            try:
+                await lock.acquire(timeout=4 * liveness_timeout_s + 5)
+                try:
+                    nodes = region.nodes.all(timeout_s=liveness_timeout_s)
+                    _repair_locked(region, ChunkTable(region), lock, nodes, rep)
+                finally:
+                    lock.release()
+            finally:
+                beat.cancel()
+                mgr.cancel()
+    finally:
+        lock.close()
+        region.nodes.leave(h)
+
+
+def run_fsck(path: str, repair: bool = False, *, backend: str | None = None,
+             liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> FsckReport:
+    """Check the region at ``path``; with ``repair``, recover and check again.
+
+    Raises the Region* errors of ``Region.attach`` for a missing or foreign file.
+    """
+    with Region.attach(path, backend=backend, readonly=not repair) as region:
+        rep = check(region, liveness_timeout_s=liveness_timeout_s)
+        if repair and not rep.clean:
+            first = list(rep.problems)
+            if region.nodes.live_ids(timeout_s=liveness_timeout_s):
+                asyncio.run(_repair_online(region, rep, liveness_timeout_s))
+            else:
+                _repair_offline(region, rep, liveness_timeout_s)
+            rep.repaired = True
+            check(region, liveness_timeout_s=liveness_timeout_s, report=rep)
+            rep.notes[:0] = [f"found before repair: {p}" for p in first]
+        return rep
