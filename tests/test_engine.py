@@ -3,6 +3,11 @@
 Two Engines in one process are two nodes (each maps the region itself; with the sim backend
 each has its own incoherent cache), so these tests exercise the cross-node protocol; the
 cross-process versions are in test_engine_xproc.py.
+
+The transport-independent tests run over both transports: the region ("region-hw",
+"region-sim") and the HTTP agents ("http": two engines with Agents on 127.0.0.1, port 0, the
+second naming the first as its peer). Region internals (re-attach after close, RegionExists)
+stay region-only; their HTTP counterparts are in test_engine_http.py.
 """
 from __future__ import annotations
 
@@ -14,27 +19,46 @@ import torch
 
 import tract_async as tract
 from tract_async import errors as E
+from tests.engine_http_util import http_cfg, http_pair
 from tests.engine_util import TINY, block_matches, cfg, kv_for_keys
 
 
-@pytest.fixture(params=["hw", "sim"])
-def be(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(params=["region-hw", "region-sim", "http"])
+def flavor(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(transport, memory backend): the backend only matters for the region."""
+    transport, _, backend = request.param.partition("-")
+    return transport, backend or "hw"
+
+
+@pytest.fixture(params=["region", "http"])
+def transport(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-async def _pair(path: str, backend: str, **kw):
+async def _pair(path: str, backend: str, transport: str = "region", **kw):
+    if transport == "http":
+        return await http_pair(**kw)
     a = await tract.Engine.open(cfg(path, 0, create=True, backend=backend, **kw))
     b = await tract.Engine.open(cfg(path, 1, backend=backend, **kw))
     return a, b
 
 
-def _index_state(eng: tract.Engine) -> tuple[list[int], int]:
+async def _one(path: str, transport: str, **kw) -> tract.Engine:
+    if transport == "http":
+        return await tract.Engine.open(http_cfg(0, **kw))
+    return await tract.Engine.open(cfg(path, 0, create=True, **kw))
+
+
+def _index_state(eng: tract.Engine) -> tuple[list, int]:
+    if eng.stats()["transport"] == "http":   # the local pool: (slot, version, layers) per block
+        pool = eng._store.pool
+        return sorted((b.slot, b.version, b.mask) for _, b in pool.items()), pool.nslots - pool.free_slots
     table = eng._store.index.scan()
     return sorted(table[:, 0].tolist()), eng._store.alloc.statistics().slots_used
 
 
-async def test_put_then_get_on_another_node(region_path: str, be: str) -> None:
-    a, b = await _pair(region_path, be)
+async def test_put_then_get_on_another_node(region_path: str, flavor: tuple[str, str]) -> None:
+    a, b = await _pair(region_path, flavor[1], flavor[0])
     try:
         keys = a.block_keys(range(16 * 5 + 3))
         assert len(keys) == 5 and b.block_keys(range(83)) == keys   # same on every node
@@ -57,8 +81,8 @@ async def test_put_then_get_on_another_node(region_path: str, be: str) -> None:
         await a.close()
 
 
-async def test_layer_by_layer_and_waiting_consumer(region_path: str, be: str) -> None:
-    a, b = await _pair(region_path, be)
+async def test_layer_by_layer_and_waiting_consumer(region_path: str, flavor: tuple[str, str]) -> None:
+    a, b = await _pair(region_path, flavor[1], flavor[0])
     try:
         keys = a.block_keys(range(64))
         kv = kv_for_keys(keys)
@@ -84,8 +108,8 @@ async def test_layer_by_layer_and_waiting_consumer(region_path: str, be: str) ->
         await a.close()
 
 
-async def test_bad_input_changes_nothing(region_path: str) -> None:
-    a, b = await _pair(region_path, "hw")
+async def test_bad_input_changes_nothing(region_path: str, transport: str) -> None:
+    a, b = await _pair(region_path, "hw", transport)
     try:
         keys = a.block_keys(range(32))
         kv = kv_for_keys(keys)
@@ -118,8 +142,8 @@ async def test_bad_input_changes_nothing(region_path: str) -> None:
         await a.close()
 
 
-async def test_layer_not_ready_and_timeout(region_path: str) -> None:
-    a, b = await _pair(region_path, "sim")
+async def test_layer_not_ready_and_timeout(region_path: str, transport: str) -> None:
+    a, b = await _pair(region_path, "sim", transport)
     try:
         keys = a.block_keys(range(16))
         kv = kv_for_keys(keys)
@@ -135,9 +159,10 @@ async def test_layer_not_ready_and_timeout(region_path: str) -> None:
         await a.close()
 
 
-async def test_region_full_is_all_or_nothing(region_path: str) -> None:
-    # 4 MiB region with 1 MiB chunks: a few dozen 32 KiB blocks at most
-    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=4 << 20, mode="transfer"))
+async def test_region_full_is_all_or_nothing(region_path: str, transport: str) -> None:
+    # 4 MiB region with 1 MiB chunks: a few dozen 32 KiB blocks at most (HTTP: a 4 MiB pool,
+    # 128 slots, and transfer mode evicts nothing for space)
+    a = await _one(region_path, transport, region_bytes=4 << 20, mode="transfer")
     try:
         keys = a.block_keys(range(16 * 200))
         before = _index_state(a)
@@ -150,8 +175,10 @@ async def test_region_full_is_all_or_nothing(region_path: str) -> None:
         await a.close()
 
 
-async def test_lru_eviction_keeps_recent_blocks(region_path: str) -> None:
-    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=6 << 20))
+async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str) -> None:
+    # HTTP: a pool of 4 MiB (128 slots) fills within the rounds below, as the region does
+    extra = {"http_pool_bytes": 4 << 20} if transport == "http" else {}
+    a = await _one(region_path, transport, region_bytes=6 << 20, **extra)
     try:
         per = 16
         first = a.block_keys(range(16 * per))
@@ -181,10 +208,9 @@ async def test_lru_eviction_keeps_recent_blocks(region_path: str) -> None:
         await a.close()
 
 
-async def test_transfer_only_mode_frees_on_consume_and_deadline(region_path: str) -> None:
-    a = await tract.Engine.open(cfg(region_path, 0, create=True, mode="transfer",
-                                    transfer_deadline_s=0.3))
-    b = await tract.Engine.open(cfg(region_path, 1, mode="transfer", transfer_deadline_s=0.3))
+async def test_transfer_only_mode_frees_on_consume_and_deadline(region_path: str,
+                                                                 transport: str) -> None:
+    a, b = await _pair(region_path, "hw", transport, mode="transfer", transfer_deadline_s=0.3)
     try:
         keys = a.block_keys(range(48))
         kv = kv_for_keys(keys)

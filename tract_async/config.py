@@ -103,7 +103,8 @@ class EngineConfig:
     listen_port: int = 0
     secret: bytes | None = None
     allow_unauthenticated: bool = False
-    fallback: bool = True
+    fallback: bool = True                    # with a region: HTTP per transfer where it cannot serve
+    http_pool_bytes: int | None = None       # HTTP block pool (default: region_bytes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -125,5 +126,8 @@ class EngineConfig:
                               f"{1 << math.ceil(math.log2(self.layout.block_bytes))}")
         if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
             raise ConfigError("EngineConfig needs 0 < heartbeat_interval_s < liveness_timeout_s")
+        if self.http_pool_bytes is not None and self.http_pool_bytes < self.layout.block_bytes:
+            raise ConfigError(f"EngineConfig.http_pool_bytes ({self.http_pool_bytes}) must hold at "
+                              f"least one {self.layout.block_bytes}-byte block")
         if self.copy_threads < 1:
             raise ConfigError(f"EngineConfig.copy_threads must be >= 1, got {self.copy_threads}")

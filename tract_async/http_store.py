@@ -1,0 +1,675 @@
+"""The HTTP path of the Engine: put, get and lookup of KV blocks over NIXL-style agents.
+
+Where no shared region reaches, each engine runs an ``Agent`` (``transport.http``) and keeps
+the blocks it produces in a local pool (``http_pool.BlockPool``: one CPU tensor registered with
+the agent, carved into block slots). Peers read them by descriptor. Same interface as
+``RegionStore``: ``put``, ``get``, ``lookup``, ``maintain``, ``close``, ``stats``.
+
+Directory. ``lookup`` must never block, so every engine keeps a local directory of which peer
+holds which key, at which pool slot and version, with which layers landed. It is fed by pushes:
+
+* joining: an engine fetches each configured peer's metadata and says *hello* (its own metadata,
+  its region uuid, its node id); the answer carries the peer's region uuid and its whole list of
+  blocks. The peer adds the newcomer, so peering is symmetric whichever side was configured;
+* announcements: every put announces ``(key, slot, version, layers)`` to every peer, every
+  eviction (LRU, consumed, expired, close) announces ``(key, slot, version)``. One sender task per
+  peer sends them in order, batching whatever queued up while the last batch was in flight; a
+  put returns once its announcement was delivered (or failed: the peer is then dropped, its
+  entries forgotten, and it must say hello again), so a peer's ``lookup`` right after
+  ``await put_kv`` already counts the blocks;
+* waiters: ``get_kv(timeout=)`` waits on an ``asyncio.Event`` that each directory change sets
+  (one event per generation, as the Agent's notifications): no polling.
+
+Validation (DESIGN.md invariant 6 over HTTP). A directory entry may be stale (an announcement
+still in flight, a lost one, a reordered one), so it is only a hint. A remote get READs the slots
+it names, then asks the holder to *check* each ``(key, slot, version, layer)`` against its pool.
+Versions are never reused and a slot is rewritten only after its block was evicted (which forgets
+the version), so "still the same version after the bytes arrived" proves the bytes are the
+block's. Any mismatch raises ``BlockEvicted`` (a miss, never wrong bytes) and drops the stale
+entries. The check also carries LRU touches and, in transfer mode, the consume of blocks whose
+last layer was read.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import secrets
+import time
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .errors import BlockEvicted, BlockNotFound, LayerNotReady, TractError, TransferTimeout
+from .http_pool import BlockPool, LocalBlock
+from .transport import errors as TE
+from .transport.descs import XferDescList
+from .transport.http import Agent
+
+POOL_NAME = "tract-kv-pool"
+ROUTE_HELLO = "/tract-kv/v1/hello"
+ROUTE_ANNOUNCE = "/tract-kv/v1/announce"
+ROUTE_CHECK = "/tract-kv/v1/check"
+MAX_OPS = 1 << 16        # entries of one announce or check request
+
+
+@dataclasses.dataclass
+class HttpStats:
+    puts: int = 0
+    blocks_stored: int = 0
+    blocks_skipped: int = 0
+    gets: int = 0
+    blocks_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    evictions: int = 0
+    evictions_for_space: int = 0
+    validation_failures: int = 0
+    consumed: int = 0
+    expired: int = 0
+    layer_waits: int = 0
+    remote_reads: int = 0            # READ transfers from peers
+    blocks_read_remote: int = 0
+    blocks_read_foreign: int = 0     # ... from peers of another region (rack)
+    announcements_sent: int = 0
+    announce_failures: int = 0
+    peers_dropped: int = 0
+
+
+@dataclasses.dataclass
+class Held:
+    """A peer's block as announced: a hint until a check confirms it."""
+    slot: int
+    version: int
+    mask: int
+    complete: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Peer:
+    name: str
+    uuid: str | None
+    node_id: int
+    pool_addr: int
+    outbox: list[list[Any]] = dataclasses.field(default_factory=list)
+    waiters: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    alive: bool = True
+
+
+def _key(v: Any) -> bytes:
+    if not isinstance(v, str) or len(v) != 64:
+        raise TE.MalformedRequest(f"a block key is 64 hex characters, got {v!r:.80}")
+    try:
+        return bytes.fromhex(v)
+    except ValueError:
+        raise TE.MalformedRequest(f"a block key is 64 hex characters, got {v!r:.80}") from None
+
+
+def _uint(v: Any, what: str, limit: int = 1 << 62) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+        raise TE.MalformedRequest(f"{what} must be an int in [0, {limit}), got {v!r:.80}")
+    return v
+
+
+def _ops_list(v: Any, what: str) -> list[Any]:
+    if not isinstance(v, list) or len(v) > MAX_OPS:
+        raise TE.MalformedRequest(f"{what} must be a list of at most {MAX_OPS} entries")
+    return v
+
+
+class HttpStore:
+    """put / get / lookup over agents for one engine. Created and owned by the Engine."""
+
+    def __init__(self, cfg: EngineConfig, *, region_uuid: str | None = None) -> None:
+        self.cfg = cfg
+        self.layout = cfg.layout
+        self.region_uuid = region_uuid
+        self.stats = HttpStats()
+        self.pool = BlockPool(cfg.layout, cfg.http_pool_bytes or cfg.region_bytes, mode=cfg.mode,
+                              deadline_s=cfg.transfer_deadline_s)
+        self.agent = Agent(f"tract-n{cfg.node_id}-{secrets.token_hex(4)}", host=cfg.listen_host,
+                           port=cfg.listen_port, secret=cfg.secret,
+                           allow_unauthenticated=cfg.allow_unauthenticated)
+        self.agent.register_memory(self.pool.bytes, name=POOL_NAME, writable=False)
+        self.agent.add_json_route(ROUTE_HELLO, self._on_hello)
+        self.agent.add_json_route(ROUTE_ANNOUNCE, self._on_announce)
+        self.agent.add_json_route(ROUTE_CHECK, self._on_check)
+        self.peers: dict[str, _Peer] = {}
+        self.directory: dict[bytes, dict[str, Held]] = {}
+        self._changed = asyncio.Event()
+        self._consumed_layers: dict[bytes, int] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self._rx = 0
+        self.validate_reads = True
+        """Check versions after each remote READ. Only the stale-entry test's negative control
+        turns this off, to show that without it wrong bytes get through."""
+        self.announce_timeout_s = max(2.0, 4 * cfg.liveness_timeout_s)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Start the agent and join every configured peer. Raises TransportConfigError, OSError
+        (port taken), PeerUnreachable / AuthenticationFailed / ... (a peer cannot be joined)."""
+        await self.agent.start()
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        for url in self.cfg.peers:
+            await self.join(url, timeout=self.announce_timeout_s)
+
+    @property
+    def url(self) -> str:
+        host = self.agent.config.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.agent.port}"
+
+    async def join(self, url: str, *, timeout: float) -> str:
+        """Peer with the engine serving at ``url`` (both sides learn each other); its name."""
+        name = await self.agent.fetch_remote_metadata(url, timeout=timeout)
+        reply = await self.agent.call(name, ROUTE_HELLO, self._hello_payload(), timeout=timeout)
+        if not isinstance(reply, dict):
+            raise TE.RemoteError(f"{name}: hello reply is not an object")
+        self._add_peer(name, reply.get("uuid"), reply.get("node"))
+        self._apply(name, _ops_list(reply.get("blocks"), "hello blocks"))
+        return name
+
+    def _hello_payload(self) -> dict[str, Any]:
+        md = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        return {"md": md, "uuid": self.region_uuid, "node": self.cfg.node_id,
+                "blocks": [self._put_op(k, b) for k, b in self.pool.items()]}
+
+    def _add_peer(self, name: str, uuid: Any, node: Any) -> None:
+        if uuid is not None and not isinstance(uuid, str):
+            raise TE.MalformedRequest("hello: uuid must be a string or null")
+        node_id = _uint(node, "hello: node", 1 << 16)
+        pool_addr = self.agent.remote_region(name, POOL_NAME).addr
+        old = self.peers.get(name)
+        if old is not None:
+            self._drop_peer(old, count=False)
+        peer = _Peer(name=name, uuid=uuid, node_id=node_id, pool_addr=pool_addr)
+        self.peers[name] = peer
+        assert self._tg is not None, "HttpStore: peer added before open()"
+        self._tg.create_task(self._sender(peer), name=f"tract-announce-{name}")
+
+    def _drop_peer(self, peer: _Peer, *, count: bool = True) -> None:
+        """Forget a peer: its directory entries, its outbox; its sender task ends."""
+        peer.alive = False
+        peer.wake.set()
+        if self.peers.get(peer.name) is peer:
+            del self.peers[peer.name]
+            self.stats.peers_dropped += count
+        for key in [k for k, held in self.directory.items() if peer.name in held]:
+            self._forget(key, peer.name)
+        for f in peer.waiters:
+            if not f.done():
+                f.set_result(None)
+        peer.waiters.clear()
+        self._wake()
+
+    async def close(self, timeout: float) -> None:
+        """Tell peers this node's blocks are gone, stop the senders, close the agent."""
+        errors: list[BaseException] = []
+        if self._tg is not None:
+            bye = [["bye"]]
+            for k in list(self.pool.reserved()) + [k for k, _ in self.pool.items()]:
+                self.pool.evict(k)
+            try:
+                await self._announce(bye, timeout=min(timeout, self.announce_timeout_s))
+            except Exception as e:  # noqa: BLE001 - keep going, report after cleanup
+                errors.append(e)
+            for p in list(self.peers.values()):
+                self._drop_peer(p, count=False)
+            tg, self._tg = self._tg, None
+            try:
+                await tg.__aexit__(None, None, None)
+            except BaseExceptionGroup as eg:  # noqa: F821
+                errors.extend(eg.exceptions)
+        try:
+            await self.agent.close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+        if errors:
+            raise errors[0]
+
+    # -- announcements ------------------------------------------------------------------------
+    @staticmethod
+    def _put_op(key: bytes, b: LocalBlock) -> list[Any]:
+        return ["p", key.hex(), b.slot, b.version, format(b.mask, "x"), b.complete]
+
+    @staticmethod
+    def _evict_op(key: bytes, b: LocalBlock) -> list[Any]:
+        return ["e", key.hex(), b.slot, b.version]
+
+    def _announce_nowait(self, ops: list[list[Any]]) -> list[asyncio.Future[None]]:
+        futs = []
+        if not ops:
+            return futs
+        loop = asyncio.get_running_loop()
+        for p in self.peers.values():
+            if p.alive:
+                p.outbox.extend(ops)
+                f = loop.create_future()
+                p.waiters.append(f)
+                futs.append(f)
+                p.wake.set()
+        return futs
+
+    async def _announce(self, ops: list[list[Any]], *, timeout: float | None = None) -> None:
+        """Queue ``ops`` for every peer and wait until delivered (or the peer was dropped)."""
+        futs = self._announce_nowait(ops)
+        if futs:
+            await asyncio.wait(futs, timeout=timeout or self.announce_timeout_s)
+
+    async def _sender(self, peer: _Peer) -> None:
+        """One per peer: sends queued ops in order, one batch in flight. Never raises."""
+        while peer.alive:
+            await peer.wake.wait()
+            peer.wake.clear()
+            if not peer.outbox or not peer.alive:
+                continue
+            ops, peer.outbox = peer.outbox, []
+            waiters, peer.waiters = peer.waiters, []
+            try:
+                await self.agent.call(peer.name, ROUTE_ANNOUNCE, {"ops": ops},
+                                      timeout=self.announce_timeout_s)
+                self.stats.announcements_sent += 1
+            except (TractError, OSError):
+                # unreachable or refusing: forget it; it says hello again when it comes back
+                self.stats.announce_failures += 1
+                self._drop_peer(peer)
+            finally:
+                for f in waiters:
+                    if not f.done():
+                        f.set_result(None)
+
+    async def _on_hello(self, sender: str, payload: Any) -> Any:
+        if not isinstance(payload, dict) or not isinstance(payload.get("md"), str):
+            raise TE.MalformedRequest("hello needs an object with md (base64 agent metadata)")
+        ops = _ops_list(payload.get("blocks", []), "hello blocks")
+        parsed = self._parse_ops(ops)
+        try:
+            md = base64.b64decode(payload["md"], validate=True)
+        except ValueError:
+            raise TE.MalformedRequest("hello: md is not base64") from None
+        from .transport import wire
+        if wire.decode_metadata(md).name != sender:
+            raise TE.MalformedRequest(f"hello: metadata names another agent than the sender {sender!r}")
+        self.agent.add_remote_agent(md)
+        try:
+            self._add_peer(sender, payload.get("uuid"), payload.get("node"))
+        except BaseException:
+            self.agent.remove_remote_agent(sender)
+            raise
+        self._apply_parsed(sender, parsed)
+        return {"uuid": self.region_uuid, "node": self.cfg.node_id,
+                "blocks": [self._put_op(k, b) for k, b in self.pool.items()]}
+
+    async def _on_announce(self, sender: str, payload: Any) -> Any:
+        if sender not in self.peers:
+            raise TE.MalformedRequest(f"announce from {sender!r}, which has not said hello")
+        if not isinstance(payload, dict):
+            raise TE.MalformedRequest("announce needs an object with ops")
+        self._apply(sender, _ops_list(payload.get("ops"), "announce ops"))
+        return {"ok": True}
+
+    def _parse_ops(self, ops: list[Any]) -> list[tuple]:
+        """Validate a whole batch before applying any of it (bad input changes nothing)."""
+        out: list[tuple] = []
+        full = self.pool.full_mask
+        for op in ops:
+            if not isinstance(op, list) or not op or not isinstance(op[0], str):
+                raise TE.MalformedRequest(f"announce op must be a list, got {op!r:.80}")
+            if op[0] == "p" and len(op) == 6:
+                try:
+                    mask = int(op[4], 16) if isinstance(op[4], str) and len(op[4]) <= 32 else -1
+                except ValueError:
+                    mask = -1
+                if not 0 <= mask <= full or not isinstance(op[5], bool):
+                    raise TE.MalformedRequest(f"announce put op has a bad layer mask: {op!r:.120}")
+                out.append(("p", _key(op[1]), _uint(op[2], "slot"), _uint(op[3], "version"), mask,
+                            op[5] and mask == full))
+            elif op[0] == "e" and len(op) == 4:
+                out.append(("e", _key(op[1]), _uint(op[2], "slot"), _uint(op[3], "version")))
+            elif op[0] == "bye" and len(op) == 1:
+                out.append(("bye",))
+            else:
+                raise TE.MalformedRequest(f"unknown announce op {op!r:.80}")
+        return out
+
+    def _apply(self, peer: str, ops: list[Any]) -> None:
+        self._apply_parsed(peer, self._parse_ops(ops))
+
+    def _apply_parsed(self, peer: str, parsed: list[tuple]) -> None:
+        for op in parsed:
+            if op[0] == "p":
+                _, key, slot, version, mask, complete = op
+                self.directory.setdefault(key, {})[peer] = Held(slot, version, mask, complete)
+            elif op[0] == "e":
+                held = self.directory.get(op[1], {}).get(peer)
+                if held is not None and held.slot == op[2] and held.version == op[3]:
+                    self._forget(op[1], peer)
+            else:  # bye: the peer closed
+                p = self.peers.get(peer)
+                if p is not None:
+                    self._drop_peer(p, count=False)
+                    self.agent.remove_remote_agent(peer)
+        self._wake()
+
+    def _forget(self, key: bytes, peer: str) -> None:
+        held = self.directory.get(key)
+        if held is not None:
+            held.pop(peer, None)
+            if not held:
+                del self.directory[key]
+
+    def _wake(self) -> None:
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    async def wait_changed(self) -> None:
+        """Until the next change of the directory or the pool (check your condition first)."""
+        await self._changed.wait()
+
+    # -- the check route (producer side of validation) ----------------------------------------
+    async def _on_check(self, sender: str, payload: Any) -> Any:
+        if not isinstance(payload, dict):
+            raise TE.MalformedRequest("check needs an object with e")
+        rows = _ops_list(payload.get("e"), "check entries")
+        parsed = []
+        for r in rows:
+            if not isinstance(r, list) or len(r) != 5 or not isinstance(r[4], bool):
+                raise TE.MalformedRequest(f"check entry must be [key, slot, version, layer, consume], "
+                                          f"got {r!r:.80}")
+            layer = r[3]
+            if not isinstance(layer, int) or isinstance(layer, bool) or \
+                    not -1 <= layer < self.layout.num_layers:
+                raise TE.MalformedRequest(f"check entry has a bad layer {layer!r:.20}")
+            parsed.append((_key(r[0]), _uint(r[1], "slot"), _uint(r[2], "version"),
+                           None if layer < 0 else layer, r[4]))
+        ok, gone = [], []
+        for key, slot, version, layer, consume in parsed:
+            good = self.pool.holds(key, slot, version, layer)
+            ok.append(good)
+            if good and consume:
+                gone.append((key, self.pool.evict(key)))
+            elif good:
+                self.pool.touch(key)
+        self._announce_nowait([self._evict_op(k, b) for k, b in gone if b is not None])
+        return {"ok": ok}
+
+    # -- lookup -------------------------------------------------------------------------------
+    def has(self, key: bytes) -> bool:
+        """Is ``key`` held here or announced by a peer (complete or not)?"""
+        return self.pool.get(key) is not None or key in self.directory
+
+    def lookup(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            b = self.pool.get(k)
+            if not ((b is not None and b.complete)
+                    or any(h.complete for h in self.directory.get(k, {}).values())):
+                break
+            n += 1
+        return n
+
+    def foreign_peers(self) -> list[str]:
+        """Peers outside this engine's region (another rack, or no region at all)."""
+        return [p.name for p in self.peers.values() if p.uuid != self.region_uuid]
+
+    def holding_reservation(self, keys: list[bytes]) -> bool:
+        """Does this pool hold an unfinished block of any of ``keys`` (later layers go here)?"""
+        return any((b := self.pool.get(k)) is not None and not b.complete for k in keys)
+
+    # -- put ----------------------------------------------------------------------------------
+    async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+                  timeout: float | None) -> int:
+        """Store blocks not yet held by this node or announced by a peer; returns how many this
+        call stored (or filled). Raises RegionFull (the pool is full)."""
+        kv = kv.contiguous()
+        todo: list[int] = []
+        new: list[int] = []
+        seen: set[bytes] = set()
+        for i, k in enumerate(keys):
+            b = self.pool.get(k)
+            if b is not None and not b.complete:
+                todo.append(i)
+            elif b is not None or k in self.directory or k in seen:
+                self.stats.blocks_skipped += 1
+            else:
+                new.append(i)
+                seen.add(k)
+        ops: list[list[Any]] = []
+        if new:
+            _, evicted = self.pool.reserve([keys[i] for i in new])
+            self.stats.evictions += len(evicted)
+            self.stats.evictions_for_space += len(evicted)
+            ops += [self._evict_op(k, b) for k, b in evicted]
+            todo = sorted(todo + new)
+        if todo:
+            L, T, H, D = (self.layout.num_layers, self.layout.block_tokens, self.layout.kv_heads,
+                          self.layout.head_dim)
+            n = len(keys)
+            blocks = [self.pool.get(keys[i]) for i in todo]
+            slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
+            pos = torch.tensor(todo, dtype=torch.long)
+            # no await between reserve and land: nothing else sees the slots half written
+            if layer is None:
+                self.pool.blocks[slots] = kv.view(L, 2, n, T, H, D)[:, :, pos].permute(2, 0, 1, 3, 4, 5)
+                mask = self.pool.full_mask
+            else:
+                self.pool.blocks[slots, layer] = kv.view(2, n, T, H, D)[:, pos].permute(1, 0, 2, 3, 4)
+                mask = 1 << layer
+            for i in todo:
+                b = self.pool.land(keys[i], mask)
+                self.stats.blocks_stored += b.complete
+                ops.append(self._put_op(keys[i], b))
+            self.stats.bytes_put += len(todo) * (self.layout.block_bytes if layer is None
+                                                 else self.layout.layer_bytes)
+            self._wake()
+        self.stats.puts += 1
+        await self._announce(ops, timeout=timeout)
+        return len(todo)
+
+    # -- get ----------------------------------------------------------------------------------
+    def _source(self, key: bytes, layer: int | None) -> tuple[str | None, Any] | None:
+        """Where ``key`` (with ``layer``) can be read: (None, LocalBlock) or (peer, Held)."""
+        b = self.pool.get(key)
+        if b is not None and (b.complete if layer is None else (b.mask >> layer) & 1):
+            return None, b
+        for peer, h in self.directory.get(key, {}).items():
+            if h.complete or (layer is not None and (h.mask >> layer) & 1):
+                return peer, h
+        return None
+
+    def _satisfied(self, keys: list[bytes], layer: int | None) -> bool:
+        return all(self._source(k, layer) is not None for k in keys)
+
+    async def wait_ready(self, keys: list[bytes], layer: int | None, timeout: float) -> None:
+        """Wait (on directory events) until every key is readable with ``layer``.
+        Raises TransferTimeout."""
+        self.stats.layer_waits += 1
+        try:
+            async with asyncio.timeout(timeout):
+                while not self._satisfied(keys, layer):
+                    await self._changed.wait()
+        except TimeoutError:
+            if not all(self.has(k) for k in keys):
+                raise TransferTimeout(f"blocks did not appear within {timeout} s") from None
+            what = f"layer {layer}" if layer is not None else "blocks"
+            raise TransferTimeout(f"{what} not produced within {timeout} s") from None
+
+    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
+                  timeout: float | None) -> torch.Tensor:
+        n = len(keys)
+        if timeout is not None and timeout > 0:
+            await self.wait_ready(keys, layer, timeout)
+        srcs = []
+        for i, k in enumerate(keys):
+            s = self._source(k, layer)
+            if s is None:
+                if not self.has(k):
+                    self.stats.misses += 1
+                    raise BlockNotFound(f"block {i} of {n} ({k[:8].hex()}…) is not in the region "
+                                        f"nor announced by an HTTP peer (never stored, or evicted); "
+                                        f"lookup() says how many leading blocks are resident")
+                if layer is None:
+                    raise LayerNotReady(f"block {i} ({k[:8].hex()}…) is still being produced; "
+                                        f"pass timeout= to wait for it, or get it layer by layer")
+                raise LayerNotReady(f"layer {layer} of block {i} ({k[:8].hex()}…) has not landed "
+                                    f"yet; pass timeout= to wait for it")
+            srcs.append(s)
+        L, T, H, D = (self.layout.num_layers, self.layout.block_tokens, self.layout.kv_heads,
+                      self.layout.head_dim)
+        outv = out.view(L, 2, n, T, H, D) if layer is None else out.view(2, n, T, H, D)
+        by_peer: dict[str, list[int]] = {}
+        local = []
+        for i, (peer, _) in enumerate(srcs):
+            (local.append(i) if peer is None else by_peer.setdefault(peer, []).append(i))
+        if local:   # synchronous: no eviction can interleave, no check needed
+            self._copy_out(outv, local, layer,
+                           self._local_view([srcs[i][1].slot for i in local], layer))
+        for peer, pos in by_peer.items():
+            await self._read_remote(peer, [keys[i] for i in pos], [srcs[i][1] for i in pos], pos,
+                                    outv, layer, timeout)
+        span = self.layout.block_bytes if layer is None else self.layout.layer_bytes
+        self.stats.gets += 1
+        self.stats.hits += n
+        self.stats.blocks_read += n
+        self.stats.bytes_got += n * span
+        done_local = []
+        for i in local:
+            self.pool.touch(keys[i])
+            if self.cfg.mode == "transfer" and self._consume_now(keys[i], layer):
+                done_local.append(keys[i])
+        if done_local:
+            gone = [(k, self.pool.evict(k)) for k in done_local]
+            self.stats.consumed += len(gone)
+            await self._announce([self._evict_op(k, b) for k, b in gone if b is not None])
+        return out
+
+    def _local_view(self, slots: list[int], layer: int | None) -> torch.Tensor:
+        idx = torch.tensor(slots, dtype=torch.long)
+        return self.pool.blocks[idx] if layer is None else self.pool.blocks[idx, layer]
+
+    @staticmethod
+    def _copy_out(outv: torch.Tensor, pos: list[int], layer: int | None,
+                  src: torch.Tensor) -> None:
+        """``src``: (m, L, 2, T, H, D) or (m, 2, T, H, D) blocks for positions ``pos``."""
+        p = torch.tensor(pos, dtype=torch.long)
+        if layer is None:
+            outv[:, :, p] = src.permute(1, 2, 0, 3, 4, 5)
+        else:
+            outv[:, p] = src.permute(1, 0, 2, 3, 4)
+
+    def _consume_now(self, key: bytes, layer: int | None) -> bool:
+        """Transfer mode: has this node now read every layer of ``key``?"""
+        if layer is None:
+            self._consumed_layers.pop(key, None)
+            return True
+        seen = self._consumed_layers.get(key, 0) | (1 << layer)
+        if seen == self.pool.full_mask:
+            self._consumed_layers.pop(key, None)
+            return True
+        self._consumed_layers[key] = seen
+        return False
+
+    async def _read_remote(self, peer_name: str, keys: list[bytes], helds: list[Held],
+                           pos: list[int], outv: torch.Tensor, layer: int | None,
+                           timeout: float | None) -> None:
+        """READ the blocks from the peer's pool, check their versions there, copy them out."""
+        peer = self.peers.get(peer_name)
+        if peer is None:
+            raise BlockEvicted(f"peer {peer_name!r} left while the read was planned; treat as a miss")
+        lay = self.layout
+        span = lay.block_bytes if layer is None else lay.layer_bytes
+        skip = 0 if layer is None else layer * lay.layer_bytes
+        m = len(keys)
+        staging = torch.empty(m * span, dtype=torch.uint8)
+        self._rx += 1
+        name = f"tract-rx-{self._rx}"
+        deadline = timeout if timeout is not None and timeout > 0 else None
+        consume = [self.cfg.mode == "transfer" and self._would_consume(k, layer) for k in keys]
+        try:
+            self.agent.register_memory(staging, name=name)
+            try:
+                base = staging.data_ptr()
+                local = XferDescList([(base + j * span, span, 0) for j in range(m)], "DRAM")
+                remote = XferDescList([(peer.pool_addr + h.slot * lay.block_bytes + skip, span, 0)
+                                       for h in helds], "DRAM")
+                h = self.agent.initialize_xfer("READ", local, remote, peer_name)
+                try:
+                    await self.agent.transfer(h, timeout=deadline)
+                finally:
+                    h.release()
+            finally:
+                self.agent.deregister_memory(name)
+            self.stats.remote_reads += 1
+            ok = [True] * m
+            if self.validate_reads or any(consume):
+                reply = await self.agent.call(peer_name, ROUTE_CHECK, {"e": [
+                    [k.hex(), h.slot, h.version, -1 if layer is None else layer, c]
+                    for k, h, c in zip(keys, helds, consume)]}, timeout=deadline)
+                ok = reply.get("ok") if isinstance(reply, dict) else None
+                if not isinstance(ok, list) or len(ok) != m or not all(isinstance(x, bool) for x in ok):
+                    raise TE.RemoteError(f"{peer_name}: malformed check reply")
+                if not self.validate_reads:
+                    ok = [True] * m
+        except TE.TransferTimeout as e:
+            raise TransferTimeout(f"READ of {m} blocks from {peer_name!r} timed out: {e}") from e
+        except (TE.PeerUnreachable, TE.PeerDisconnected, TE.AgentClosed) as e:
+            if peer_name in self.peers and not self.agent.closing:
+                self._drop_peer(self.peers[peer_name])
+            raise BlockEvicted(f"peer {peer_name!r} went away during the read ({e}); "
+                               f"treat as a miss") from e
+        bad = [j for j in range(m) if not ok[j]]
+        if bad:
+            for j in bad:
+                held = self.directory.get(keys[j], {}).get(peer_name)
+                if held is not None and held.version == helds[j].version:
+                    self._forget(keys[j], peer_name)
+            self.stats.validation_failures += 1
+            self.stats.misses += len(bad)
+            raise BlockEvicted(f"{len(bad)} of {m} blocks read from {peer_name!r} were evicted "
+                               f"there (first: {keys[bad[0]][:8].hex()}…); the output is not "
+                               f"trusted: treat as a miss")
+        shape = (m, lay.num_layers, 2, lay.block_tokens, lay.kv_heads, lay.head_dim)
+        src = staging.view(lay.dtype).view(shape if layer is None else (m,) + shape[2:])
+        self._copy_out(outv, pos, layer, src)
+        self.stats.blocks_read_remote += m
+        if peer.uuid != self.region_uuid:
+            self.stats.blocks_read_foreign += m
+        if self.cfg.mode == "transfer":
+            for k, c in zip(keys, consume):
+                self._consume_now(k, layer)     # record the layer (a consumed key: forget it)
+                if c:
+                    self._forget(k, peer_name)
+                    self.stats.consumed += 1
+
+    def _would_consume(self, key: bytes, layer: int | None) -> bool:
+        if layer is None:
+            return True
+        return (self._consumed_layers.get(key, 0) | (1 << layer)) == self.pool.full_mask
+
+    # -- maintenance --------------------------------------------------------------------------
+    async def maintain(self, timeout: float) -> None:
+        """Free transfer-only blocks whose deadline passed, and announce it."""
+        keys = self.pool.expired(time.monotonic_ns())
+        if not keys:
+            return
+        gone = [(k, self.pool.evict(k)) for k in keys]
+        self.stats.expired += len(gone)
+        self.stats.evictions += len(gone)
+        self._wake()
+        await self._announce([self._evict_op(k, b) for k, b in gone if b is not None],
+                             timeout=timeout)
+
+    def describe(self) -> dict[str, Any]:
+        """What Engine.stats() shows about the HTTP side beyond the counters."""
+        return {"url": self.url if self.agent._port is not None else None, "agent": self.agent.name,
+                "region_uuid": self.region_uuid,
+                "peers": {p.name: {"node_id": p.node_id, "region_uuid": p.uuid}
+                          for p in self.peers.values()},
+                "directory_keys": len(self.directory),
+                "pool": {"slots": self.pool.nslots, "free": self.pool.free_slots},
+                "reserved_in_flight": len(self.pool.reserved())}
