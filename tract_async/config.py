@@ -92,7 +92,7 @@ class EngineConfig:
     transfer_deadline_s: float = 30.0        # transfer-only blocks nobody consumed are freed then
     mem_backend: str | None = None           # "hw", "sim", or None ($TRACT_MEM_BACKEND, "hw")
     sim_seed: int | None = None
-    chunk_bytes: int = 2 << 20
+    chunk_bytes: int | None = None           # default: >= 8 blocks a chunk, at least 2 MiB
     index_capacity: int | None = None        # entries; default 2x the blocks that fit
     heartbeat_interval_s: float = 0.1
     liveness_timeout_s: float = 1.0
@@ -118,6 +118,10 @@ class EngineConfig:
                               f"{self.max_nodes}")
         if self.region is None and not self.peers and not self.listen_port >= 0:
             raise ConfigError("EngineConfig needs a region path or HTTP peers")
+        if self.chunk_bytes is None:
+            # a chunk claim takes the global lock and runs recovery: amortize it over >= 8 blocks
+            want = max(2 << 20, 8 * self.layout.block_bytes)
+            object.__setattr__(self, "chunk_bytes", 1 << math.ceil(math.log2(want)))
         if self.chunk_bytes <= 0 or self.chunk_bytes & (self.chunk_bytes - 1):
             raise ConfigError(f"EngineConfig.chunk_bytes must be a power of two, got {self.chunk_bytes}")
         if self.layout.block_bytes > self.chunk_bytes:

@@ -207,7 +207,7 @@ class RegionStore:
             for i in positions:
                 a = self._alloc_locked()
                 w = words[i]
-                slot, prev = ix.reserve_one(self.mem, self.geo.entries_offset, self.index.mask,
+                slot, prev, version = ix.reserve_one(self.mem, self.geo.entries_offset, self.index.mask,
                                       self.geo.max_probe, w[0], w[1], w[2], w[3], a.offset_bytes,
                                       a.nbytes, a.owner_node | (a.generation << 16), a.token, now,
                                       producer, flags, deadline)
@@ -220,8 +220,7 @@ class RegionStore:
                     self.alloc.free(a)            # another node reserved it since our snapshot
                     self.stats.blocks_skipped += 1
                     continue
-                version = int(self.index.snapshot(words[i:i + 1])[0, 1])
-                self._reserved[keys[i]] = _Reservation(slot=slot, version=version, allocation=a)
+                self._reserved[keys[i]] = _Reservation(slot=slot, version=int(version), allocation=a)
                 mine.append((keys[i], int(prev)))
             self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
         except BaseException:

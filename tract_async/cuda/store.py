@@ -289,7 +289,7 @@ async def start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
         await store._copy(ix.copy_out, rows, pinned.data_ptr(), nbytes)
         ev, keep = copier.h2d_pinned(plan, tensors, pinned, planes=planes)
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes, label="get/pinned")
-    fut.transfer_mode_info = (words, slots, versions, bool(snap[:, 7].any()))  # type: ignore[attr-defined]
+    fut.transfer_mode_info = (words, slots, versions, poffs, bool(snap[:, 7].any()))  # type: ignore[attr-defined]
     return cpath.track(fut)
 
 
@@ -304,7 +304,7 @@ async def finish_get(store: Any, cpath: CudaPath, keys: list[bytes], fut: Stream
         await asyncio.shield(fut.wait_landed())
         raise
     if store.cfg.mode == "transfer":
-        words, slots, versions, flagged = fut.transfer_mode_info  # type: ignore[attr-defined]
+        words, slots, versions, poffs, flagged = fut.transfer_mode_info  # type: ignore[attr-defined]
         if flagged:
             await store._consume(keys, words, slots, versions, poffs, layer)
     return out

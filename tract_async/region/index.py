@@ -257,8 +257,8 @@ def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi):
 @njit(cache=True, nogil=True)
 def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, token, now_ns,
                 producer, flags, deadline_ns):
-    """Reserve an entry for the key. Returns (slot, previous state): slot >= 0, -1 if the probe
-    window is full, or -(2 + slot) if the key is already live (RESERVED or READY)."""
+    """Reserve an entry for the key. Returns (slot, previous state, new version): slot >= 0, -1
+    if the probe window is full, or -(2 + slot) if the key is already live."""
     b = np.int64(k0 & np.uint64(mask))
     free = np.int64(-1)
     prev = np.uint64(EMPTY)
@@ -280,9 +280,9 @@ def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, toke
             continue
         if (K.load(m, off) == k0 and K.load(m, off + 8) == k1 and K.load(m, off + 16) == k2
                 and K.load(m, off + 24) == k3):
-            return -(2 + slot), np.uint64(0)
+            return -(2 + slot), np.uint64(0), np.uint64(0)
     if free < 0:
-        return np.int64(-1), np.uint64(0)
+        return np.int64(-1), np.uint64(0), np.uint64(0)
     off = eoff + free * 128
     K.invalidate(m, off + 64, S_IX_READ)
     K.full_fence(m)
@@ -296,7 +296,8 @@ def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, toke
     K.store(m, off + 112, flags)
     K.store(m, off + 120, deadline_ns)
     K.flush(m, off + 64, S_IX_RESERVE_FLUSH)
-    K.store(m, off + 32, K.load(m, off + 32) + np.uint64(1))
+    version = K.load(m, off + 32) + np.uint64(1)
+    K.store(m, off + 32, version)
     K.store(m, off, k0)
     K.store(m, off + 8, k1)
     K.store(m, off + 16, k2)
@@ -308,7 +309,7 @@ def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, toke
     K.store(m, off + 40, RESERVED)
     K.flush(m, off, S_IX_RESERVE_STATE)
     K.full_fence(m)
-    return free, prev
+    return free, prev, version
 
 
 @njit(cache=True, nogil=True)
