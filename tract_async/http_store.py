@@ -42,7 +42,9 @@ import torch
 
 from .config import EngineConfig
 from .errors import BlockEvicted, BlockNotFound, LayerNotReady, TractError, TransferTimeout
-from .http_pool import BlockPool, LocalBlock
+from .http_directory import (Directory, Held, evict_op, ops_list, parse_key, parse_ops,
+                             parse_uint, put_op)
+from .http_pool import BlockPool
 from .transport import errors as TE
 from .transport.descs import XferDescList
 from .transport.http import Agent
@@ -51,7 +53,6 @@ POOL_NAME = "tract-kv-pool"
 ROUTE_HELLO = "/tract-kv/v1/hello"
 ROUTE_ANNOUNCE = "/tract-kv/v1/announce"
 ROUTE_CHECK = "/tract-kv/v1/check"
-MAX_OPS = 1 << 16        # entries of one announce or check request
 
 
 @dataclasses.dataclass
@@ -79,15 +80,6 @@ class HttpStats:
     peers_dropped: int = 0
 
 
-@dataclasses.dataclass
-class Held:
-    """A peer's block as announced: a hint until a check confirms it."""
-    slot: int
-    version: int
-    mask: int
-    complete: bool
-
-
 @dataclasses.dataclass(eq=False)
 class _Peer:
     name: str
@@ -98,27 +90,6 @@ class _Peer:
     waiters: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     alive: bool = True
-
-
-def _key(v: Any) -> bytes:
-    if not isinstance(v, str) or len(v) != 64:
-        raise TE.MalformedRequest(f"a block key is 64 hex characters, got {v!r:.80}")
-    try:
-        return bytes.fromhex(v)
-    except ValueError:
-        raise TE.MalformedRequest(f"a block key is 64 hex characters, got {v!r:.80}") from None
-
-
-def _uint(v: Any, what: str, limit: int = 1 << 62) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
-        raise TE.MalformedRequest(f"{what} must be an int in [0, {limit}), got {v!r:.80}")
-    return v
-
-
-def _ops_list(v: Any, what: str) -> list[Any]:
-    if not isinstance(v, list) or len(v) > MAX_OPS:
-        raise TE.MalformedRequest(f"{what} must be a list of at most {MAX_OPS} entries")
-    return v
 
 
 class HttpStore:
@@ -139,8 +110,8 @@ class HttpStore:
         self.agent.add_json_route(ROUTE_ANNOUNCE, self._on_announce)
         self.agent.add_json_route(ROUTE_CHECK, self._on_check)
         self.peers: dict[str, _Peer] = {}
-        self.directory: dict[bytes, dict[str, Held]] = {}
-        self._changed = asyncio.Event()
+        self.dir = Directory()
+        self.directory = self.dir.entries      # key -> {peer: Held}; never rebound
         self._consumed_layers: dict[bytes, int] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._rx = 0
@@ -171,18 +142,18 @@ class HttpStore:
         if not isinstance(reply, dict):
             raise TE.RemoteError(f"{name}: hello reply is not an object")
         self._add_peer(name, reply.get("uuid"), reply.get("node"))
-        self._apply(name, _ops_list(reply.get("blocks"), "hello blocks"))
+        self._apply(name, ops_list(reply.get("blocks"), "hello blocks"))
         return name
 
     def _hello_payload(self) -> dict[str, Any]:
         md = base64.b64encode(self.agent.get_agent_metadata()).decode()
         return {"md": md, "uuid": self.region_uuid, "node": self.cfg.node_id,
-                "blocks": [self._put_op(k, b) for k, b in self.pool.items()]}
+                "blocks": [put_op(k, b) for k, b in self.pool.items()]}
 
     def _add_peer(self, name: str, uuid: Any, node: Any) -> None:
         if uuid is not None and not isinstance(uuid, str):
             raise TE.MalformedRequest("hello: uuid must be a string or null")
-        node_id = _uint(node, "hello: node", 1 << 16)
+        node_id = parse_uint(node, "hello: node", 1 << 16)
         pool_addr = self.agent.remote_region(name, POOL_NAME).addr
         old = self.peers.get(name)
         if old is not None:
@@ -199,20 +170,18 @@ class HttpStore:
         if self.peers.get(peer.name) is peer:
             del self.peers[peer.name]
             self.stats.peers_dropped += count
-        for key in [k for k, held in self.directory.items() if peer.name in held]:
-            self._forget(key, peer.name)
         for f in peer.waiters:
             if not f.done():
                 f.set_result(None)
         peer.waiters.clear()
-        self._wake()
+        self.dir.forget_peer(peer.name)
 
     async def close(self, timeout: float) -> None:
         """Tell peers this node's blocks are gone, stop the senders, close the agent."""
         errors: list[BaseException] = []
         if self._tg is not None:
             bye = [["bye"]]
-            for k in list(self.pool.reserved()) + [k for k, _ in self.pool.items()]:
+            for k, _ in self.pool.items():     # unfinished ones too
                 self.pool.evict(k)
             try:
                 await self._announce(bye, timeout=min(timeout, self.announce_timeout_s))
@@ -233,14 +202,6 @@ class HttpStore:
             raise errors[0]
 
     # -- announcements ------------------------------------------------------------------------
-    @staticmethod
-    def _put_op(key: bytes, b: LocalBlock) -> list[Any]:
-        return ["p", key.hex(), b.slot, b.version, format(b.mask, "x"), b.complete]
-
-    @staticmethod
-    def _evict_op(key: bytes, b: LocalBlock) -> list[Any]:
-        return ["e", key.hex(), b.slot, b.version]
-
     def _announce_nowait(self, ops: list[list[Any]]) -> list[asyncio.Future[None]]:
         futs = []
         if not ops:
@@ -286,8 +247,8 @@ class HttpStore:
     async def _on_hello(self, sender: str, payload: Any) -> Any:
         if not isinstance(payload, dict) or not isinstance(payload.get("md"), str):
             raise TE.MalformedRequest("hello needs an object with md (base64 agent metadata)")
-        ops = _ops_list(payload.get("blocks", []), "hello blocks")
-        parsed = self._parse_ops(ops)
+        ops = ops_list(payload.get("blocks", []), "hello blocks")
+        parsed = parse_ops(ops, self.pool.full_mask)
         try:
             md = base64.b64decode(payload["md"], validate=True)
         except ValueError:
@@ -303,79 +264,38 @@ class HttpStore:
             raise
         self._apply_parsed(sender, parsed)
         return {"uuid": self.region_uuid, "node": self.cfg.node_id,
-                "blocks": [self._put_op(k, b) for k, b in self.pool.items()]}
+                "blocks": [put_op(k, b) for k, b in self.pool.items()]}
 
     async def _on_announce(self, sender: str, payload: Any) -> Any:
         if sender not in self.peers:
             raise TE.MalformedRequest(f"announce from {sender!r}, which has not said hello")
         if not isinstance(payload, dict):
             raise TE.MalformedRequest("announce needs an object with ops")
-        self._apply(sender, _ops_list(payload.get("ops"), "announce ops"))
+        self._apply(sender, ops_list(payload.get("ops"), "announce ops"))
         return {"ok": True}
 
-    def _parse_ops(self, ops: list[Any]) -> list[tuple]:
-        """Validate a whole batch before applying any of it (bad input changes nothing)."""
-        out: list[tuple] = []
-        full = self.pool.full_mask
-        for op in ops:
-            if not isinstance(op, list) or not op or not isinstance(op[0], str):
-                raise TE.MalformedRequest(f"announce op must be a list, got {op!r:.80}")
-            if op[0] == "p" and len(op) == 6:
-                try:
-                    mask = int(op[4], 16) if isinstance(op[4], str) and len(op[4]) <= 32 else -1
-                except ValueError:
-                    mask = -1
-                if not 0 <= mask <= full or not isinstance(op[5], bool):
-                    raise TE.MalformedRequest(f"announce put op has a bad layer mask: {op!r:.120}")
-                out.append(("p", _key(op[1]), _uint(op[2], "slot"), _uint(op[3], "version"), mask,
-                            op[5] and mask == full))
-            elif op[0] == "e" and len(op) == 4:
-                out.append(("e", _key(op[1]), _uint(op[2], "slot"), _uint(op[3], "version")))
-            elif op[0] == "bye" and len(op) == 1:
-                out.append(("bye",))
-            else:
-                raise TE.MalformedRequest(f"unknown announce op {op!r:.80}")
-        return out
-
     def _apply(self, peer: str, ops: list[Any]) -> None:
-        self._apply_parsed(peer, self._parse_ops(ops))
+        self._apply_parsed(peer, parse_ops(ops, self.pool.full_mask))
 
     def _apply_parsed(self, peer: str, parsed: list[tuple]) -> None:
-        for op in parsed:
-            if op[0] == "p":
-                _, key, slot, version, mask, complete = op
-                self.directory.setdefault(key, {})[peer] = Held(slot, version, mask, complete)
-            elif op[0] == "e":
-                held = self.directory.get(op[1], {}).get(peer)
-                if held is not None and held.slot == op[2] and held.version == op[3]:
-                    self._forget(op[1], peer)
-            else:  # bye: the peer closed
-                p = self.peers.get(peer)
-                if p is not None:
-                    self._drop_peer(p, count=False)
-                    self.agent.remove_remote_agent(peer)
-        self._wake()
-
-    def _forget(self, key: bytes, peer: str) -> None:
-        held = self.directory.get(key)
-        if held is not None:
-            held.pop(peer, None)
-            if not held:
-                del self.directory[key]
+        if self.dir.apply(peer, parsed):   # bye: the peer closed
+            p = self.peers.get(peer)
+            if p is not None:
+                self._drop_peer(p, count=False)
+                self.agent.remove_remote_agent(peer)
 
     def _wake(self) -> None:
-        ev, self._changed = self._changed, asyncio.Event()
-        ev.set()
+        self.dir.wake()
 
     async def wait_changed(self) -> None:
         """Until the next change of the directory or the pool (check your condition first)."""
-        await self._changed.wait()
+        await self.dir.wait_changed()
 
     # -- the check route (producer side of validation) ----------------------------------------
     async def _on_check(self, sender: str, payload: Any) -> Any:
         if not isinstance(payload, dict):
             raise TE.MalformedRequest("check needs an object with e")
-        rows = _ops_list(payload.get("e"), "check entries")
+        rows = ops_list(payload.get("e"), "check entries")
         parsed = []
         for r in rows:
             if not isinstance(r, list) or len(r) != 5 or not isinstance(r[4], bool):
@@ -385,7 +305,7 @@ class HttpStore:
             if not isinstance(layer, int) or isinstance(layer, bool) or \
                     not -1 <= layer < self.layout.num_layers:
                 raise TE.MalformedRequest(f"check entry has a bad layer {layer!r:.20}")
-            parsed.append((_key(r[0]), _uint(r[1], "slot"), _uint(r[2], "version"),
+            parsed.append((parse_key(r[0]), parse_uint(r[1], "slot"), parse_uint(r[2], "version"),
                            None if layer < 0 else layer, r[4]))
         ok, gone = [], []
         for key, slot, version, layer, consume in parsed:
@@ -395,7 +315,7 @@ class HttpStore:
                 gone.append((key, self.pool.evict(key)))
             elif good:
                 self.pool.touch(key)
-        self._announce_nowait([self._evict_op(k, b) for k, b in gone if b is not None])
+        self._announce_nowait([evict_op(k, b) for k, b in gone if b is not None])
         return {"ok": ok}
 
     # -- lookup -------------------------------------------------------------------------------
@@ -444,7 +364,7 @@ class HttpStore:
             _, evicted = self.pool.reserve([keys[i] for i in new])
             self.stats.evictions += len(evicted)
             self.stats.evictions_for_space += len(evicted)
-            ops += [self._evict_op(k, b) for k, b in evicted]
+            ops += [evict_op(k, b) for k, b in evicted]
             todo = sorted(todo + new)
         if todo:
             L, T, H, D = (self.layout.num_layers, self.layout.block_tokens, self.layout.kv_heads,
@@ -463,7 +383,7 @@ class HttpStore:
             for i in todo:
                 b = self.pool.land(keys[i], mask)
                 self.stats.blocks_stored += b.complete
-                ops.append(self._put_op(keys[i], b))
+                ops.append(put_op(keys[i], b))
             self.stats.bytes_put += len(todo) * (self.layout.block_bytes if layer is None
                                                  else self.layout.layer_bytes)
             self._wake()
@@ -492,7 +412,7 @@ class HttpStore:
         try:
             async with asyncio.timeout(timeout):
                 while not self._satisfied(keys, layer):
-                    await self._changed.wait()
+                    await self.dir.wait_changed()
         except TimeoutError:
             if not all(self.has(k) for k in keys):
                 raise TransferTimeout(f"blocks did not appear within {timeout} s") from None
@@ -545,7 +465,7 @@ class HttpStore:
         if done_local:
             gone = [(k, self.pool.evict(k)) for k in done_local]
             self.stats.consumed += len(gone)
-            await self._announce([self._evict_op(k, b) for k, b in gone if b is not None])
+            await self._announce([evict_op(k, b) for k, b in gone if b is not None])
         return out
 
     def _local_view(self, slots: list[int], layer: int | None) -> torch.Tensor:
@@ -625,9 +545,7 @@ class HttpStore:
         bad = [j for j in range(m) if not ok[j]]
         if bad:
             for j in bad:
-                held = self.directory.get(keys[j], {}).get(peer_name)
-                if held is not None and held.version == helds[j].version:
-                    self._forget(keys[j], peer_name)
+                self.dir.forget(keys[j], peer_name, helds[j].version)
             self.stats.validation_failures += 1
             self.stats.misses += len(bad)
             raise BlockEvicted(f"{len(bad)} of {m} blocks read from {peer_name!r} were evicted "
@@ -643,7 +561,7 @@ class HttpStore:
             for k, c in zip(keys, consume):
                 self._consume_now(k, layer)     # record the layer (a consumed key: forget it)
                 if c:
-                    self._forget(k, peer_name)
+                    self.dir.forget(k, peer_name)
                     self.stats.consumed += 1
 
     def _would_consume(self, key: bytes, layer: int | None) -> bool:
@@ -661,7 +579,7 @@ class HttpStore:
         self.stats.expired += len(gone)
         self.stats.evictions += len(gone)
         self._wake()
-        await self._announce([self._evict_op(k, b) for k, b in gone if b is not None],
+        await self._announce([evict_op(k, b) for k, b in gone if b is not None],
                              timeout=timeout)
 
     def describe(self) -> dict[str, Any]:
