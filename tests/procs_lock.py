@@ -12,6 +12,7 @@ import time
 import traceback
 
 import numpy as np
+from numba import njit
 
 import tract_kernels as K
 from tract_kernels.intrinsics import usleep
@@ -24,6 +25,21 @@ S_CTR_WRITE = K.site("test.counter.flush")
 S_STAMP = K.site("test.stamp")
 
 COUNTER_SECTION = "test.counter"
+
+
+@njit(cache=True, nogil=True)
+def increment(m, counter_off, cs_us):
+    """The critical section: read the counter fresh, wait ``cs_us`` (widens the race), +1."""
+    v = K.load_fresh(m, counter_off, S_CTR_READ)
+    if cs_us > 0:
+        usleep(cs_us)
+    K.store_flush(m, counter_off, v + np.uint64(1), S_CTR_WRITE)
+
+
+@njit(cache=True, nogil=True)
+def sleep_us(micros):
+    """usleep callable from Python (the raw intrinsic is only usable inside jitted code)."""
+    usleep(micros)
 
 
 def make_region(path: str, backend: str, *, size_bytes: int = 16 << 20, max_nodes: int = 6,
@@ -86,10 +102,7 @@ async def _counter(r: Region, h, node_id: int, cycles: int, use_lock: bool, star
                 if use_lock:
                     await lock.acquire(timeout=acquire_timeout_s)
                     lock.check_token()
-                v = K.load_fresh(m, ctr, S_CTR_READ)
-                if cs_us:
-                    usleep(cs_us)
-                K.store_flush(m, ctr, v + 1, S_CTR_WRITE)
+                increment(m, ctr, cs_us)
             except Exception as e:  # noqa: BLE001 - counted and reported
                 errors.append(f"{type(e).__name__}: {e}")
                 if lock.held:
@@ -157,7 +170,7 @@ async def _alloc(r: Region, h, node_id: int, seconds: float, start, done, q, inb
                  outboxes, liveness_s: float, seed: int, use_lock: bool,
                  claim_delay_us: int) -> None:
     rng = random.Random(seed * 1000 + node_id)
-    hook = (lambda point: usleep(claim_delay_us) if point == "claim.found" else None) \
+    hook = (lambda point: sleep_us(claim_delay_us) if point == "claim.found" else None) \
         if claim_delay_us else None
     al = Allocator(r, h, keep_free_chunks=0, liveness_timeout_s=liveness_s, fault_hook=hook)
     lock = GlobalLock(r, h) if use_lock else _NoLock()
