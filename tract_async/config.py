@@ -128,8 +128,11 @@ class EngineConfig:
             raise ConfigError(f"a block ({self.layout.block_bytes} bytes) exceeds chunk_bytes "
                               f"({self.chunk_bytes}); raise chunk_bytes to at least "
                               f"{1 << math.ceil(math.log2(self.layout.block_bytes))}")
-        if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
-            raise ConfigError("EngineConfig needs 0 < heartbeat_interval_s < liveness_timeout_s")
+        if not 0 < self.heartbeat_interval_s <= self.liveness_timeout_s / 4:
+            raise ConfigError(
+                f"EngineConfig needs 0 < heartbeat_interval_s <= liveness_timeout_s / 4 (the lock "
+                f"manager's lease relies on it), got {self.heartbeat_interval_s} and "
+                f"{self.liveness_timeout_s}")
         if self.http_pool_bytes is not None and self.http_pool_bytes < self.layout.block_bytes:
             raise ConfigError(f"EngineConfig.http_pool_bytes ({self.http_pool_bytes}) must hold at "
                               f"least one {self.layout.block_bytes}-byte block")

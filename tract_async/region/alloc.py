@@ -214,6 +214,9 @@ class Allocator:
             if not self._free[cls]:
                 return None
         c = self._chunks[self._free[cls][-1]]
+        if not c.free:
+            raise AssertionError(f"allocator: chunk {c.index} is on the free list of class {cls} "
+                                 f"with no free slot")
         slot = c.free.pop()
         if not c.free:
             self._free[cls].pop()
@@ -260,6 +263,9 @@ class Allocator:
         return a
 
     def _carve(self, chunk: int, generation: int, slot_bytes: int, token: int) -> None:
+        if chunk in self._chunks:
+            raise AssertionError(f"allocator: chunk {chunk} claimed while this node already owns "
+                                 f"it (the chunk bitmap was written without the global lock?)")
         g, m = self.geo, self._region.mem
         nslots = g.chunk_bytes // slot_bytes
         base = g.heap_off(chunk)
