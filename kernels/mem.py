@@ -350,3 +350,55 @@ def read_bytes(m, offset_bytes, dst_addr, nbytes, site):
         sim.sim_read_bytes(m, offset_bytes, dst_addr, nbytes)
     else:
         _plain_copy(dst_addr, np.uint64(m.base_addr) + np.uint64(offset_bytes), nbytes)
+
+
+@njit(cache=True, nogil=True)
+def write_rows(m, plan, src_base, site):
+    """``write_bytes`` for many rows (region_offset, src_offset, nbytes) with one ``sfence``.
+
+    Hardware: non-temporal copies, flush of each row's edge lines, then a single fence (a fence
+    per row cost 2-3x at 8 KiB rows).
+    """
+    for i in range(plan.shape[0]):
+        _check_range(m, plan[i, 0], plan[i, 2])
+    if m.backend == BACKEND_SIM:
+        for i in range(plan.shape[0]):
+            sim.sim_write_bytes_nt(m, plan[i, 0], src_base + np.uint64(plan[i, 1]), plan[i, 2])
+        return
+    for i in range(plan.shape[0]):
+        if plan[i, 2] <= 0:
+            continue
+        nt_copy_raw(np.uint64(m.base_addr) + np.uint64(plan[i, 0]),
+                    src_base + np.uint64(plan[i, 1]), plan[i, 2])
+        flush(m, plan[i, 0], site)
+        flush(m, plan[i, 0] + plan[i, 2] - 1, site)
+    sfence()
+
+
+@njit(cache=True, nogil=True)
+def read_rows(m, plan, dst_base, site):
+    """``read_bytes`` for many rows (region_offset, dst_offset, nbytes): invalidate every row,
+    one ``mfence``, then copy them all."""
+    for i in range(plan.shape[0]):
+        _check_range(m, plan[i, 0], plan[i, 2])
+    if site != m.skip_site:
+        if m.backend == BACKEND_SIM:
+            for i in range(plan.shape[0]):
+                line = plan[i, 0] & ~np.int64(63)
+                while line < plan[i, 0] + plan[i, 2]:
+                    sim.sim_flush(m, line, False)
+                    line += 64
+        else:
+            for i in range(plan.shape[0]):
+                if plan[i, 2] <= 0:
+                    continue
+                line = plan[i, 0] & ~np.int64(63)
+                _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line),
+                                (plan[i, 0] + plan[i, 2] - line + 63) >> 6, m.flush_insn)
+            mfence()
+    for i in range(plan.shape[0]):
+        if m.backend == BACKEND_SIM:
+            sim.sim_read_bytes(m, plan[i, 0], dst_base + np.uint64(plan[i, 1]), plan[i, 2])
+        else:
+            _plain_copy(dst_base + np.uint64(plan[i, 1]),
+                        np.uint64(m.base_addr) + np.uint64(plan[i, 0]), plan[i, 2])

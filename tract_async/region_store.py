@@ -204,24 +204,37 @@ class RegionStore:
             flags = ix.FLAG_TRANSFER if transfer else 0
             deadline = now + int(self.cfg.transfer_deadline_s * 1e9) if transfer else 0
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
-            for i in positions:
-                a = self._alloc_locked()
-                w = words[i]
-                slot, prev, version = ix.reserve_one(self.mem, self.geo.entries_offset, self.index.mask,
-                                      self.geo.max_probe, w[0], w[1], w[2], w[3], a.offset_bytes,
-                                      a.nbytes, a.owner_node | (a.generation << 16), a.token, now,
-                                      producer, flags, deadline)
-                if slot == -1:
+            allocs = self._alloc_many_locked(len(positions))
+            pos = np.asarray(positions, dtype=np.int64)
+            res = np.zeros((len(positions), 3), dtype=np.int64)
+            try:
+                ix.reserve_batch(
+                    self.mem, self.geo.entries_offset, self.index.mask, self.geo.max_probe,
+                    words[pos], np.array([a.offset_bytes for a in allocs], dtype=np.uint64),
+                    np.array([a.nbytes for a in allocs], dtype=np.uint64),
+                    np.array([a.owner_node | (a.generation << 16) for a in allocs], dtype=np.uint64),
+                    np.array([a.token for a in allocs], dtype=np.uint64), now, producer, flags,
+                    deadline, res)
+            except BaseException:
+                for a in allocs:
                     self.alloc.free(a)
-                    raise RegionFull(f"index probe window of {self.geo.max_probe} entries is full "
-                                     f"(capacity {self.geo.capacity}); create the region with a "
-                                     f"larger index")
-                if slot <= -2:
-                    self.alloc.free(a)            # another node reserved it since our snapshot
-                    self.stats.blocks_skipped += 1
+                raise
+            full = False
+            for j, (i, a) in enumerate(zip(positions, allocs)):
+                slot, prev, version = (int(v) for v in res[j])
+                if slot >= 0:
+                    self._reserved[keys[i]] = _Reservation(slot=slot, version=version, allocation=a)
+                    mine.append((keys[i], prev))
                     continue
-                self._reserved[keys[i]] = _Reservation(slot=slot, version=int(version), allocation=a)
-                mine.append((keys[i], int(prev)))
+                self.alloc.free(a)
+                if slot == -1:
+                    full = True
+                else:                               # another node reserved it since our snapshot
+                    self.stats.blocks_skipped += 1
+            if full:
+                raise RegionFull(f"index probe window of {self.geo.max_probe} entries is full "
+                                 f"(capacity {self.geo.capacity}); create the region with a "
+                                 f"larger index")
             self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
         except BaseException:
             # all or nothing: a batch that cannot be placed whole leaves the region as it was
@@ -232,18 +245,28 @@ class RegionStore:
         finally:
             self.lock.release()
 
-    def _alloc_locked(self) -> Allocation:
-        """A block slot, evicting LRU blocks while the region is full. Raises RegionFull."""
+    def _alloc_many_locked(self, count: int) -> list[Allocation]:
+        """``count`` block slots, evicting LRU blocks while the region is full. Raises RegionFull."""
         nbytes = self.layout.block_bytes
-        for _ in range(64):
-            try:
-                return self.alloc.alloc_locked(nbytes, self.lock)
-            except RegionFull:
-                if not self._evict_one_locked():
-                    raise
+        out: list[Allocation] = []
+        evicted = 0
+        try:
+            while len(out) < count:
+                out += self.alloc.alloc_many_locked(nbytes, count - len(out), self.lock,
+                                                    partial=True)
+                if len(out) >= count:
+                    break
+                if evicted >= 64 + 2 * count or not self._evict_one_locked():
+                    raise RegionFull(f"no space for {count - len(out)} more {nbytes}-byte "
+                                     f"blocks after {evicted} evictions (other nodes' freed "
+                                     f"slots return to them asynchronously)")
+                evicted += 1
                 self.alloc.drain_returns()
-        raise RegionFull(f"no space for a {nbytes}-byte block after 64 evictions "
-                         f"(other nodes' freed slots return to them asynchronously)")
+        except BaseException:
+            for a in out:
+                self.alloc.free(a)
+            raise
+        return out
 
     def _evict_one_locked(self) -> bool:
         slot = ix.pick_victim(self.mem, self.geo.header_offset, self.geo.entries_offset,

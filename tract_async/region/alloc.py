@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+from numba import njit
 
 import tract_kernels as K
 
@@ -73,6 +74,18 @@ def decode_entry(entry: int) -> tuple[int, int, int]:
     """(generation & GEN_MASK, chunk, slot) of a return-ring entry."""
     return entry >> 40, (entry >> 16) & 0xFFFFFF, entry & 0xFFFF
 
+
+
+@njit(cache=True, nogil=True)
+def _publish_heap_words(m, word_offs, word_vals, used_offs, used_vals):
+    """Store bitmap words and used counts of this node's heap records, flush each, one fence."""
+    for i in range(word_offs.shape[0]):
+        K.store(m, word_offs[i], np.uint64(word_vals[i]))
+        K.flush(m, word_offs[i], S_HEAP_FLUSH)
+    for i in range(used_offs.shape[0]):
+        K.store(m, used_offs[i], np.uint64(used_vals[i]))
+        K.flush(m, used_offs[i], S_HEAP_FLUSH)
+    K.full_fence(m)
 
 @dataclass(frozen=True, kw_only=True)
 class Allocation:
@@ -226,6 +239,81 @@ class Allocator:
                           nbytes=nbytes, slot_bytes=c.slot_bytes, owner_node=self.node_id,
                           chunk_index=c.index, slot_index=slot, generation=c.generation,
                           token=c.token)
+
+    def alloc_many_nowait(self, nbytes: int, count: int) -> list[Allocation]:
+        """Up to ``count`` slots from this node's free lists (fewer when a chunk is needed).
+
+        The batch form of ``alloc_nowait``: one fencing check, each touched heap word and used
+        count published once, one fence. Never blocks, takes no lock. Raises as alloc_nowait.
+        """
+        cls = self.class_for(nbytes)
+        self._check_not_fenced()
+        if len(self._free[cls]) == 0:
+            self.drain_returns()
+        out: list[Allocation] = []
+        touched: dict[int, set[int]] = {}
+        while len(out) < count and self._free[cls]:
+            c = self._chunks[self._free[cls][-1]]
+            if not c.free:
+                raise AssertionError(f"allocator: chunk {c.index} is on the free list of class "
+                                     f"{cls} with no free slot")
+            while c.free and len(out) < count:
+                slot = c.free.pop()
+                c.used[slot] = True
+                touched.setdefault(c.index, set()).add(slot // 64)
+                out.append(Allocation(offset_bytes=self.geo.chunk_off(c.index) + slot * c.slot_bytes,
+                                      nbytes=nbytes, slot_bytes=c.slot_bytes,
+                                      owner_node=self.node_id, chunk_index=c.index,
+                                      slot_index=slot, generation=c.generation, token=c.token))
+            if not c.free:
+                self._free[cls].pop()
+        if touched:
+            offs, vals, uoffs, uvals = [], [], [], []
+            for ci, words in touched.items():
+                c = self._chunks[ci]
+                base = self.geo.heap_off(ci)
+                for w in sorted(words):
+                    bits = np.packbits(c.used[w * 64:(w + 1) * 64], bitorder="little")
+                    offs.append(base + L.LINE_BYTES + w * 8)
+                    vals.append(int.from_bytes(bits.tobytes().ljust(8, b"\0"), "little"))
+                uoffs.append(base + _H["used"])
+                uvals.append(c.nused)
+            _publish_heap_words(self._region.mem, np.array(offs, dtype=np.int64),
+                                np.array(vals, dtype=np.uint64), np.array(uoffs, dtype=np.int64),
+                                np.array(uvals, dtype=np.uint64))
+        return out
+
+    def alloc_many_locked(self, nbytes: int, count: int, lock: Any, *,
+                          partial: bool = False) -> list[Allocation]:
+        """``count`` slots for a caller holding ``lock``: free lists first, then new chunks
+        (claimed and carved under the lock, recovery run once). When no chunk is left: with
+        ``partial`` the slots obtained so far are returned, else RegionFull is raised with them
+        given back. Also raises AllocationTooLarge, NodeEvicted, LockRevoked."""
+        out = self.alloc_many_nowait(nbytes, count)
+        recovered = False
+        try:
+            while len(out) < count:
+                cls = self.class_for(nbytes)
+                if not recovered:
+                    self.recover_locked(lock)
+                    recovered = True
+                got = self.table.claim(self.node_id, self.epoch, lock.token, lock.check_token)
+                if got is None and self._trim_locked(lock, keep=0):
+                    got = self.table.claim(self.node_id, self.epoch, lock.token, lock.check_token)
+                if got is None:
+                    if partial:
+                        return out
+                    raise RegionFull(f"no free chunk of {self.geo.chunk_bytes} bytes left in "
+                                     f"{self._region.path} ({self.geo.nchunks} chunks) for "
+                                     f"{count - len(out)} more {nbytes}-byte blocks")
+                self._claims += 1
+                self._carve(got[0], got[1], cls, lock.token)
+                out += self.alloc_many_nowait(nbytes, count - len(out))
+        except BaseException:
+            for a in out:
+                self.free(a)
+            raise
+        return out
 
     async def alloc(self, nbytes: int, lock: Any, *, timeout: float | None = None) -> Allocation:
         """A slot; claims a chunk under ``lock`` (the global lock, index 0) when needed.

@@ -212,16 +212,14 @@ def invalidate_payloads(m, poffs, rel_offset, nbytes):
 @njit(cache=True, nogil=True)
 def copy_out(m, plan, dst_base):
     """Copy region ranges to private memory: plan rows (region_offset, dst_offset, nbytes)."""
-    for i in range(plan.shape[0]):
-        K.read_bytes(m, plan[i, 0], dst_base + np.uint64(plan[i, 1]), plan[i, 2], S_IX_PAYLOAD_READ)
+    K.read_rows(m, plan, dst_base, S_IX_PAYLOAD_READ)
 
 
 @njit(cache=True, nogil=True)
 def copy_in(m, plan, src_base):
     """Copy private memory into the region: plan rows (region_offset, src_offset, nbytes).
-    Non-temporal stores; ``write_bytes`` ends with ``sfence`` so the bytes precede any flag."""
-    for i in range(plan.shape[0]):
-        K.write_bytes(m, plan[i, 0], src_base + np.uint64(plan[i, 1]), plan[i, 2], S_IX_PAYLOAD_WRITE)
+    Non-temporal stores and one ``sfence``: the bytes precede any flag published after it."""
+    K.write_rows(m, plan, src_base, S_IX_PAYLOAD_WRITE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,6 +308,19 @@ def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, toke
     K.flush(m, off, S_IX_RESERVE_STATE)
     K.full_fence(m)
     return free, prev, version
+
+
+@njit(cache=True, nogil=True)
+def reserve_batch(m, eoff, mask, max_probe, keys, poffs, pnbs, owners, tokens, now_ns,
+                  producer, flags, deadline_ns, out):
+    """``reserve_one`` for many keys in one call: out[i] = (slot, previous state, version)."""
+    for i in range(keys.shape[0]):
+        slot, prev, version = reserve_one(m, eoff, mask, max_probe, keys[i, 0], keys[i, 1],
+                                          keys[i, 2], keys[i, 3], poffs[i], pnbs[i], owners[i],
+                                          tokens[i], now_ns, producer, flags, deadline_ns)
+        out[i, 0] = slot
+        out[i, 1] = np.int64(prev)
+        out[i, 2] = np.int64(version)
 
 
 @njit(cache=True, nogil=True)
