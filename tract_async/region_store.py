@@ -307,22 +307,31 @@ class RegionStore:
             self.lock.release()
 
     # -- get ----------------------------------------------------------------------------------
-    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                  timeout: float | None) -> torch.Tensor:
-        n = len(keys)
+    async def prepare_read(self, keys: list[bytes], layer: int | None,
+                           timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 1-2 of a lock-free read (index.py): snapshot the entries (waiting up to
+        ``timeout`` for blocks or the layer), check state and payload bounds. Returns the key
+        words and the snapshot. Shared by the CPU and CUDA gets. Raises BlockNotFound,
+        LayerNotReady, TransferTimeout, BlockEvicted."""
         words = keys_to_words(keys)
         snap = self.index.snapshot(words)
         if timeout is not None and timeout > 0:
             snap = await self._wait_ready(words, snap, layer, timeout)
         self._check_available(keys, snap, layer)
-        slots = snap[:, 0].copy()
-        versions = snap[:, 1].copy()
-        for i in range(n):
+        for i in range(len(keys)):
             if not self._payload_ok(int(snap[i, 3]), int(snap[i, 4])):
                 self.stats.validation_failures += 1
                 raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload bounds "
                                    f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
                                    f"changed during the read; treat as a miss")
+        return words, snap
+
+    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
+                  timeout: float | None) -> torch.Tensor:
+        n = len(keys)
+        words, snap = await self.prepare_read(keys, layer, timeout)
+        slots = snap[:, 0].copy()
+        versions = snap[:, 1].copy()
         plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
         nbytes = int(plan[:, 2].sum())
         await self._copy(ix.copy_out, plan, out.data_ptr(), nbytes)

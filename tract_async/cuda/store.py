@@ -234,19 +234,9 @@ async def start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
     """Wait for the blocks, enqueue, and return the future (its completion validates and gives
     ``result``). Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted (bounds)."""
     n = len(keys)
-    words = keys_to_words(keys)
-    snap = store.index.snapshot(words)
-    if timeout is not None and timeout > 0:
-        snap = await store._wait_ready(words, snap, layer, timeout)
-    store._check_available(keys, snap, layer)
+    words, snap = await store.prepare_read(keys, layer, timeout)
     slots = snap[:, 0].copy()
     versions = snap[:, 1].copy()
-    for i in range(n):
-        if not store._payload_ok(int(snap[i, 3]), int(snap[i, 4])):
-            store.stats.validation_failures += 1
-            raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload bounds "
-                               f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
-                               f"changed during the read; treat as a miss")
     plan = make_plan(snap[:, 3].copy(), np.arange(n, dtype=np.int64))
     nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)
