@@ -185,6 +185,8 @@ class GlobalLock:
 
         "At once" is up to ``policy.nowait_s`` of polling (the manager must see the request: a
         lock without atomics cannot be taken with a single instruction). Raises LockBusy.
+        The poll is synchronous and blocks this event loop: a LockManager running on the same
+        loop can grant only from a scan slice already in flight, so LockBusy is more likely there.
         """
         t0 = time.monotonic()
         if not self._local.acquire_nowait():
