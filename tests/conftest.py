@@ -25,6 +25,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_numba_cache() -> None:
+    """Compile every jitted path once before any test spawns workers.
+
+    With a cold cache (a fresh NUMBA_CACHE_DIR, as in CI) four spawned workers compiling the same
+    kernels at once on two cores take long enough to miss their own heartbeats and deadlines."""
+    from tract_async.warmup import warm_up
+    warm_up()
+    import mmap
+    import numpy as np
+    import tract_kernels as K
+    from tests import procs_lock   # its jitted critical section, used by spawned lock workers
+    procs_lock.sleep_us(0)
+    page = mmap.mmap(-1, 4096)     # page-aligned scratch memory
+    procs_lock.increment(K.make_mem(np.frombuffer(page, dtype=np.uint8), "hw"), 64, 0)
+
+
 @pytest.fixture
 def region_path() -> str:
     """A fresh /dev/shm path; the file (and any sibling with its prefix) is removed afterwards."""
