@@ -38,10 +38,10 @@ def consumer(path: str, backend: str, node_id: int, token_ids: list[int], q_out,
 def stress_worker(path: str, backend: str, node_id: int, seconds: float, universe: int,
                   validate: bool, seed: int, q_out, stop) -> None:  # noqa: ANN001
     """Put / get / (implicitly) evict random prompts; count every wrong byte seen."""
-    # All four workers share one core: a reader is then preempted at arbitrary points of a get
-    # (between its snapshot and its copy, inside the copy), which is when evictions race it.
-    # Without this the race rate follows the machine's load, and a quiet machine hides it.
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    import faulthandler
+    import sys
+    # a worker that outlives its budget by minutes prints every thread's stack (diagnosis)
+    faulthandler.dump_traceback_later(seconds + 150, exit=False, file=sys.stderr)
 
     async def main() -> dict:
         rnd = random.Random(seed)

@@ -21,6 +21,7 @@ import tract_async as tract
 from tract_async import errors as E
 from tests.engine_http_util import http_cfg, http_pair
 from tests.engine_util import TINY, block_matches, cfg, kv_for_keys
+from tract_async.keys import keys_to_words
 
 
 @pytest.fixture(params=["region-hw", "region-sim", "http"])
@@ -282,3 +283,49 @@ def test_config_errors() -> None:
     assert big.block_bytes == 2 << 20 and big.layer_bytes == 64 << 10
     with pytest.raises(E.ConfigError, match="exceeds chunk_bytes"):
         tract.EngineConfig(layout=big, region="/dev/shm/x", chunk_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validated", "negative-control"])
+async def test_revalidation_is_what_stops_a_torn_read(region_path: str, validate: bool) -> None:
+    """Node B snapshots block X and is paused before its copy; node A evicts X and reuses its slot
+    for another key's bytes; B resumes. With the post-copy revalidation B reports BlockEvicted;
+    without it (the negative control) B returns the other key's bytes as X's."""
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, backend="sim"))
+    b = await tract.Engine.open(cfg(region_path, 1, backend="sim"))
+    try:
+        x = a.block_keys(range(16))
+        await a.put_kv(x, kv_for_keys(x))
+        snap_x = a._store.index.snapshot(keys_to_words(x))
+        slot, x_payload = int(snap_x[0, 0]), int(snap_x[0, 3])
+        at_copy, resume = asyncio.Event(), asyncio.Event()
+
+        async def pause() -> None:
+            at_copy.set()
+            await resume.wait()
+        b._store._pause_after_snapshot = pause
+        b._store.validate_reads = validate
+        reader = asyncio.create_task(b.get_kv(x))
+        await asyncio.wait_for(at_copy.wait(), 30)
+        # A evicts X under the lock; its slot goes back to A's free list and is reused at once
+        st = a._store
+        await st._locked(10)
+        try:
+            st._evict_locked(slot)
+        finally:
+            st.lock.release()
+        y = a.block_keys(range(5000, 5016))
+        await a.put_kv(y, kv_for_keys(y))
+        assert int(st.index.snapshot(keys_to_words(y))[0, 3]) == x_payload, \
+            "Y must have been written into X's old payload slot"
+        resume.set()
+        if validate:
+            with pytest.raises(E.BlockEvicted, match="evicted while being read"):
+                await reader
+            assert b.stats()["validation_failures"] == 1
+        else:
+            got = await reader
+            assert not any(block_matches(x, got)), "X's bytes were read: the slot was not reused"
+            assert all(block_matches(y, got)), "expected exactly Y's bytes in X's place"
+    finally:
+        await b.close()
+        await a.close()

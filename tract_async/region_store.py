@@ -89,6 +89,9 @@ class RegionStore:
         self._reserved: dict[bytes, _Reservation] = {}
         self._touches: dict[int, int] = {}            # slot -> version, flushed under the lock
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
+        self._pause_after_snapshot: Any = None
+        """Test seam: an awaitable factory run between a read's snapshot and its copy, so a
+        test can evict and rewrite the block exactly there (deterministic torn-read control)."""
         self.validate_reads = True
         """Re-validate versions after each copy (invariant 6). Only the torn-read stress test's
         negative control turns this off, to show that without it wrong bytes get through."""
@@ -332,6 +335,8 @@ class RegionStore:
         words, snap = await self.prepare_read(keys, layer, timeout)
         slots = snap[:, 0].copy()
         versions = snap[:, 1].copy()
+        if self._pause_after_snapshot is not None:
+            await self._pause_after_snapshot()
         plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
         nbytes = int(plan[:, 2].sum())
         await self._copy(ix.copy_out, plan, out.data_ptr(), nbytes)
