@@ -238,6 +238,20 @@ def _flush_lines_hw(line_addr, nlines, flush_insn):
 
 
 @njit(cache=True, nogil=True)
+def _drop_lines(m, offset_bytes, nbytes):
+    """Write back and drop every line overlapping the range (no fence, no site check)."""
+    line = offset_bytes & ~np.int64(63)
+    end = offset_bytes + nbytes
+    if m.backend == BACKEND_SIM:
+        while line < end:
+            sim.sim_flush(m, line, False)
+            line += 64
+    else:
+        _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line), (end - line + 63) >> 6,
+                        m.flush_insn)
+
+
+@njit(cache=True, nogil=True)
 def flush_range(m, offset_bytes, nbytes, site):
     """Flush every line overlapping [offset, offset+nbytes), then ``sfence``."""
     if nbytes <= 0:
@@ -245,16 +259,8 @@ def flush_range(m, offset_bytes, nbytes, site):
     _check_range(m, offset_bytes, nbytes)
     if site == m.skip_site:
         return
-    line = offset_bytes & ~np.int64(63)
-    end = offset_bytes + nbytes
-    if m.backend == BACKEND_SIM:
-        while line < end:
-            sim.sim_flush(m, line, False)
-            line += 64
-        return
-    _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line), (end - line + 63) >> 6,
-                    m.flush_insn)
-    sfence()
+    _drop_lines(m, offset_bytes, nbytes)
+    store_fence(m)
 
 
 @njit(cache=True, nogil=True)
@@ -265,16 +271,8 @@ def invalidate_range(m, offset_bytes, nbytes, site):
     _check_range(m, offset_bytes, nbytes)
     if site == m.skip_site:
         return
-    line = offset_bytes & ~np.int64(63)
-    end = offset_bytes + nbytes
-    if m.backend == BACKEND_SIM:
-        while line < end:
-            sim.sim_flush(m, line, False)
-            line += 64
-        return
-    _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line), (end - line + 63) >> 6,
-                    m.flush_insn)
-    mfence()
+    _drop_lines(m, offset_bytes, nbytes)
+    full_fence(m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,20 +380,10 @@ def read_rows(m, plan, dst_base, site):
     for i in range(plan.shape[0]):
         _check_range(m, plan[i, 0], plan[i, 2])
     if site != m.skip_site:
-        if m.backend == BACKEND_SIM:
-            for i in range(plan.shape[0]):
-                line = plan[i, 0] & ~np.int64(63)
-                while line < plan[i, 0] + plan[i, 2]:
-                    sim.sim_flush(m, line, False)
-                    line += 64
-        else:
-            for i in range(plan.shape[0]):
-                if plan[i, 2] <= 0:
-                    continue
-                line = plan[i, 0] & ~np.int64(63)
-                _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line),
-                                (plan[i, 0] + plan[i, 2] - line + 63) >> 6, m.flush_insn)
-            mfence()
+        for i in range(plan.shape[0]):
+            if plan[i, 2] > 0:
+                _drop_lines(m, plan[i, 0], plan[i, 2])
+        full_fence(m)
     for i in range(plan.shape[0]):
         if m.backend == BACKEND_SIM:
             sim.sim_read_bytes(m, plan[i, 0], dst_base + np.uint64(plan[i, 1]), plan[i, 2])
