@@ -50,6 +50,7 @@ from aiohttp import web
 
 from tract_async.transport import wire
 from tract_async.transport.auth import Signer, Verifier, coerce_secret, key_id
+from tract_async.transport.conn import ReadPool
 from tract_async.transport.descs import MemoryRegistry, RegionInfo, StagingPool, XferDescList
 from tract_async.transport.errors import (
     AgentClosed,
@@ -147,6 +148,7 @@ class Agent:
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._read_pool: ReadPool | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._handles: set[XferHandle] = set()
 
@@ -184,8 +186,11 @@ class Agent:
                                          keepalive_timeout=30.0)
         self._session = aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20,
                                               auto_decompress=False, skip_auto_headers=("User-Agent",))
+        self._read_pool = ReadPool(self.config.max_connections_per_peer, self.config.connect_timeout_s)
         yield
         session, self._session = self._session, None
+        pool, self._read_pool = self._read_pool, None
+        pool.close()
         await session.close()
 
     async def close(self) -> None:
@@ -229,6 +234,13 @@ class Agent:
         if self._session is None or self.closing:
             raise AgentClosed(f"agent {self.name!r} is not started or is closed")
         return self._session
+
+    @property
+    def read_pool(self) -> ReadPool:
+        """The keep-alive connections of the direct READ path (``conn``)."""
+        if self._read_pool is None or self.closing:
+            raise AgentClosed(f"agent {self.name!r} is not started or is closed")
+        return self._read_pool
 
     # --- memory -------------------------------------------------------------------------------
     def register_memory(self, mem: Any, *, name: str | None = None, writable: bool = True) -> RegionInfo:

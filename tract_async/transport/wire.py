@@ -64,9 +64,14 @@ class AgentMetadata:
     regions: tuple[RegionInfo, ...]
 
     @property
-    def base_url(self) -> str:
+    def http_host(self) -> str:
+        """The Host header value: "host:port" (IPv6 in brackets)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.http_host}"
 
 
 def encode_metadata(md: AgentMetadata) -> bytes:

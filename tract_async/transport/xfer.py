@@ -16,6 +16,7 @@ from aiohttp import payload as aio_payload
 from aiohttp.abc import AbstractStreamWriter
 
 from tract_async.transport import wire
+from tract_async.transport.conn import build_request, raise_for_error
 from tract_async.transport.descs import Span, XferDescList
 from tract_async.transport.errors import (
     ERROR_CODES,
@@ -57,6 +58,8 @@ class XferHandle:
         self.notif = notif
         self.local_spans = local_spans
         self.total_bytes = local.total_bytes
+        # DRAM destinations take the direct READ path (conn.py); VRAM ones stage through aiohttp.
+        self.direct = op == "READ" and all(s.reg.info.mem_type == "DRAM" for s in local_spans)
         self.state = "INIT"
         self.bytes_done = 0
         self._task: asyncio.Task[None] | None = None
@@ -250,13 +253,26 @@ async def run_xfer(agent: Agent, session: aiohttp.ClientSession, h: XferHandle) 
     doc = wire.encode_doc(h.remote.to_wire(), h.remote.mem_type, h.notif if h.op == "WRITE" else b"")
     head = wire.DOC_LEN.pack(len(doc)) + doc
     if h.op == "READ":
-        await _mapped(md.name, "READ", lambda: _read(agent, session, md, h, head, doc))
+        if h.direct:
+            await _mapped(md.name, "READ", lambda: _read_direct(agent, md, h, head, doc))
+        else:
+            await _mapped(md.name, "READ", lambda: _read(agent, session, md, h, head, doc))
         if h.notif:  # after the last byte landed, so the notification means "bytes are there"
             await send_notif(agent, md, h.notif, agent.config.io_timeout_s, session)
     else:
         await _mapped(md.name, "WRITE", lambda: _write(agent, session, md, h, head, doc))
     agent.stats[f"{h.op.lower()}s"] += 1
     agent.stats["bytes_moved"] += h.total_bytes
+
+
+async def _read_direct(agent: Agent, md: wire.AgentMetadata, h: XferHandle, head: bytes, doc: bytes) -> None:
+    """A READ into DRAM: the response body lands straight in the local spans (see ``conn``)."""
+    headers = agent.signer.headers("POST", wire.PATH_READ, doc)
+    request = build_request(wire.PATH_READ, md.http_host, headers, head)
+    resp, err = await agent.read_pool.read(md.host, md.port, md.name, request, h.local_spans, h.total_bytes,
+                                           h, agent.config.io_timeout_s)
+    if resp.status != 200:
+        raise_for_error(resp, err, md.name)
 
 
 async def _read(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
