@@ -16,7 +16,7 @@ short body. Nothing is buffered beyond one chunk per request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -46,7 +46,8 @@ AGENT_KEY: web.AppKey[Agent] = web.AppKey("tract_agent", "Agent")  # type: ignor
 DOC_LEN_KEY = web.RequestKey("tract_doc_len", int)    # length of the request's descriptor document
 STARTED_KEY = web.RequestKey("tract_started", bool)   # response bytes are on the wire: abort, don't answer
 
-SMALL_READ_BYTES = 256 << 10   # READs up to this size are answered in one buffered response
+COALESCE_BELOW = 64 << 10     # DRAM spans smaller than this are joined into larger response pieces
+_READ_HEADERS = {"Content-Type": "application/octet-stream"}
 
 _STATUS = {"auth_failed": 401, "replayed": 401, "too_large": 413, "closed": 503, "remote": 500}
 
@@ -126,30 +127,55 @@ async def handle_read(request: web.Request) -> web.StreamResponse:
         raise MalformedRequest(f"a READ body is only its descriptor document ({expect} bytes), "
                                f"got Content-Length {request.content_length}")
     spans = agent.registry.spans(td.rows, td.mem_type, for_write=False, local=False)
-    if td.total_bytes <= SMALL_READ_BYTES and td.mem_type == "DRAM":
-        # Small reads: one copy into a body that aiohttp sends together with the headers in one
-        # write, instead of headers, body and EOF as separate sends (each a wake-up of the peer).
-        body = b"".join(s.reg.access[s.offset_bytes:s.offset_bytes + s.nbytes] for s in spans)
-        agent.stats["bytes_served"] += td.total_bytes
-        agent.stats["reads_served"] += 1
-        return web.Response(body=body, content_type="application/octet-stream")
     _hold(spans)
     try:
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp = web.StreamResponse(headers=_READ_HEADERS)
         resp.content_length = td.total_bytes
         request[STARTED_KEY] = True
-        await resp.prepare(request)
-        chunk = agent.config.chunk_bytes
-        for span in spans:
-            async for piece in span.read_pieces(chunk, agent.staging):
-                async with asyncio.timeout(agent.config.io_timeout_s):
+        await resp.prepare(request)   # headers are buffered and go out with the first piece
+        timeout = agent.config.io_timeout_s
+        if td.mem_type == "DRAM":
+            for piece in dram_pieces(spans, agent.config.chunk_bytes):
+                async with asyncio.timeout(timeout):
                     await resp.write(piece)
+        else:
+            chunk = agent.config.chunk_bytes
+            for span in spans:
+                async for piece in span.read_pieces(chunk, agent.staging):
+                    async with asyncio.timeout(timeout):
+                        await resp.write(piece)
         await resp.write_eof()
     finally:
         _unhold(spans)
     agent.stats["bytes_served"] += td.total_bytes
     agent.stats["reads_served"] += 1
     return resp
+
+
+def dram_pieces(spans: list[Span], chunk: int) -> Iterator[memoryview | bytes]:
+    """The bytes of DRAM spans as few, large pieces: a span of at least ``COALESCE_BELOW`` bytes
+    goes out as zero-copy memoryviews of at most ``chunk`` bytes; runs of smaller spans are
+    joined (one copy) into pieces of up to ``chunk`` bytes, because each write costs far more
+    Python than a copy of a few KiB (scattered KV blocks).
+    """
+    batch: list[memoryview] = []
+    size = 0
+    for s in spans:
+        mv = s.reg.access[s.offset_bytes:s.offset_bytes + s.nbytes]
+        if s.nbytes >= COALESCE_BELOW:
+            if batch:
+                yield batch[0] if len(batch) == 1 else b"".join(batch)
+                batch, size = [], 0
+            for pos in range(0, s.nbytes, chunk):
+                yield mv[pos:pos + chunk]
+            continue
+        batch.append(mv)
+        size += s.nbytes
+        if size >= chunk:
+            yield b"".join(batch)
+            batch, size = [], 0
+    if batch:
+        yield batch[0] if len(batch) == 1 else b"".join(batch)
 
 
 @guarded
