@@ -16,6 +16,7 @@ short body. Nothing is buffered beyond one chunk per request.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -129,26 +130,50 @@ async def handle_read(request: web.Request) -> web.StreamResponse:
     spans = agent.registry.spans(td.rows, td.mem_type, for_write=False, local=False)
     _hold(spans)
     try:
-        resp = web.StreamResponse(headers=_READ_HEADERS)
-        resp.content_length = td.total_bytes
-        request[STARTED_KEY] = True
-        await resp.prepare(request)   # headers are buffered and go out with the first piece
         timeout = agent.config.io_timeout_s
+        pieces = None
         if td.mem_type == "DRAM":
-            for piece in dram_pieces(spans, agent.config.chunk_bytes):
-                async with asyncio.timeout(timeout):
-                    await resp.write(piece)
+            pieces = dram_pieces(spans, agent.config.chunk_bytes)
+            first = next(pieces)
+            second = next(pieces, None)
+        if pieces is not None and second is None:
+            # One piece: a Response sends headers and body in one write (a StreamResponse sends its
+            # headers on their own, one more syscall and one more wake-up of the reader).
+            resp: web.StreamResponse = web.Response(body=first, content_type="application/octet-stream")
+            request[STARTED_KEY] = True
+            await resp.prepare(request)
+            async with asyncio.timeout(timeout):
+                await resp.write_eof()   # sent here, while the spans are held
         else:
-            chunk = agent.config.chunk_bytes
-            for span in spans:
-                async for piece in span.read_pieces(chunk, agent.staging):
-                    async with asyncio.timeout(timeout):
-                        await resp.write(piece)
-        await resp.write_eof()
+            if pieces is not None:
+                pieces = itertools.chain((first, second), pieces)  # type: ignore[arg-type]
+            resp = await _stream_read(request, agent, spans, td.total_bytes, pieces)
     finally:
         _unhold(spans)
     agent.stats["bytes_served"] += td.total_bytes
     agent.stats["reads_served"] += 1
+    return resp
+
+
+async def _stream_read(request: web.Request, agent: Agent, spans: list[Span], total: int,
+                       pieces: Iterator[memoryview | bytes] | None) -> web.StreamResponse:
+    """A READ response of several pieces (DRAM ``pieces``) or staged through pinned memory (VRAM)."""
+    timeout = agent.config.io_timeout_s
+    resp = web.StreamResponse(headers=_READ_HEADERS)
+    resp.content_length = total
+    request[STARTED_KEY] = True
+    await resp.prepare(request)
+    if pieces is not None:
+        for piece in pieces:
+            async with asyncio.timeout(timeout):
+                await resp.write(piece)
+    else:
+        chunk = agent.config.chunk_bytes
+        for span in spans:
+            async for vpiece in span.read_pieces(chunk, agent.staging):
+                async with asyncio.timeout(timeout):
+                    await resp.write(vpiece)
+    await resp.write_eof()
     return resp
 
 
