@@ -289,3 +289,95 @@ async def test_unreachable_peer(rig):
                                 rig.cli.get_xfer_descs([rig.kv.desc(0, 16)], "DRAM"), "gone")
     with pytest.raises(E.PeerUnreachable):
         await rig.cli.transfer(h, timeout=10)
+
+
+# --- the direct READ client (transport/conn.py) against a lying or stalling peer ----------------------
+async def _fake_peer(rig: Rig, name: str, reply: bytes, *, then_stall: bool = False,
+                     stall_first: float = 0.0) -> tuple[asyncio.AbstractServer, list[asyncio.StreamWriter]]:
+    """A TCP server that answers every request with ``reply`` (optionally never finishing it)."""
+    conns: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(reply)
+        await writer.drain()
+        if not then_stall:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    md = wire.decode_metadata(rig.srv.get_agent_metadata())
+    rig.cli.add_remote_agent(wire.encode_metadata(dataclasses.replace(
+        md, name=name, port=server.sockets[0].getsockname()[1])))
+    return server, conns
+
+
+@pytest.mark.parametrize("reply, exc", [
+    (b"garbage\r\n\r\n", E.PeerDisconnected),                                    # no status line
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789", E.RemoteError),  # wrong length
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + b"x" * 100, E.PeerDisconnected),  # short body
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\nContent-Length: 4097\r\n\r\n", E.PeerDisconnected),
+    (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * (70 << 10) + b"\r\n\r\n", E.PeerDisconnected),  # head too long
+    (b"HTTP/1.1 401 Unauthorized\r\nX-Tract-Error: auth_failed\r\nContent-Length: 2\r\n\r\n{}",
+     E.AuthenticationFailed),
+])
+async def test_direct_read_refuses_bad_responses(rig, reply, exc):
+    server, conns = await _fake_peer(rig, "liar", reply)
+    try:
+        before = bytes(rig.dst[:4096].numpy())
+        h = rig.cli.initialize_xfer("READ", rig.cli.get_xfer_descs([(rig.dst.data_ptr(), 4096, 0)], "DRAM"),
+                                    rig.cli.get_xfer_descs([rig.kv.desc(0, 4096)], "DRAM"), "liar")
+        with pytest.raises(exc):
+            await rig.cli.transfer(h, timeout=10)
+        if exc is not E.PeerDisconnected or b"x" * 100 not in reply:
+            assert bytes(rig.dst[:4096].numpy()) == before
+    finally:
+        for w in conns:
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_direct_read_io_timeout_mid_body(rig):
+    """Headers and part of the body, then silence: the io timeout (not the transfer deadline) fires,
+    and nothing lands after the transfer failed."""
+    cli = Agent("cli2", secret=SECRET, io_timeout_s=0.3)
+    dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    cli.register_memory(dst)
+    await cli.start()
+    rig_cli, rig.cli = rig.cli, cli
+    server, conns = await _fake_peer(rig, "staller", b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n"
+                                     + b"\x07" * 5000, then_stall=True)
+    try:
+        local = cli.get_xfer_descs([(dst.data_ptr() + i * (1 << 18), 1 << 18, 0) for i in range(4)], "DRAM")
+        h = cli.initialize_xfer("READ", local, cli.get_xfer_descs([rig.kv.desc(0, 1 << 18)] * 4, "DRAM"), "staller")
+        with pytest.raises(E.TransferTimeout, match="stalled"):
+            await cli.transfer(h, timeout=30)
+        assert h.bytes_done == 5000
+        for w in conns:
+            w.write(b"\x09" * 4096)   # late bytes must not land
+        await asyncio.sleep(0.1)
+        assert int((dst == 9).sum()) == 0
+    finally:
+        rig.cli = rig_cli
+        for w in conns:
+            w.close()
+        server.close()
+        await server.wait_closed()
+        await cli.close()
+
+
+async def test_direct_read_survives_a_closed_keepalive_connection(rig):
+    """The server drops idle keep-alive connections; the next READ retries on a fresh one."""
+    await rig.still_serves()
+    pool = rig.cli.read_pool
+    idle = [c for conns in pool._idle.values() for c in conns]
+    assert idle, "the READ connection was not kept alive"
+    # Close the server side of every idle connection, as a keep-alive timeout would.
+    for proto in list(rig.srv._runner.server.connections):  # type: ignore[union-attr]
+        proto.transport.close()
+    await asyncio.sleep(0.05)   # the client has seen the EOF: the dead connection is skipped
+    await rig.still_serves()
+    for proto in list(rig.srv._runner.server.connections):  # type: ignore[union-attr]
+        proto.transport.close()
+    await rig.still_serves()    # no EOF seen yet when the request goes out: retried on a fresh one
