@@ -13,13 +13,14 @@ purpose:
 * every request is authenticated (HMAC, replay window; see ``auth``) unless the agent opted out
   explicitly on loopback, and every descriptor is bounds-checked against registered memory.
 
-Data path. A READ is one POST per transfer: the body names the remote descriptors; the response
-streams their bytes, written by the server straight from memoryviews of registered memory in
-``chunk_bytes`` pieces, and the client copies each received chunk into the destination memoryview
-(no concatenation, memory bounded by socket buffers plus one chunk). A WRITE streams the local
-bytes the same way in the request body. Connections are pooled per peer (keep-alive) and
-several transfers may be in flight. The reader of a READ sends the notification after the last
-byte landed, so a notification always means "the bytes are there".
+Data path. A READ is one POST per transfer: the body names the remote descriptors; the server
+(aiohttp) answers with their bytes, written straight from memoryviews of registered memory. Into
+DRAM the client (``conn``, HTTP/1.1 over a BufferedProtocol, not aiohttp's client) has the kernel
+write the body directly into the destination memoryview: no user-space copy, no allocation per
+read. Into VRAM it stages through pinned buffers over aiohttp. A WRITE streams the local bytes
+in the request body over aiohttp. Connections are pooled per peer (keep-alive) and several
+transfers may be in flight. The reader of a READ sends the notification after the last byte
+landed, so a notification always means "the bytes are there".
 
 Typical use (a decode worker pulling KV from a prefill worker)::
 
