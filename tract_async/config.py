@@ -17,6 +17,10 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
            torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
+_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPES}
+"""Bytes per element (a table: the geometry properties below sit on hot paths)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class KVLayout:
     """Geometry of one block of KV cache.
@@ -49,7 +53,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _ITEMSIZE[self.dtype]
 
     @property
     def half_layer_bytes(self) -> int:

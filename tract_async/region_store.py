@@ -25,6 +25,7 @@ import torch
 import tract_kernels as K
 
 from . import kvplan, waits
+from .gcpause import gc_paused
 from .config import EngineConfig
 from .errors import (BlockEvicted, BlockNotFound, LayerNotReady, RegionFull, TransferTimeout)
 from .keys import keys_to_words
@@ -39,14 +40,17 @@ INLINE_COPY_BYTES = 1 << 20
 VICTIM_SAMPLE = 16
 
 
-@dataclasses.dataclass
 class _Reservation:
-    """A block this node reserved and is filling, layer by layer."""
-    slot: int
-    version: int
-    allocation: Allocation
-    layers_lo: int = 0
-    layers_hi: int = 0
+    """A block this node reserved and is filling, layer by layer. (A slotted class: one is made
+    per block of every put, under the global lock.)"""
+    __slots__ = ("slot", "version", "allocation", "layers_lo", "layers_hi")
+
+    def __init__(self, slot: int, version: int, allocation: Allocation) -> None:
+        self.slot = slot
+        self.version = version
+        self.allocation = allocation
+        self.layers_lo = 0
+        self.layers_hi = 0
 
 
 @dataclasses.dataclass
@@ -152,6 +156,11 @@ class RegionStore:
     async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
                   timeout: float | None) -> int:
         """Store blocks not yet present; returns how many this call stored (or filled)."""
+        with gc_paused(len(keys)):
+            return await self._put(keys, kv, layer, timeout)
+
+    async def _put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+                   timeout: float | None) -> int:
         n = len(keys)
         kv = kv.contiguous()
         words = keys_to_words(keys)
@@ -210,30 +219,32 @@ class RegionStore:
             allocs = self._alloc_many_locked(len(positions))
             pos = np.asarray(positions, dtype=np.int64)
             res = np.zeros((len(positions), 3), dtype=np.int64)
+            ainfo = np.array([(a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16),
+                               a.token) for a in allocs], dtype=np.uint64).reshape(-1, 4)
             try:
                 ix.reserve_batch(
                     self.mem, self.geo.entries_offset, self.index.mask, self.geo.max_probe,
-                    words[pos], np.array([a.offset_bytes for a in allocs], dtype=np.uint64),
-                    np.array([a.nbytes for a in allocs], dtype=np.uint64),
-                    np.array([a.owner_node | (a.generation << 16) for a in allocs], dtype=np.uint64),
-                    np.array([a.token for a in allocs], dtype=np.uint64), now, producer, flags,
-                    deadline, res)
+                    words[pos], ainfo[:, 0].copy(), ainfo[:, 1].copy(), ainfo[:, 2].copy(),
+                    ainfo[:, 3].copy(), now, producer, flags, deadline, res)
             except BaseException:
-                for a in allocs:
-                    self.alloc.free(a)
+                self.alloc.free_many(allocs)
                 raise
             full = False
-            for j, (i, a) in enumerate(zip(positions, allocs)):
-                slot, prev, version = (int(v) for v in res[j])
+            unused: list[Allocation] = []
+            reserved = self._reserved
+            for j, (slot, prev, version) in enumerate(res.tolist()):
+                i = positions[j]
                 if slot >= 0:
-                    self._reserved[keys[i]] = _Reservation(slot=slot, version=version, allocation=a)
+                    reserved[keys[i]] = _Reservation(slot, version, allocs[j])
                     mine.append((keys[i], prev))
                     continue
-                self.alloc.free(a)
+                unused.append(allocs[j])
                 if slot == -1:
                     full = True
                 else:                               # another node reserved it since our snapshot
                     self.stats.blocks_skipped += 1
+            if unused:
+                self.alloc.free_many(unused)
             if full:
                 raise RegionFull(f"index probe window of {self.geo.max_probe} entries is full "
                                  f"(capacity {self.geo.capacity}); create the region with a "
@@ -241,9 +252,10 @@ class RegionStore:
             self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
         except BaseException:
             # all or nothing: a batch that cannot be placed whole leaves the region as it was
-            for k, prev in reversed(mine):
-                r = self._reserved.pop(k)
-                self._evict_locked(r.slot, count=False, new_state=prev)
+            # (a slot that was EMPTY goes back to EMPTY: no probe chain can run through it yet)
+            for state in (ix.EMPTY, ix.TOMBSTONE):
+                back = [self._reserved.pop(k).slot for k, prev in reversed(mine) if prev == state]
+                self._evict_many_locked(back, count=False, new_state=state)
             raise
         finally:
             self.lock.release()
@@ -259,40 +271,52 @@ class RegionStore:
                                                     partial=True)
                 if len(out) >= count:
                     break
-                if evicted >= 64 + 2 * count or not self._evict_one_locked():
+                budget = 64 + 2 * count - evicted
+                got = self._evict_lru_locked(min(count - len(out), budget)) if budget > 0 else 0
+                if got == 0:
                     raise RegionFull(f"no space for {count - len(out)} more {nbytes}-byte "
                                      f"blocks after {evicted} evictions (other nodes' freed "
                                      f"slots return to them asynchronously)")
-                evicted += 1
+                evicted += got
                 self.alloc.drain_returns()
         except BaseException:
-            for a in out:
-                self.alloc.free(a)
+            self.alloc.free_many(out)
             raise
         return out
 
-    def _evict_one_locked(self) -> bool:
-        slot = ix.pick_victim(self.mem, self.geo.header_offset, self.geo.entries_offset,
-                              self.geo.capacity, VICTIM_SAMPLE, time.time_ns())
-        if slot < 0:
-            return False
-        self._evict_locked(slot)
-        self.stats.evictions_for_space += 1
-        return True
+    def _evict_lru_locked(self, k: int) -> int:
+        """Evict up to ``k`` sampled-LRU victims and free their payloads; how many."""
+        info = np.zeros((k, 5), dtype=np.int64)
+        n = int(ix.evict_lru_batch(self.mem, self.geo.header_offset, self.geo.entries_offset,
+                                   self.geo.capacity, VICTIM_SAMPLE, time.time_ns(), k, info))
+        if n:
+            self._free_payloads(info[:n, 1:])
+            self.index.bump_counter_locked(ix.H_EVICTIONS, n)
+            self.stats.evictions += n
+            self.stats.evictions_for_space += n
+        return n
 
     def _evict_locked(self, slot: int, *, count: bool = True, new_state: int = ix.TOMBSTONE) -> None:
-        off = self.geo.entries_offset + slot * ix.ENTRY_BYTES
-        m = self.mem
-        poff = int(K.load_fresh(m, off + ix.E_POFF, ix.S_IX_READ))
-        pnb = int(K.load(m, off + ix.E_PNB))
-        owner = int(K.load_fresh(m, off + ix.E_OWNER, ix.S_IX_LINE1_READ))
-        token = int(K.load(m, off + ix.E_TOKEN))
-        ix.evict_slot(m, self.geo.entries_offset, slot, new_state)
+        self._evict_many_locked([slot], count=count, new_state=new_state)
+
+    def _evict_many_locked(self, slots: list[int], *, count: bool = True,
+                           new_state: int = ix.TOMBSTONE) -> None:
+        """Tombstone entries (``new_state``), then free their payloads, as one batch."""
+        if not slots:
+            return
+        info = np.zeros((len(slots), 4), dtype=np.int64)
+        ix.evict_batch(self.mem, self.geo.entries_offset, self.index.mask,
+                       np.asarray(slots, dtype=np.int64), new_state, info)
         if count:
-            self.index.bump_counter_locked(ix.H_EVICTIONS, 1)
-            self.stats.evictions += 1
-        if self._payload_ok(poff, pnb):
-            self.alloc.free(self._allocation_of(poff, pnb, owner, token))
+            self.index.bump_counter_locked(ix.H_EVICTIONS, len(slots))
+            self.stats.evictions += len(slots)
+        self._free_payloads(info)
+
+    def _free_payloads(self, info: np.ndarray) -> None:
+        """Free the payload slots of evicted entries: rows (offset, nbytes, owner word, token)."""
+        allocs = [self._allocation_of(poff, pnb, owner, token)
+                  for poff, pnb, owner, token in info.tolist() if self._payload_ok(poff, pnb)]
+        self.alloc.free_many(allocs)
 
     async def _abandon(self, keys: list[bytes]) -> None:
         """Evict this node's unfinished reservations (after a failed or cancelled put)."""
@@ -304,8 +328,7 @@ class RegionStore:
     async def _abandon_locked(self, mine: list[tuple[bytes, _Reservation]]) -> None:
         await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
-            for _, r in mine:
-                self._evict_locked(r.slot)
+            self._evict_many_locked([r.slot for _, r in mine])
         finally:
             self.lock.release()
 
@@ -321,16 +344,25 @@ class RegionStore:
         if timeout is not None and timeout > 0:
             snap = await self._wait_ready(words, snap, layer, timeout)
         self._check_available(keys, snap, layer)
-        for i in range(len(keys)):
-            if not self._payload_ok(int(snap[i, 3]), int(snap[i, 4])):
-                self.stats.validation_failures += 1
-                raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload bounds "
-                                   f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
-                                   f"changed during the read; treat as a miss")
+        g = self.ageo
+        end = g.chunks_offset + g.nchunks * g.chunk_bytes
+        bad = np.flatnonzero((snap[:, 4] != self.layout.block_bytes) | (snap[:, 3] < g.chunks_offset)
+                             | (snap[:, 3] + snap[:, 4] > end))
+        if bad.size:
+            i = int(bad[0])
+            self.stats.validation_failures += 1
+            raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload bounds "
+                               f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
+                               f"changed during the read; treat as a miss")
         return words, snap
 
     async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
                   timeout: float | None) -> torch.Tensor:
+        with gc_paused(len(keys)):
+            return await self._get(keys, out, layer, timeout)
+
+    async def _get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
+                   timeout: float | None) -> torch.Tensor:
         n = len(keys)
         words, snap = await self.prepare_read(keys, layer, timeout)
         slots = snap[:, 0].copy()
@@ -362,6 +394,8 @@ class RegionStore:
         return out
 
     def _check_available(self, keys: list[bytes], snap: np.ndarray, layer: int | None) -> None:
+        if bool(((snap[:, 0] >= 0) & (snap[:, 2] == ix.READY)).all()):
+            return                                   # the common case, without a Python loop
         for i in range(len(keys)):
             if snap[i, 0] < 0:
                 self.stats.misses += 1
@@ -448,10 +482,9 @@ class RegionStore:
             check = np.zeros(len(done), dtype=np.bool_)
             ix.revalidate_batch(self.mem, self.geo.entries_offset, slots[done], versions[done],
                                 poffs[done], words[done], check)
-            for j, i in enumerate(done):
-                if check[j]:
-                    self._evict_locked(int(slots[i]))
-                    self.stats.consumed += 1
+            gone = [int(slots[i]) for j, i in enumerate(done) if check[j]]
+            self._evict_many_locked(gone)
+            self.stats.consumed += len(gone)
         finally:
             self.lock.release()
 
@@ -478,9 +511,8 @@ class RegionStore:
                 table = self.index.scan()
                 hit = np.flatnonzero((table[:, 0] == ix.READY) & ((table[:, 4] & ix.FLAG_TRANSFER) != 0)
                                      & (table[:, 5] <= now))
-                for slot in hit.tolist():
-                    self._evict_locked(int(slot))
-                    self.stats.expired += 1
+                self._evict_many_locked(hit.tolist())
+                self.stats.expired += len(hit)
         finally:
             self.lock.release()
 
@@ -498,14 +530,12 @@ class RegionStore:
         """Evict unfinished reservations and this node's blocks, return chunks."""
         await self._locked(timeout)
         try:
-            for r in self._reserved.values():
-                self._evict_locked(r.slot)
+            self._evict_many_locked([r.slot for r in self._reserved.values()])
             self._reserved.clear()
             table = self.index.scan()
             mine = np.flatnonzero(((table[:, 0] == ix.READY) | (table[:, 0] == ix.RESERVED))
                                   & ((table[:, 6] & 0xFFFF) == self.node_id))
-            for slot in mine.tolist():
-                self._evict_locked(int(slot))
+            self._evict_many_locked(mine.tolist())
         finally:
             self.lock.release()
         await self.alloc.close(self.lock, timeout=timeout)

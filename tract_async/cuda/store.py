@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import kvplan
+from ..gcpause import gc_paused
 from ..errors import BlockEvicted
 from ..keys import keys_to_words
 from ..region import index as ix
@@ -143,6 +144,14 @@ async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
                     ready: Any = None, method: str | None = None) -> StreamFuture:
     """Reserve, enqueue, and return the transfer's future (its completion publishes).
     Raises what ``RegionStore.put`` raises before the copy (RegionFull, TransferTimeout)."""
+    with gc_paused(len(keys)):
+        return await _start_put(store, cpath, keys, tensors, make_plan, layer, timeout,
+                                ready=ready, method=method)
+
+
+async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
+                     make_plan: PlanFn, layer: int | None, timeout: float | None, *,
+                     ready: Any = None, method: str | None = None) -> StreamFuture:
     words = keys_to_words(keys)
     snap = store.index.snapshot(words)
     todo: list[int] = []
@@ -233,6 +242,14 @@ async def start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
                     result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
     """Wait for the blocks, enqueue, and return the future (its completion validates and gives
     ``result``). Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted (bounds)."""
+    with gc_paused(len(keys)):
+        return await _start_get(store, cpath, keys, tensors, make_plan, layer, timeout,
+                                result=result, after=after, method=method)
+
+
+async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
+                     make_plan: PlanFn, layer: int | None, timeout: float | None, *,
+                     result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
     n = len(keys)
     words, snap = await store.prepare_read(keys, layer, timeout)
     slots = snap[:, 0].copy()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -276,13 +276,20 @@ class ChunkTable:
         return gen
 
     def _set_bit(self, chunk: int, value: bool) -> None:
+        self._set_bits([chunk], value)
+
+    def _set_bits(self, chunks: Iterable[int], value: bool) -> None:
+        """Set or clear bitmap bits; each touched word read fresh, stored and flushed once."""
         m = self._region.mem
-        off = self.geo.bitmap_offset + (chunk // 64) * 8
-        word = int(K.load_fresh(m, off, S_BITMAP_READ))
-        bit = 1 << (chunk % 64)
-        word = (word | bit) if value else (word & ~bit)
-        K.store(m, off, np.uint64(word))
-        K.flush(m, off, S_BITMAP_FLUSH)
+        by_word: dict[int, int] = {}
+        for c in chunks:
+            by_word[c // 64] = by_word.get(c // 64, 0) | (1 << (c % 64))
+        for w, bits in by_word.items():
+            off = self.geo.bitmap_offset + w * 8
+            word = int(K.load_fresh(m, off, S_BITMAP_READ))
+            word = (word | bits) if value else (word & ~bits & 0xFFFFFFFFFFFFFFFF)
+            K.store(m, off, np.uint64(word))
+            K.flush(m, off, S_BITMAP_FLUSH)
         K.full_fence(m)
 
     def _write_counts(self, want: dict[int, int]) -> None:
@@ -306,6 +313,19 @@ class ChunkTable:
         free = np.flatnonzero(~self.bitmap())
         return int(free[0]) if free.size else None
 
+    def find_free_run(self, want: int) -> tuple[int, int] | None:
+        """(first, count): the first free chunk and how many free chunks follow it contiguously
+        (at most ``want``), or None when no chunk is free."""
+        bits = self.bitmap()
+        free = np.flatnonzero(~bits)
+        if not free.size:
+            return None
+        first = int(free[0])
+        count = 1
+        while count < want and first + count < bits.size and not bits[first + count]:
+            count += 1
+        return first, count
+
     def claim(self, node_id: int, epoch: int, token: int, check: Callable[[], None]
               ) -> tuple[int, int] | None:
         """Claim one free chunk for ``node_id``: (chunk, generation), or None when full.
@@ -313,22 +333,34 @@ class ChunkTable:
         Raises LockRevoked (from ``check``) before any store, or after the batch (then the
         caller must not use the chunk; it stays recorded as the node's, for recovery).
         """
+        got = self.claim_many(node_id, epoch, token, check, 1)
+        return got[0] if got else None
+
+    def claim_many(self, node_id: int, epoch: int, token: int, check: Callable[[], None],
+                   want: int) -> list[tuple[int, int]]:
+        """Claim up to ``want`` free chunks for ``node_id`` as one journaled batch: a contiguous
+        run from the first free chunk (the journal records a run: first, count). Returns
+        [(chunk, generation)], empty when nothing is free. Raises as ``claim``.
+
+        Large puts need many chunks at once (a 256 MiB put of 64 KiB blocks: 128 chunks of 2 MiB);
+        one batch costs one journal round and one bitmap/count update instead of one each."""
         check()
-        chunk = self.find_free()
-        if chunk is None:
-            return None
+        run = self.find_free_run(max(1, want))
+        if run is None:
+            return []
+        first, count = run
         self._fault("claim.found")
-        self._journal_begin(OP_CLAIM, node_id, epoch, token, chunk, 1)
+        self._journal_begin(OP_CLAIM, node_id, epoch, token, first, count)
         self._fault("claim.journaled")
-        gen = self._set_owner(chunk, node_id, epoch, token)
+        gens = [self._set_owner(c, node_id, epoch, token) for c in range(first, first + count)]
         self._fault("claim.owner")
-        self._set_bit(chunk, True)
+        self._set_bits(range(first, first + count), True)
         self._fault("claim.bitmap")
         cur = int(self.counts()[node_id]["chunks"])
-        self._write_counts({node_id: cur + 1})
+        self._write_counts({node_id: cur + count})
         self._journal_end()
         check()
-        return chunk, gen
+        return list(zip(range(first, first + count), gens))
 
     def release(self, chunk: int, node_id: int, epoch: int, token: int,
                 check: Callable[[], None]) -> None:

@@ -495,6 +495,109 @@ def evict_slot(m, eoff, slot, new_state=TOMBSTONE):
 
 
 @njit(cache=True, nogil=True)
+def _sweep_tombstones(m, eoff, mask, slot):
+    """After ``slot`` became a tombstone: if the next entry is EMPTY, no probe chain runs
+    through ``slot``, so it and the tombstones right before it become EMPTY again (walking
+    back). Without this, constant eviction fills the table with tombstones and every probe
+    walks the whole window. Readers racing with it see TOMBSTONE or EMPTY there; either way a
+    key that is not live is not found, and no live key lies in a run of tombstones that ends
+    in an EMPTY entry. Returns how many entries were emptied."""
+    nxt = eoff + ((slot + 1) & mask) * 128
+    if K.load_fresh(m, nxt + 40, S_IX_READ) != EMPTY:
+        return 0
+    n = 0
+    t = slot
+    while n <= mask:
+        off = eoff + t * 128
+        if K.load_fresh(m, off + 40, S_IX_READ) != TOMBSTONE:
+            break
+        K.store(m, off + 40, EMPTY)
+        K.flush(m, off, S_IX_EVICT_FLUSH)
+        n += 1
+        t = (t - 1) & mask
+    K.full_fence(m)
+    return n
+
+
+@njit(cache=True, nogil=True)
+def evict_batch(m, eoff, mask, slots, new_state, info):
+    """``evict_slot`` for many entries: info[i] = (payload_offset, nbytes, owner, token) read
+    fresh before the entry is tombstoned (for freeing the payload afterwards). Same order as
+    ``evict_slot``, one fence per step for the batch: every state flushed, fence, every version
+    bumped and flushed, fence. Tombstones are then swept (``_sweep_tombstones``)."""
+    for i in range(slots.shape[0]):
+        off = eoff + slots[i] * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+    K.full_fence(m)
+    for i in range(slots.shape[0]):
+        off = eoff + slots[i] * 128
+        info[i, 0] = np.int64(K.load(m, off + 48))
+        info[i, 1] = np.int64(K.load(m, off + 56))
+        info[i, 2] = np.int64(K.load(m, off + 80))
+        info[i, 3] = np.int64(K.load(m, off + 88))
+        K.store(m, off + 40, new_state)
+        K.flush(m, off, S_IX_EVICT_FLUSH)
+    K.full_fence(m)
+    for i in range(slots.shape[0]):
+        off = eoff + slots[i] * 128
+        K.store(m, off + 32, K.load(m, off + 32) + np.uint64(1))
+        K.flush(m, off, S_IX_EVICT_FLUSH)
+    K.full_fence(m)
+    if new_state == TOMBSTONE:
+        for i in range(slots.shape[0]):
+            _sweep_tombstones(m, eoff, mask, slots[i])
+
+
+@njit(cache=True, nogil=True)
+def evict_lru_batch(m, hoff, eoff, cap, sample, now_ns, k, info):
+    """Evict up to ``k`` victims by sampled LRU over one window: the ``sample * k`` entries from
+    the clock hand are read (one fence for the window), and the ``k`` least recently touched
+    READY entries among them go (expired transfer-only entries first; unexpired ones are never
+    victims). As good a sample per victim as ``pick_victim`` k times, one pass instead of k.
+    info[j] = (slot, payload_offset, nbytes, owner, token). Returns how many were evicted."""
+    hand = np.int64(K.load_fresh(m, hoff + 64, S_IX_READ))
+    window = min(cap, max(sample, sample * k))
+    for s in range(window):
+        off = eoff + ((hand + s) % cap) * 128
+        K.invalidate(m, off, S_IX_READ)
+        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+    K.full_fence(m)
+    cand_t = np.empty(window, dtype=np.uint64)
+    cand_s = np.empty(window, dtype=np.int64)
+    nc = 0
+    for s in range(window):
+        slot = (hand + s) % cap
+        off = eoff + slot * 128
+        if K.load(m, off + 40) != READY:
+            continue
+        if K.load(m, off + 112) & np.uint64(FLAG_TRANSFER):
+            if np.int64(K.load(m, off + 120)) > now_ns:
+                continue
+            t = np.uint64(0)
+        else:
+            t = K.load(m, off + 96) | np.uint64(1)
+        cand_t[nc] = t
+        cand_s[nc] = slot
+        nc += 1
+    order = np.argsort(cand_t[:nc])
+    n = min(k, nc)
+    victims = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        victims[j] = cand_s[order[j]]
+        info[j, 0] = victims[j]
+    tmp = np.zeros((n, 4), dtype=np.int64)
+    evict_batch(m, eoff, cap - 1, victims, TOMBSTONE, tmp)
+    for j in range(n):
+        for c in range(4):
+            info[j, 1 + c] = tmp[j, c]
+    K.store(m, hoff + 64, np.uint64((hand + window) % cap))
+    K.flush(m, hoff + 64, S_IX_HDR)
+    K.full_fence(m)
+    return n
+
+
+@njit(cache=True, nogil=True)
 def touch_batch(m, eoff, slots, versions, now_ns):
     """Stamp last_access of READY entries whose version is unchanged. Returns #stamped.
 
