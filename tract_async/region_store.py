@@ -425,32 +425,19 @@ class RegionStore:
             await asyncio.sleep(0)
             snap = self.index.snapshot(words)
         stop = np.zeros(1, dtype=np.uint8)
-        if (snap[:, 0] < 0).any():
-            found = await waits.run_poll(waits.poll_present, m, g.entries_offset, self.index.mask,
-                                         g.max_probe, words, deadline, stop)
-            if not found:
-                raise TransferTimeout(f"blocks did not appear within {timeout} s")
-            snap = self.index.snapshot(words)
-        if not self._satisfied(snap, layer):
-            word, bit = (0, 0) if layer is None else divmod(layer, 64)
-            tmp = np.zeros((words.shape[0], 4), dtype=np.int64)
-            if layer is None:
-                # all layers: wait for the last one, then re-check READY
-                word, bit = divmod(self.layout.num_layers - 1, 64)
-            r = await waits.run_poll(waits.poll_layers, m, g.entries_offset, snap[:, 0].copy(),
-                                     word, np.uint64(1 << bit), deadline, stop, tmp)
-            snap = self.index.snapshot(words)
-            if r == 0 and not self._satisfied(snap, layer):
-                raise TransferTimeout(f"{'layer ' + str(layer) if layer is not None else 'blocks'} "
-                                      f"not produced within {timeout} s")
-            if layer is None and not self._satisfied(snap, layer):
-                # the last layer landed; READY follows in the same publish call
-                for _ in range(100):
-                    await asyncio.sleep(0)
-                    snap = self.index.snapshot(words)
-                    if self._satisfied(snap, layer):
-                        break
-        return snap
+        word, bit = (0, 0) if layer is None else divmod(layer, 64)
+        out = np.zeros_like(snap)
+        r = await waits.run_poll(waits.poll_ready, m, g.entries_offset, self.index.mask,
+                                 g.max_probe, words, word, np.uint64(1 << bit), layer is None,
+                                 deadline, stop, out)
+        if r == 0:
+            absent = int((out[:, 0] < 0).sum())
+            if absent:
+                raise TransferTimeout(f"{absent} of {len(words)} blocks did not appear within "
+                                      f"{timeout} s")
+            raise TransferTimeout(f"{'layer ' + str(layer) if layer is not None else 'blocks'} "
+                                  f"not produced within {timeout} s")
+        return out          # r == -1: a block vanished; the caller's checks raise BlockNotFound
 
     @staticmethod
     def _satisfied(snap: np.ndarray, layer: int | None) -> bool:

@@ -4,7 +4,9 @@ Memory is the only signal between hosts of a CXL rack (no interrupts cross it), 
 poll. The policy (measured in the Numba spike on this 2-core machine): a coroutine first re-checks
 in the loop for a short spin (``await asyncio.sleep(0)`` a few times, ~10 µs each); then the poll
 moves to a worker thread running a ``nogil`` jitted loop that re-reads the words with invalidates,
-spins with ``sched_yield`` for ~50 µs, then backs off with ``usleep`` from 20 µs to 500 µs. The
+spins with ``sched_yield`` for ~50 µs, then backs off with ``usleep`` from 10 µs, doubling to
+100 µs during the first 2 ms and to 500 µs after (``_backoff``). A get waits with one poll from
+"absent" to "READY / has the layer" (``poll_ready``): one thread hop per wait. The
 thread returns when the condition holds, at the deadline, or when the coroutine sets its stop
 flag (cancellation), so a cancelled wait leaves no thread behind for longer than one back-off.
 """
@@ -22,42 +24,8 @@ from tract_kernels.intrinsics import monotonic_ns, sched_yield, usleep
 from .region import index as ix
 
 SPIN_NS = 50_000
+FAST_NS = 2_000_000
 MAX_SLEEP_US = 500
-
-
-@njit(cache=True, nogil=True)
-def _layers_ready(m, eoff, slots, word, bit, snap):
-    ix.layer_bits_batch(m, eoff, slots, snap)
-    for i in range(slots.shape[0]):
-        st = snap[i, 0]
-        if st == ix.READY:
-            continue
-        if st != ix.RESERVED:
-            return -1                        # evicted or never published: stop waiting
-        if (np.uint64(snap[i, 1 + word]) & np.uint64(bit)) == 0:
-            return 0
-    return 1
-
-
-@njit(cache=True, nogil=True)
-def poll_layers(m, eoff, slots, word, bit, deadline_ns, stop, snap):
-    """Until every slot has the layer bit (or is READY): 1; an entry vanished: -1; deadline or
-    stop flag: 0."""
-    t0 = monotonic_ns()
-    sleep_us = 20
-    while True:
-        r = _layers_ready(m, eoff, slots, word, bit, snap)
-        if r != 0:
-            return r
-        now = monotonic_ns()
-        if now >= deadline_ns or stop[0] != 0:
-            return 0
-        if now - t0 < SPIN_NS:
-            sched_yield()
-        else:
-            usleep(sleep_us)
-            if sleep_us < MAX_SLEEP_US:
-                sleep_us *= 2
 
 
 @njit(cache=True, nogil=True)
@@ -72,19 +40,69 @@ def _all_present(m, eoff, mask, max_probe, keys):
 def poll_present(m, eoff, mask, max_probe, keys, deadline_ns, stop):
     """Until every key has a live entry: True; deadline or stop flag: False."""
     t0 = monotonic_ns()
-    sleep_us = 20
+    sleep_us = 10
     while True:
         if _all_present(m, eoff, mask, max_probe, keys):
             return True
         now = monotonic_ns()
         if now >= deadline_ns or stop[0] != 0:
             return False
-        if now - t0 < SPIN_NS:
-            sched_yield()
-        else:
-            usleep(sleep_us)
-            if sleep_us < MAX_SLEEP_US:
-                sleep_us *= 2
+        sleep_us = _backoff(t0, now, sleep_us)
+
+
+@njit(cache=True, nogil=True)
+def _backoff(t0, now, sleep_us):
+    """One wait step of the poll policy; returns the next sleep. Spin with ``sched_yield`` for
+    SPIN_NS, then ``usleep`` from 10 µs doubling to 100 µs during the first FAST_NS (a producer
+    usually publishes within a millisecond of a consumer starting to wait), then to
+    MAX_SLEEP_US."""
+    if now - t0 < SPIN_NS:
+        sched_yield()
+        return sleep_us
+    usleep(sleep_us)
+    cap = 100 if now - t0 < FAST_NS else MAX_SLEEP_US
+    return min(sleep_us * 2, cap)
+
+
+@njit(cache=True, nogil=True)
+def ready_state(m, eoff, mask, max_probe, keys, word, bit, whole, snap, seen):
+    """1 when every key's entry is READY (``whole``) or has the layer bit (else); 0 when not
+    yet (absent, or still being produced); -1 when an entry seen earlier in this wait (``seen``)
+    has vanished (its producer gave up or it was evicted: waiting longer is pointless)."""
+    ix.snapshot_batch(m, eoff, mask, max_probe, keys, snap)
+    for i in range(keys.shape[0]):
+        if snap[i, 0] < 0:
+            if seen[i]:
+                return -1
+            return 0
+        seen[i] = 1
+        st = snap[i, 2]
+        if st == ix.READY:
+            continue
+        if whole or st != ix.RESERVED:
+            return 0
+        if (np.uint64(snap[i, 5 + word]) & np.uint64(bit)) == 0:
+            return 0
+    return 1
+
+
+@njit(cache=True, nogil=True)
+def poll_ready(m, eoff, mask, max_probe, keys, word, bit, whole, deadline_ns, stop, snap):
+    """One poll from "maybe absent" to "READY / has the layer" (the single-poll wait: one thread
+    hop instead of one for presence and another for the layer). 1 when satisfied, -1 when an
+    entry vanished during the wait, 0 at the deadline or when the stop flag is set. ``snap``
+    (n, 8) holds the last snapshot."""
+    t0 = monotonic_ns()
+    sleep_us = 10
+    seen = np.zeros(keys.shape[0], dtype=np.uint8)
+    while True:
+        r = ready_state(m, eoff, mask, max_probe, keys, word, bit, whole, snap, seen)
+        if r != 0:
+            return r
+        now = monotonic_ns()
+        if now >= deadline_ns or stop[0] != 0:
+            return 0
+        sleep_us = _backoff(t0, now, sleep_us)
 
 
 def deadline_ns(timeout: float | None) -> int:

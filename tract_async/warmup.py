@@ -44,9 +44,9 @@ async def _scenario(path: str, backend: str) -> None:
         await a._store.maintain(timeout=10)
         st = b._store
         stop = np.zeros(1, dtype=np.uint8)
-        snap = np.zeros((1, 4), dtype=np.int64)
-        waits.poll_layers(st.mem, st.geo.entries_offset, np.zeros(1, dtype=np.int64), 0,
-                          np.uint64(1), 0, stop, snap)
+        waits.poll_ready(st.mem, st.geo.entries_offset, st.index.mask, st.geo.max_probe,
+                         np.zeros((1, 4), dtype=np.uint64), 0, np.uint64(1), True, 0, stop,
+                         np.zeros((1, 8), dtype=np.int64))
         waits.poll_present(st.mem, st.geo.entries_offset, st.index.mask, st.geo.max_probe,
                            np.zeros((1, 4), dtype=np.uint64), 0, stop)
         ix.scan_entries(st.mem, st.geo.entries_offset, st.geo.capacity,
