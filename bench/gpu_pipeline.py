@@ -42,7 +42,14 @@ async def main() -> int:
     ap.add_argument("--timeline-tokens", type=int, default=4096)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--name", default="gpu_pipeline")
+    ap.add_argument("--switch-interval-us", type=float, default=None,
+                    help="sys.setswitchinterval for this run (diagnostic: the prefill compute "
+                         "thread and the loop thread that puts each layer share the GIL; the "
+                         "default 5 ms interval lets a CPU-bound compute thread hold it that long)")
     args = ap.parse_args()
+    if args.switch_interval_us is not None:
+        sys.setswitchinterval(args.switch_interval_us * 1e-6)
+    RESULTS["switch_interval_s"] = sys.getswitchinterval()
     if not torch.cuda.is_available():
         print("gpu_pipeline: no CUDA device; nothing to measure")
         return 0
@@ -135,7 +142,7 @@ async def main() -> int:
                   flush=True)
 
             # -- timeline: prefill with puts and decode together ---------------------------
-            if time.monotonic() < deadline + 30:
+            if args.timeline_tokens > 0 and time.monotonic() < deadline + 30:
                 n = args.timeline_tokens
                 ids = prompt(n, 4242, cfg.vocab_size)
                 first = prefill(model, ids).next_token

@@ -76,13 +76,17 @@ step() {  # step NAME SECONDS CMD...  (output to $OUT/NAME.log)
 step gpu_tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/test_cuda_gpu.py --maxfail=10
 step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
 step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
+# diagnostic: the same short prefills with a 200 µs GIL switch interval (see --help)
+step gpu_pipeline_si 100 $PY bench/gpu_pipeline.py --budget-s 60 --tokens 1024 2048 \
+  --timeline-tokens 0 --switch-interval-us 200 --name gpu_pipeline_si
 if $PY -c "import pytest_asyncio, orjson" 2>/dev/null; then
   step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
     --continue-on-collection-errors tests/test_transport_gpu.py
 fi
 
 # -- results -----------------------------------------------------------------------------------
-for f in bench/results/gpu_putget.json bench/results/gpu_pipeline.json; do
+for f in bench/results/gpu_putget.json bench/results/gpu_pipeline.json \
+         bench/results/gpu_pipeline_si.json; do
   [ -f "$f" ] && cp "$f" "$OUT/"
 done
 ls /dev/shm | grep -c '^tract-' | xargs -I{} echo "tract files left in /dev/shm: {}" >>"$SUMMARY"
