@@ -22,6 +22,7 @@ import collections
 import time
 from dataclasses import dataclass
 
+from ..timerslack import call_tight
 from ..errors import LockBusy, LockNotHeld, LockRevoked, LockTimeout
 from ..region import nodes as nodes_mod
 from . import slots as S
@@ -61,7 +62,7 @@ class LockStatistics:
 async def run_slice(loop: asyncio.AbstractEventLoop, fn, *args):  # noqa: ANN001, ANN201
     """Run a bounded nogil poll in a worker thread; on cancellation wait for it to end (at most
     one slice) before re-raising, so that nobody touches its Mem concurrently."""
-    fut = loop.run_in_executor(None, fn, *args)
+    fut = loop.run_in_executor(None, call_tight, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
