@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import time
 
 import pytest
 
@@ -193,3 +194,43 @@ def test_bad_lock_index(one_node) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="lock_index"):
         GlobalLock(r, h, lock_index=99)
 
+
+
+async def test_node_local_lock_survives_timeouts_and_cancellations(tmp_path) -> None:
+    """Hundreds of contenders with tiny deadlines, some cancelled, while the holder hands the
+    lock around: afterwards the lock is free (asyncio.wait_for around Lock.acquire can lose an
+    acquisition that races with a timeout or a cancellation on Python 3.11, wedging the node)."""
+    import random
+
+    from tract_async.sync.local import NodeLocalLock
+    path = tmp_path / "region"
+    path.write_bytes(b"\0" * 4096)
+    lk = NodeLocalLock(str(path), 0, 0)
+    rng = random.Random(7)
+    got = 0
+
+    async def contender() -> None:
+        nonlocal got
+        try:
+            await lk.acquire(time.monotonic() + rng.choice([0.0, 1e-5, 1e-4, 1e-3]))
+        except E.LockTimeout:
+            return
+        got += 1
+        await asyncio.sleep(0)
+        lk.release()
+
+    await lk.acquire(time.monotonic() + 1)
+    tasks = [asyncio.create_task(contender()) for _ in range(400)]
+    for j in range(100):
+        await asyncio.sleep(0)
+        lk.release()
+        await asyncio.sleep(rng.choice([0, 0, 1e-4]))
+        if j % 3 == 0:
+            tasks[rng.randrange(len(tasks))].cancel()
+        await lk.acquire(time.monotonic() + 5)
+    lk.release()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert got > 0
+    assert not lk.locked
+    await lk.acquire(time.monotonic() + 1)       # free, not leaked to a dead waiter
+    lk.release()

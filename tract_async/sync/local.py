@@ -43,13 +43,39 @@ class NodeLocalLock:
     def locked(self) -> bool:
         return self._alock.locked()
 
+    async def _acquire_alock(self, deadline: float) -> None:
+        """The asyncio layer, with a deadline, never leaking it.
+
+        Not ``asyncio.wait_for(lock.acquire(), t)``: on Python 3.11 a timeout or a cancellation
+        that races with the acquire completing can lose the result, leaving the lock taken by
+        nobody (every later acquire then times out: the intermittent hang seen in Engine.close).
+        Here the acquire runs as a task; on timeout or cancellation it is cancelled and awaited,
+        and released if it got the lock after all."""
+        if not self._alock.locked():
+            await self._alock.acquire()          # free: completes without suspending
+            return
+        task = asyncio.ensure_future(self._alock.acquire())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            await self._abandon(task)
+            raise
+        if not done:
+            await self._abandon(task)
+            raise LockTimeout("timed out waiting for this process's other users of the lock")
+        task.result()
+
+    async def _abandon(self, task: "asyncio.Future[bool]") -> None:
+        task.cancel()
+        try:
+            await asyncio.wait({task})
+        finally:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self._alock.release()            # it won the race: give it back
+
     async def acquire(self, deadline: float) -> None:
         """Take both layers before ``deadline`` (time.monotonic()). Raises LockTimeout."""
-        try:
-            await asyncio.wait_for(self._alock.acquire(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise LockTimeout("timed out waiting for this process's other users of the "
-                              "lock") from None
+        await self._acquire_alock(deadline)
         try:
             pause = 0.0002
             while not _ofd_lock(self._fd, self._byte):
