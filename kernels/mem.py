@@ -425,9 +425,14 @@ def write_rows(m, plan, src_base, site):
 
 
 @njit(cache=True, nogil=True)
-def read_rows(m, plan, dst_base, site):
+def read_rows(m, plan, dst_base, site, nt_dst=False):
     """``read_bytes`` for many rows (region_offset, dst_offset, nbytes): invalidate every row,
-    one ``mfence``, then copy them all."""
+    one ``mfence``, then copy them all.
+
+    ``nt_dst``: write the private destination with non-temporal stores (then ``sfence``). For
+    reads larger than the cache the destination would be evicted anyway, and ordinary stores
+    first read every destination line (read-for-ownership): 256 MiB cold went from 15.3 to
+    18.8 GB/s. Small reads keep cached stores: their consumer reads the bytes right away."""
     for i in range(plan.shape[0]):
         _check_range(m.size_bytes, plan[i, 0], plan[i, 2])
     if site != m.skip_site:
@@ -438,6 +443,11 @@ def read_rows(m, plan, dst_base, site):
     for i in range(plan.shape[0]):
         if m.backend == BACKEND_SIM:
             sim.sim_read_bytes(m, plan[i, 0], dst_base + np.uint64(plan[i, 1]), plan[i, 2])
+        elif nt_dst:
+            nt_copy_raw(dst_base + np.uint64(plan[i, 1]),
+                        np.uint64(m.base_addr) + np.uint64(plan[i, 0]), plan[i, 2])
         else:
             _plain_copy(dst_base + np.uint64(plan[i, 1]),
                         np.uint64(m.base_addr) + np.uint64(plan[i, 0]), plan[i, 2])
+    if nt_dst and m.backend != BACKEND_SIM:
+        sfence()

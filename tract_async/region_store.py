@@ -39,6 +39,9 @@ INLINE_COPY_BYTES = 1 << 20
 
 VICTIM_SAMPLE = 16
 
+NT_READ_BYTES = 8 << 20
+"""Gets at least this large write their output with non-temporal stores (``read_rows``)."""
+
 
 class _Reservation:
     """A block this node reserved and is filling, layer by layer. (A slotted class: one is made
@@ -371,7 +374,8 @@ class RegionStore:
             await self._pause_after_snapshot()
         plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
         nbytes = int(plan[:, 2].sum())
-        await self._copy(ix.copy_out, plan, out.data_ptr(), nbytes)
+        fn = ix.copy_out_nt if nbytes >= NT_READ_BYTES else ix.copy_out
+        await self._copy(fn, plan, out.data_ptr(), nbytes)
         ok = np.ones(n, dtype=np.bool_)
         bad = (ix.revalidate_batch(self.mem, self.geo.entries_offset, slots, versions,
                                    snap[:, 3].copy(), words, ok)

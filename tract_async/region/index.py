@@ -265,7 +265,14 @@ def invalidate_payloads(m, poffs, rel_offset, nbytes):
 @njit(cache=True, nogil=True)
 def copy_out(m, plan, dst_base):
     """Copy region ranges to private memory: plan rows (region_offset, dst_offset, nbytes)."""
-    K.read_rows(m, plan, dst_base, S_IX_PAYLOAD_READ)
+    K.read_rows(m, plan, dst_base, S_IX_PAYLOAD_READ, False)
+
+
+@njit(cache=True, nogil=True)
+def copy_out_nt(m, plan, dst_base):
+    """``copy_out`` writing the destination with non-temporal stores (large reads: see
+    ``read_rows``)."""
+    K.read_rows(m, plan, dst_base, S_IX_PAYLOAD_READ, True)
 
 
 @njit(cache=True, nogil=True)
