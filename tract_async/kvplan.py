@@ -9,6 +9,7 @@ that one layer of a block is one contiguous range). A plan is an int64 array of 
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -54,13 +55,17 @@ def check_layer(layer: int | None, layout: KVLayout) -> None:
         raise TensorMismatch(f"layer must be in 0..{layout.num_layers - 1} or None, got {layer!r}")
 
 
-def plan(layout: KVLayout, payload_offsets: np.ndarray, block_positions: np.ndarray,
-         num_blocks_in_tensor: int, layer: int | None) -> np.ndarray:
-    """Copy plan rows (region_offset, tensor_byte_offset, nbytes) for the given blocks.
+@functools.lru_cache(maxsize=1024)
+def _plan_template(layout: KVLayout, layer: int | None, num_blocks_in_tensor: int
+                   ) -> tuple[np.ndarray, int]:
+    """The rows of one block at payload offset 0 and tensor block position 0 (read-only), and
+    the tensor-offset step per block position.
 
-    ``payload_offsets[i]`` is the region offset of the block at position ``block_positions[i]``
-    of the tensor (which holds ``num_blocks_in_tensor`` blocks).
-    """
+    Why: a block's rows differ from this template only by its payload offset (column 0) and
+    its tensor position (column 1); building them from ``np.arange`` and broadcasts on every
+    call cost ~7 µs, much of a small put's Python time. The template depends on the layout, the
+    layer and the tensor's block count only (a bounded cache: a few entries per layout in
+    practice)."""
     T, half = layout.block_tokens, layout.half_layer_bytes
     row_bytes = half // T                      # bytes of one token of one half (H*D*itemsize)
     nT = num_blocks_in_tensor * T
@@ -69,15 +74,32 @@ def plan(layout: KVLayout, payload_offsets: np.ndarray, block_positions: np.ndar
     # tensor index of the (l, h) plane: all-layers tensors index planes by l*2+h; one-layer
     # tensors by h alone
     plane = lh if layer is None else lh - 2 * layer
-    pos = np.asarray(block_positions, dtype=np.int64)
-    poff = np.asarray(payload_offsets, dtype=np.int64)
-    region_off = poff[:, None] + lh[None, :] * half
-    tensor_off = (plane[None, :] * nT + pos[:, None] * T) * row_bytes
-    rows = np.empty((pos.size * lh.size, 3), dtype=np.int64)
-    rows[:, 0] = region_off.reshape(-1)
-    rows[:, 1] = tensor_off.reshape(-1)
+    rows = np.empty((lh.size, 3), dtype=np.int64)
+    rows[:, 0] = lh * half
+    rows[:, 1] = plane * nT * row_bytes
     rows[:, 2] = half
-    return rows
+    rows.setflags(write=False)
+    return rows, T * row_bytes
+
+
+def plan(layout: KVLayout, payload_offsets: np.ndarray, block_positions: np.ndarray,
+         num_blocks_in_tensor: int, layer: int | None) -> np.ndarray:
+    """Copy plan rows (region_offset, tensor_byte_offset, nbytes) for the given blocks.
+
+    ``payload_offsets[i]`` is the region offset of the block at position ``block_positions[i]``
+    of the tensor (which holds ``num_blocks_in_tensor`` blocks). Rows are block-major: block
+    i's rows are ``i*R .. i*R+R-1`` (R = 2 per layer covered), in (layer, K/V) order.
+    """
+    tmpl, pos_step = _plan_template(layout, layer, num_blocks_in_tensor)
+    pos = np.asarray(block_positions, dtype=np.int64).reshape(-1)
+    poff = np.asarray(payload_offsets, dtype=np.int64).reshape(-1)
+    if pos.size == 1:        # the small-put path: one add of a 3-vector to the template
+        return tmpl + np.array([int(poff[0]), int(pos[0]) * pos_step, 0], dtype=np.int64)
+    rows = np.empty((pos.size, tmpl.shape[0], 3), dtype=np.int64)
+    rows[:] = tmpl
+    rows[:, :, 0] += poff[:, None]
+    rows[:, :, 1] += (pos * pos_step)[:, None]
+    return rows.reshape(-1, 3)
 
 
 def layer_mask(layout: KVLayout, layer: int | None) -> tuple[int, int]:
