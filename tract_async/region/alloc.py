@@ -87,6 +87,24 @@ def _publish_heap_words(m, word_offs, word_vals, used_offs, used_vals):
         K.flush(m, used_offs[i], S_HEAP_FLUSH)
     K.full_fence(m)
 
+
+@njit(cache=True, nogil=True)
+def _publish_heap_word(m, word_off, word_val, used_off, used_val):
+    """``_publish_heap_words`` for one bitmap word and one used count (the 1-slot alloc or free
+    of a small put): the same stores, flushes and fence, without building four arrays."""
+    K.store(m, word_off, np.uint64(word_val))
+    K.flush(m, word_off, S_HEAP_FLUSH)
+    K.store(m, used_off, np.uint64(used_val))
+    K.flush(m, used_off, S_HEAP_FLUSH)
+    K.full_fence(m)
+
+
+SMALL_BATCH = 8
+"""Batches of at most this many slots update the private bitmap with Python ints: a numpy
+round (fancy indexing, ``bitwise_or.at``, ``unique``) costs ~1-3 µs per operation, more than
+the whole loop for a few slots."""
+
+
 class Allocation(NamedTuple):
     """One allocated slot: the allocator's boundary type. Pass it back to ``free``.
 
@@ -114,8 +132,23 @@ class _Chunk:
     words: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     """The heap bitmap words as the region holds them (``used`` packed, 64 slots a word)."""
 
-    def set_used(self, slots: np.ndarray, value: bool) -> np.ndarray:
-        """Mark ``slots`` used (or free) in ``used`` and ``words``; the word indices touched."""
+    def set_used(self, slots: np.ndarray | list[int], value: bool) -> np.ndarray | list[int]:
+        """Mark ``slots`` used (or free) in ``used`` and ``words``; the word indices touched,
+        ascending (a sorted list for a small batch, else an array)."""
+        if len(slots) <= SMALL_BATCH:
+            used, words = self.used, self.words
+            touched: list[int] = []
+            for s in slots:
+                s = int(s)
+                used[s] = value
+                w = s >> 6
+                cur = int(words[w])
+                words[w] = (cur | (1 << (s & 63))) if value else (cur & ~(1 << (s & 63)))
+                if w not in touched:
+                    touched.append(w)
+            touched.sort()
+            return touched
+        slots = np.asarray(slots, dtype=np.int64)
         self.used[slots] = value
         w = slots >> 6
         bits = np.left_shift(np.uint64(1), (slots & 63).astype(np.uint64))
@@ -215,14 +248,24 @@ class Allocator:
             raise NodeEvicted(f"node {self.node_id} (epoch {self.epoch}) was judged dead and its "
                               f"chunks were reclaimed: rejoin before allocating again")
 
-    def _publish(self, touched: dict[int, np.ndarray]) -> None:
+    def _publish(self, touched: dict[int, np.ndarray | list[int]]) -> None:
         """Publish the touched bitmap words and the used count of each touched chunk (owner-only
         lines), one kernel call and one fence for the whole batch."""
         if not touched:
             return
+        if len(touched) == 1:
+            ((ci, words),) = touched.items()
+            if len(words) == 1:             # one slot of a small put: scalars, no arrays
+                c = self._chunks[ci]
+                w = int(words[0])
+                heap = self.geo.heap_off(ci)
+                _publish_heap_word(self._region.mem, heap + L.LINE_BYTES + w * 8,
+                                   c.words[w], heap + _H["used"], c.nused)  # np.uint64: > 2**63
+                return
         offs, vals, uoffs, uvals = [], [], [], []
         for ci, words in touched.items():
             c = self._chunks[ci]
+            words = np.asarray(words, dtype=np.int64)
             base = self.geo.heap_off(ci) + L.LINE_BYTES
             offs.append(base + words * 8)
             vals.append(c.words[words])
@@ -263,10 +306,10 @@ class Allocator:
             k = min(count - len(out), len(c.free))
             taken = c.free[-k:][::-1]              # pop order: lowest free slot first
             del c.free[-k:]
-            slots = np.array(taken, dtype=np.int64)
-            if c.used[slots].any():
+            if (any(c.used[s] for s in taken) if k <= SMALL_BATCH
+                    else c.used[np.array(taken, dtype=np.int64)].any()):
                 raise AssertionError(f"allocator: chunk {c.index} hands out a slot marked used")
-            touched[c.index] = c.set_used(slots, True)
+            touched[c.index] = c.set_used(taken, True)
             base = self.geo.chunk_off(c.index)
             sb, ci, gen, tok = c.slot_bytes, c.index, c.generation, c.token
             out.extend([Allocation(base + s * sb, nbytes, sb, node, ci, s, gen, tok)
@@ -428,7 +471,7 @@ class Allocator:
         if not c.free:
             self._free[c.slot_bytes].append(chunk)
         c.free.extend(slots)
-        return c.set_used(np.array(slots, dtype=np.int64), False)
+        return c.set_used(slots, False)
 
     def _free_local(self, chunk: int, slot: int, generation: int, *, strict: bool) -> bool:
         c = self._chunks.get(chunk)
