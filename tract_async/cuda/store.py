@@ -325,17 +325,14 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     words, snap = await store.prepare_read(keys, layer, timeout)
     slots = snap[:, 0].copy()
     versions = snap[:, 1].copy()
+    plan = make_plan(snap[:, 3].copy(), np.arange(n, dtype=np.int64))
+    nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)
     poffs = snap[:, 3].copy()
+    # drop this host's cached copies of the payload before the DMA reads it (non-coherent CXL)
     lay = store.layout
     rel, span = (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes, lay.layer_bytes)
-    nbytes = n * span
-    copier = cpath.copier(tensors[0].device)
-    batched = cpath.registered and n > PIPELINE_BLOCKS
-    if not batched:
-        plan = make_plan(poffs.copy(), np.arange(n, dtype=np.int64))
-        # drop this host's cached copies of the payload before the DMA reads it (non-coherent)
-        await invalidate_payloads(store.mem, poffs, rel, span)
+    await invalidate_payloads(store.mem, poffs, rel, span)
 
     def validate() -> Any:
         ok = np.zeros(n, dtype=np.bool_)
@@ -357,30 +354,8 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             store._touches[s] = v
         return result
 
-    if batched:
-        # the DMA of batch k runs while batch k+1's lines are being dropped (as large puts do)
-        events: list[Any] = []
-        keep_all: list[Any] = []
-        m = ""
-        try:
-            for lo in range(0, n, PIPELINE_BLOCKS):
-                hi = min(n, lo + PIPELINE_BLOCKS)
-                await invalidate_payloads(store.mem, poffs[lo:hi], rel, span)
-                part = make_plan(poffs[lo:hi].copy(), np.arange(lo, hi, dtype=np.int64))
-                ev_k, keep_k, m = copier.get(part, tensors, planes=planes, after=after,
-                                             method=method)
-                events.append(ev_k)
-                keep_all.extend(keep_k)
-        except BaseException:
-            if events:        # bytes of earlier batches may still land in ``out``: wait for them
-                landed = cpath.track(StreamFuture(_join_events(copier.get_dma, copier, events),
-                                                  keep=tuple(keep_all), label="get/aborted"))
-                await landed.wait_landed()
-            raise
-        fut = StreamFuture(_join_events(copier.get_dma, copier, events), completion=validate,
-                           keep=tuple(keep_all), nbytes=nbytes,
-                           not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}/batched")
-    elif cpath.registered:
+    copier = cpath.copier(tensors[0].device)
+    if cpath.registered:
         ev, keep, m = copier.get(plan, tensors, planes=planes, after=after, method=method)
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                            not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}")
@@ -394,16 +369,6 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes, label="get/pinned")
     fut.transfer_mode_info = (words, slots, versions, poffs, bool(snap[:, 7].any()))  # type: ignore[attr-defined]
     return cpath.track(fut)
-
-
-def _join_events(stream: Any, copier: Any, events: list[Any]) -> Any:
-    """One event that completes after all of ``events`` (recorded on ``stream`` after it was
-    made to wait for each: device-side waits, no host synchronization)."""
-    if len(events) == 1:
-        return events[0]
-    for e in events:
-        stream.wait_event(e)
-    return copier._event(stream)
 
 
 PARALLEL_INVALIDATE_BYTES = 64 << 20
