@@ -166,9 +166,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             store.stats.blocks_skipped += 1
         else:
             new.append(i)
-    if len(new) > PIPELINE_BLOCKS and cpath.registered:
-        return await _start_put_pipelined(store, cpath, keys, words, todo, new, tensors,
-                                          make_plan, layer, timeout, ready=ready, method=method)
     if new:
         await store._reserve(keys, words, new, timeout)
         todo = sorted(set(todo) | {i for i in new if keys[i] in store._reserved})
@@ -180,7 +177,24 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     plan = make_plan(poffs, np.array(todo, dtype=np.int64))
     nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)
-    publish = _publisher(store, keys, todo, res, layer, nbytes)
+    layout = store.layout
+
+    def publish() -> int:
+        lo, hi = kvplan.layer_mask(layout, layer)
+        live = [(i, r) for i, r in zip(todo, res) if store._reserved.get(keys[i]) is r]
+        if live:
+            slots = np.array([r.slot for _, r in live], dtype=np.int64)
+            ix.publish_layers(store.mem, store.geo.entries_offset, slots, lo, hi, store._all_lo,
+                              store._all_hi)
+        for i, r in live:
+            r.layers_lo |= lo
+            r.layers_hi |= hi
+            if r.layers_lo == store._all_lo and r.layers_hi == store._all_hi:
+                del store._reserved[keys[i]]
+                store.stats.blocks_stored += 1
+        store.stats.puts += 1
+        store.stats.bytes_put += nbytes
+        return len(live)
 
     try:
         copier = cpath.copier(tensors[0].device)
@@ -201,88 +215,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     except BaseException:
         await store._abandon([keys[i] for i in todo])
         raise
-
-
-def _publisher(store: Any, keys: list[bytes], todo: list[int], res: list[Any],
-               layer: int | None, nbytes: int) -> Callable[[], int]:
-    """The completion of a put: publish the layer bits of the blocks still reserved by it
-    (READY after the last layer), on the loop, after the DMA's event completed."""
-    layout = store.layout
-
-    def publish() -> int:
-        lo, hi = kvplan.layer_mask(layout, layer)
-        live = [(i, r) for i, r in zip(todo, res) if store._reserved.get(keys[i]) is r]
-        if live:
-            slots = np.array([r.slot for _, r in live], dtype=np.int64)
-            ix.publish_layers(store.mem, store.geo.entries_offset, slots, lo, hi, store._all_lo,
-                              store._all_hi)
-        for i, r in live:
-            r.layers_lo |= lo
-            r.layers_hi |= hi
-            if r.layers_lo == store._all_lo and r.layers_hi == store._all_hi:
-                del store._reserved[keys[i]]
-                store.stats.blocks_stored += 1
-        store.stats.puts += 1
-        store.stats.bytes_put += nbytes
-        return len(live)
-
-    return publish
-
-
-PIPELINE_BLOCKS = 1024
-"""Puts of more new blocks than this reserve and enqueue in batches of this many: the DMA of
-one batch runs while the next is reserved (a 1 GiB put of 64 KiB blocks spent ~15 ms reserving
-16384 blocks before its 20 ms DMA could start)."""
-
-
-async def _start_put_pipelined(store: Any, cpath: CudaPath, keys: list[bytes], words: np.ndarray,
-                               todo: list[int], new: list[int], tensors: Sequence[Any],
-                               make_plan: PlanFn, layer: int | None, timeout: float | None, *,
-                               ready: Any = None, method: str | None = None) -> StreamFuture:
-    """``start_put`` for large puts: reserve a batch (one global-lock hold), enqueue its copy,
-    reserve the next... All batches go to the copier's one put stream, so the last batch's event
-    completes after every earlier one; the future's completion publishes them all. A failure
-    after some batches were enqueued waits for their DMA to land, then evicts every reservation
-    of this put (all or nothing, as the unbatched put)."""
-    copier = cpath.copier(tensors[0].device)
-    planes = planes_of(store.layout, layer)
-    enqueued: list[int] = []
-    res_all: list[Any] = []
-    keep: list[Any] = []
-    ev: Any = None
-    m = ""
-    nbytes = 0
-    try:
-        carry = list(todo)               # blocks this node reserved in earlier (layer) calls
-        for lo in range(0, len(new), PIPELINE_BLOCKS):
-            batch = new[lo:lo + PIPELINE_BLOCKS]
-            await store._reserve(keys, words, batch, timeout)
-            pos = sorted(set(carry) | {i for i in batch if keys[i] in store._reserved})
-            carry = []
-            if not pos:
-                continue
-            res = [store._reserved[keys[i]] for i in pos]
-            poffs = np.array([r.allocation.offset_bytes for r in res], dtype=np.int64)
-            plan = make_plan(poffs, np.array(pos, dtype=np.int64))
-            ev, kept, m = copier.put(plan, tensors, planes=planes, ready=ready, method=method)
-            keep.extend(kept)
-            enqueued.extend(pos)
-            res_all.extend(res)
-            nbytes += plan.nbytes
-    except BaseException:
-        if ev is not None:
-            landed = cpath.track(StreamFuture(ev, keep=tuple(keep), label="put/aborted"))
-            await landed.wait_landed()
-        await store._abandon([keys[i] for i in enqueued]
-                             + [keys[i] for i in new if keys[i] in store._reserved])
-        raise
-    if not enqueued:
-        store.stats.puts += 1
-        return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
-    publish = _publisher(store, keys, enqueued, res_all, layer, nbytes)
-    return cpath.track(StreamFuture(ev, completion=publish, keep=tuple(keep), nbytes=nbytes,
-                                    not_before_s=nbytes / LINK_BYTES_PER_S,
-                                    label=f"put/{m}/batched"))
 
 
 async def finish_put(store: Any, cpath: CudaPath, keys: list[bytes], fut: StreamFuture) -> int:
