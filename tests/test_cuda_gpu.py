@@ -372,3 +372,30 @@ def test_gpu_rows_match_numpy_reference_for_random_pool_ids(region_path):
             sel = torch.as_tensor(ids, device="cuda")
             assert same_bits(back[:, :, sel], pool[:, :, sel])
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("method", ["auto", "zerocopy"])
+def test_large_put_is_exact_and_all_or_nothing(region_path, method):
+    """A put of a few thousand blocks with present blocks mixed in is bit-exact; one that does
+    not fit raises RegionFull and leaves none of its blocks behind."""
+    from tract_async import errors
+    lay = layout(torch.float16, L=2, T=16, H=2, D=32)        # 8 KiB blocks
+    n = 2085
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay, size=96 << 20)) as eng:
+            eng.cuda_setup(method=method)
+            keys = eng.block_keys(tokens(n, lay, 11))
+            kv = rand_kv(lay, n, 11)
+            await eng.put_kv(keys[:5], kv[:, :, :5 * lay.block_tokens].cuda())
+            assert await eng.put_kv(keys, kv.cuda()) == n - 5
+            assert eng.lookup(keys) == n
+            assert same_bits(await eng.get_kv(keys, device="cuda"), kv)
+            m = (96 << 20) // lay.block_bytes + 16
+            keys2 = eng.block_keys(tokens(m, lay, 12))
+            kv2 = torch.zeros(lay.kv_shape(m), dtype=lay.dtype, device="cuda")
+            with pytest.raises(errors.RegionFull):
+                await eng.put_kv(keys2, kv2)
+            assert eng.lookup(keys2) == 0
+            assert eng.stats()["cuda"]["outstanding"] == 0
+    asyncio.run(main())
