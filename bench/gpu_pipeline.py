@@ -2,8 +2,13 @@
 
 1. Prefill of 1K..8K tokens: ``prefill`` alone, ``prefill_streaming`` with a no-op put, and
    ``prefill_streaming`` whose ``put_layer(i)`` stores layer i in the region through the engine
-   (``put_kv(..., layer=i, ready=<event recorded after layer i's attention>)``), so the DMA of
-   layer i overlaps the compute of layer i+1. Target: with puts <= 1.03 x prefill alone.
+   (``start_put_kv(..., layer=i, ready=<event recorded after layer i's attention>)``), so the
+   DMA of layer i overlaps the compute of layer i+1. ``put_layer`` returns once the put is
+   reserved and enqueued; the prefill's time includes awaiting every layer's publication at the
+   end. (Until 2026-11-30 each layer's StreamFuture was awaited inside ``put_layer``: layers
+   were then published one after another, each paying the future's completion latency, ~0.3 ms,
+   which at 1K tokens (~1.5 ms of compute per layer) made puts 1.5-2.2x the prefill.)
+   Target: with puts <= 1.03 x prefill alone.
 2. Timeline (one prompt): prefill with layer-wise puts and ``decode_streaming`` started together
    (the first token taken from an earlier identical prefill); the decode's ``get_layer`` is a
    LayerPrefetcher (reads 2 layers ahead, each waiting for its layer to be published). Shown:
@@ -80,20 +85,35 @@ async def main() -> int:
                 return None
 
             def make_put(keys, log=None):
+                """put_layer for prefill_streaming: start the layer's put (reserve + enqueue
+                the DMA after the layer's attention event) and return; the DMA and its
+                publication run while the next layers compute. ``put_layer.drain()`` awaits
+                every publication (the timings below include it)."""
+                futs = {}
+
                 async def put_layer(i, kv):
                     ev = await events.event(i)
-                    fut = await eng.start_put_kv(keys, kv, layer=i, ready=ev)
-                    await fut
+                    futs[i] = await eng.start_put_kv(keys, kv, layer=i, ready=ev)
+
+                async def drain():
+                    await asyncio.gather(*futs.values())
                     if log is not None:
-                        log[i] = time.perf_counter()
+                        for i, f in futs.items():
+                            log[i] = f.t_completed
+                put_layer.drain = drain
                 return put_layer
+
+            async def prefill_with_puts(ids, keys, log=None):
+                put = make_put(keys, log)
+                await prefill_streaming(model, ids, put_layer=put)
+                await put.drain()
 
             # warm-up: kernels, Triton/Numba JIT, the allocator
             warm = prompt(1024, 999, cfg.vocab_size)
             prefill(model, warm)
             wkeys = eng.block_keys(warm)
             events.reset()
-            await prefill_streaming(model, warm, put_layer=make_put(wkeys))
+            await prefill_with_puts(warm, wkeys)
             await eng.get_kv(wkeys, device="cuda")              # consume
             torch.cuda.synchronize()
 
@@ -116,7 +136,7 @@ async def main() -> int:
                     events.reset()
                     torch.cuda.synchronize()
                     t = time.perf_counter()
-                    await prefill_streaming(model, ids, put_layer=make_put(keys))
+                    await prefill_with_puts(ids, keys)
                     torch.cuda.synchronize()
                     with_puts.append(time.perf_counter() - t)
                     if r == 0:   # the stored KV is the prefill's KV, bit for bit
@@ -161,7 +181,7 @@ async def main() -> int:
                         return toks, time.perf_counter()
 
                     async def run_prefill():
-                        await prefill_streaming(model, ids, put_layer=make_put(keys, published))
+                        await prefill_with_puts(ids, keys, published)
                         return time.perf_counter()
 
                     t_prefill_done, (toks, t_decode_done) = await asyncio.gather(
