@@ -39,6 +39,9 @@ async def _scenario(path: str, backend: str) -> None:
         await waiter
         assert torch.equal(await b.get_kv(keys), kv)
         b.lookup(keys)
+        one = a.block_keys(range(2000, 2016))      # the 1-block fast paths (scalar publish)
+        await a.put_kv(one, torch.randn(layout.kv_shape(1)))
+        await b.get_kv(one)
         more = a.block_keys(range(1000, 1064))
         await a.put_kv(more, torch.randn(layout.kv_shape(len(more))))
         await a._store.maintain(timeout=10)
