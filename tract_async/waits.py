@@ -4,9 +4,16 @@ Memory is the only signal between hosts of a CXL rack (no interrupts cross it), 
 poll. The policy (measured in the Numba spike on this 2-core machine): a coroutine first re-checks
 in the loop for a short spin (``await asyncio.sleep(0)`` a few times, ~10 µs each); then the poll
 moves to a worker thread running a ``nogil`` jitted loop that re-reads the words with invalidates,
-spins with ``sched_yield`` for ~50 µs, then backs off with ``usleep`` from 10 µs, doubling to
-100 µs during the first 2 ms and to 500 µs after (``_backoff``). A get waits with one poll from
-"absent" to "READY / has the layer" (``poll_ready``): one thread hop per wait. The
+spins with ``sched_yield`` for ~300 µs, then backs off with ``usleep`` from 10 µs, doubling to
+100 µs during the first 2 ms and to 500 µs after (``_backoff``), with a 1 µs timer slack
+(``timerslack``) so that each sleep lasts what it says. Why 300 µs: a consumer usually starts
+waiting just before its producer's put, and a small put takes ~100-250 µs on the 2-core VM (lock
+grant included); a 50 µs spin left the thread in a 40-100 µs sleep (+50 µs slack) when the block
+landed. Measured on the 64 KiB handoff (3 runs of 250 each): time from put return to get return
+p50 ~120-180 µs -> ~60-90 µs; a 150 µs spin gave ~60-110 µs. The spin yields the core to any
+runnable thread and is bounded per wait, so it costs at most 0.3 ms of CPU per get that waits.
+A get waits with one poll from "absent" to "READY / has the layer" (``poll_ready``): one thread
+hop per wait. The
 thread returns when the condition holds, at the deadline, or when the coroutine sets its stop
 flag (cancellation), so a cancelled wait leaves no thread behind for longer than one back-off.
 """
@@ -22,8 +29,9 @@ import tract_kernels as K
 from tract_kernels.intrinsics import monotonic_ns, sched_yield, usleep
 
 from .region import index as ix
+from .timerslack import call_tight
 
-SPIN_NS = 50_000
+SPIN_NS = 300_000
 FAST_NS = 2_000_000
 MAX_SLEEP_US = 500
 
@@ -53,9 +61,9 @@ def poll_present(m, eoff, mask, max_probe, keys, deadline_ns, stop):
 @njit(cache=True, nogil=True)
 def _backoff(t0, now, sleep_us):
     """One wait step of the poll policy; returns the next sleep. Spin with ``sched_yield`` for
-    SPIN_NS, then ``usleep`` from 10 µs doubling to 100 µs during the first FAST_NS (a producer
-    usually publishes within a millisecond of a consumer starting to wait), then to
-    MAX_SLEEP_US."""
+    SPIN_NS (about one small put: module docstring), then ``usleep`` from 10 µs doubling to
+    100 µs during the first FAST_NS (a producer usually publishes within a millisecond of a
+    consumer starting to wait), then to MAX_SLEEP_US."""
     if now - t0 < SPIN_NS:
         sched_yield()
         return sleep_us
@@ -114,7 +122,9 @@ async def run_poll(fn, *args) -> object:  # noqa: ANN001
     """Run a jitted poll (whose last-but-one argument... see callers) in a thread; a cancelled
     caller sets the stop flag (``args`` carries it) and waits for the thread to notice."""
     stop = next(a for a in args if isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.size == 1)
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    # a tight timer slack: the back-off's usleep(10..100) sleeps that long, not ~50 µs more
+    # (timerslack.py); on the handoff path that slack is most of the wake-up latency
+    fut = asyncio.get_running_loop().run_in_executor(None, call_tight, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
