@@ -139,13 +139,10 @@ class Engine(CudaEngineMixin):
             self._handle = self._region.nodes.join(cfg.node_id, timeout_s=cfg.liveness_timeout_s)
             self._lock = GlobalLock(self._region, self._handle)
             # idle manager sleeps are capped at 100 us: a grant after idle then waits ~0.1-0.2 ms
-            # instead of ~0.6 ms, for a few percent of a core while idle. The spin after each
-            # request/release is 0.3 ms, not 2: on 2 cores a 2 ms spin after every put took a
-            # core from the put's own copy (16 MiB put 3.6 -> 4.0-4.9 GB/s) and bought nothing
-            # for back-to-back small puts (64 KiB put p50 ~100 us either way)
+            # instead of ~0.6 ms, for a few percent of a core while idle
             self._manager = LockManager(self._region, self._handle,
                                         liveness_timeout_s=cfg.liveness_timeout_s,
-                                        policy=ManagerPolicy(sleep_us_max=100, spin_s=0.0003))
+                                        policy=ManagerPolicy(sleep_us_max=100))
             store_box: list[RegionStore] = []
             alloc = Allocator(self._region, self._handle, liveness_timeout_s=cfg.liveness_timeout_s,
                               on_reclaim=lambda node, spans: store_box[0].on_reclaim(node, spans)
