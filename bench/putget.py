@@ -52,7 +52,7 @@ Findings (runs of 2026-11-30 02:27-02:39, load 1.7-5; every target but lookup mi
     attached region faults; put copy ran at 2.5-3.0 GB/s on re-attached regions vs 8-12 GB/s
     on created ones (same bench, two runs). Every non-creator node (the handoff producer) pays it.
   * reservation under the lock: ~30-35 us per block (alloc_nowait's _write_heap_word with
-    np.packbits + 5 kernel dispatches, reserve_one, a per-block index.snapshot for the version):
+    np.packbits + 5 kernel dispatches, a reservation per block, a per-block index.snapshot for the version):
     138 ms of a 183 ms 256 MiB put; 7.3 ms of a 10 ms 16 MiB put.
   * lock wait: 20 us p50 while the manager is in its spin phase, 130-850 us once it has backed
     off (usleep up to 500 us); the handoff producer waits 200 us - 25 ms at 64-128 MiB.
