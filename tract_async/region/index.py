@@ -313,64 +313,6 @@ def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi):
 # global-lock holder
 
 
-@njit(cache=True, nogil=True)
-def reserve_one(m, eoff, mask, max_probe, k0, k1, k2, k3, poff, pnb, owner, token, now_ns,
-                producer, flags, deadline_ns):
-    """Reserve an entry for the key. Returns (slot, previous state, new version): slot >= 0, -1
-    if the probe window is full, or -(2 + slot) if the key is already live."""
-    b = np.int64(k0 & np.uint64(mask))
-    free = np.int64(-1)
-    prev = np.uint64(EMPTY)
-    for p in range(max_probe):
-        slot = (b + p) & mask
-        off = eoff + slot * 128
-        K.invalidate(m, off, S_IX_READ)
-        K.full_fence(m)
-        st = K.load(m, off + 40)
-        if st == EMPTY:
-            if free < 0:
-                free = slot
-                prev = st
-            break
-        if st == TOMBSTONE:
-            if free < 0:
-                free = slot
-                prev = st
-            continue
-        if (K.load(m, off) == k0 and K.load(m, off + 8) == k1 and K.load(m, off + 16) == k2
-                and K.load(m, off + 24) == k3):
-            return -(2 + slot), np.uint64(0), np.uint64(0)
-    if free < 0:
-        return np.int64(-1), np.uint64(0), np.uint64(0)
-    off = eoff + free * 128
-    K.invalidate(m, off + 64, S_IX_READ)
-    K.full_fence(m)
-    # line 1 first, then line 0 with the old state, flushed; RESERVED last
-    K.store(m, off + 64, 0)
-    K.store(m, off + 72, 0)
-    K.store(m, off + 80, owner)
-    K.store(m, off + 88, token)
-    K.store(m, off + 96, now_ns)
-    K.store(m, off + 104, producer)
-    K.store(m, off + 112, flags)
-    K.store(m, off + 120, deadline_ns)
-    K.flush(m, off + 64, S_IX_RESERVE_FLUSH)
-    version = K.load(m, off + 32) + np.uint64(1)
-    K.store(m, off + 32, version)
-    K.store(m, off, k0)
-    K.store(m, off + 8, k1)
-    K.store(m, off + 16, k2)
-    K.store(m, off + 24, k3)
-    K.store(m, off + 48, poff)
-    K.store(m, off + 56, pnb)
-    K.flush(m, off, S_IX_RESERVE_FLUSH)
-    K.store_fence(m)
-    K.store(m, off + 40, RESERVED)
-    K.flush(m, off, S_IX_RESERVE_STATE)
-    K.full_fence(m)
-    return free, prev, version
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _claimed_has(table, slot):
     h = np.int64((np.uint64(slot) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & (table.shape[0] - 1)
@@ -392,16 +334,17 @@ def _claimed_add(table, slot):
 @njit(cache=True, nogil=True)
 def reserve_batch(m, eoff, mask, max_probe, keys, poffs, pnbs, owners, tokens, now_ns,
                   producer, flags, deadline_ns, out):
-    """``reserve_one`` for many keys, with three fences per batch instead of four per key.
+    """Reserve an entry for each key (the global-lock holder's step; module docstring).
 
-    out[i] = (slot, previous state, version) as ``reserve_one`` returns them. Same stores and
-    flushes as ``reserve_one``, regrouped: (1) home lines invalidated, one fence; (2) per key:
-    probe, then line 1 and line 0 (key, payload, version + 1, the old state kept) stored and
-    flushed, no fence; (3) one ``sfence``; (4) ``state = RESERVED`` of every reserved entry,
-    flushed; one ``mfence``. No entry shows RESERVED before all its fields are in memory.
-    Slots taken earlier in the batch still show their old state in (2), so a local set
-    remembers them: a later key probing one compares keys (a duplicate key in the batch is
-    reported as already live, like ``reserve_one`` would) or moves on."""
+    out[i] = (slot, previous state, new version): slot >= 0 reserved; -1 when the key's probe
+    window is full; -(2 + slot) when the key is already live (or given twice in the batch).
+    Three fences per batch instead of four per key: (1) every home line invalidated, one fence;
+    (2) per key: probe (later probes invalidate and fence one by one), then line 1 (no layers,
+    allocation, producer, clock, flags) and line 0 (key, payload, version + 1, the old state
+    kept) stored and flushed, no fence; (3) one ``sfence``; (4) ``state = RESERVED`` of every
+    reserved entry, flushed; one ``mfence``. No entry shows RESERVED before all its fields are in
+    memory. Slots taken earlier in the batch still show their old state in (2), so a local set
+    remembers them: a later key probing one compares keys or moves on."""
     n = keys.shape[0]
     size = 64
     while size < 2 * n:
