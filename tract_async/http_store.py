@@ -45,6 +45,7 @@ from .errors import BlockEvicted, BlockNotFound, LayerNotReady, TractError, Tran
 from .http_directory import (Directory, Held, evict_op, ops_list, parse_key, parse_ops,
                              parse_uint, put_op)
 from .http_pool import BlockPool
+from .store_stats import TransferStats
 from .transport import errors as TE
 from .transport.descs import XferDescList
 from .transport.http import Agent
@@ -56,22 +57,8 @@ ROUTE_CHECK = "/tract-kv/v1/check"
 
 
 @dataclasses.dataclass
-class HttpStats:
-    puts: int = 0
-    blocks_stored: int = 0
-    blocks_skipped: int = 0
-    gets: int = 0
-    blocks_read: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_put: int = 0
-    bytes_got: int = 0
-    evictions: int = 0
-    evictions_for_space: int = 0
-    validation_failures: int = 0
-    consumed: int = 0
-    expired: int = 0
-    layer_waits: int = 0
+class HttpStats(TransferStats):
+    """The HTTP store's counters: the shared ones plus peer traffic."""
     remote_reads: int = 0            # READ transfers from peers
     blocks_read_remote: int = 0
     blocks_read_foreign: int = 0     # ... from peers of another region (rack)

@@ -33,6 +33,7 @@ from .region import Region
 from .region import index as ix
 from .region.alloc import Allocation, Allocator
 from .region.chunks import alloc_geometry
+from .store_stats import TransferStats
 
 INLINE_COPY_BYTES = 1 << 20
 """Copies up to this size run on the event loop (a thread hop costs ~50-100 µs here)."""
@@ -60,23 +61,9 @@ class _Reservation:
 
 
 @dataclasses.dataclass
-class StoreStats:
-    puts: int = 0
-    blocks_stored: int = 0
-    blocks_skipped: int = 0
-    gets: int = 0
-    blocks_read: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_put: int = 0
-    bytes_got: int = 0
-    evictions: int = 0
-    evictions_for_space: int = 0
-    validation_failures: int = 0
-    consumed: int = 0
-    expired: int = 0
+class StoreStats(TransferStats):
+    """The region store's counters: the shared ones plus recovery and global-lock figures."""
     reclaimed_entries: int = 0
-    layer_waits: int = 0
     lock_acquisitions: int = 0
     lock_wait_s: float = 0.0
 
