@@ -521,11 +521,14 @@ class RegionStore:
         """Allocator hook (under the lock): a dead node's chunks go away; so do their entries."""
         table = self.index.scan()
         live = (table[:, 0] == ix.READY) | (table[:, 0] == ix.RESERVED)
+        inside = np.zeros(len(table), dtype=np.bool_)
         for start, nbytes in spans:
-            inside = live & (table[:, 1] >= start) & (table[:, 1] < start + nbytes)
-            for slot in np.flatnonzero(inside).tolist():
-                ix.evict_slot(self.mem, self.geo.entries_offset, int(slot))
-                self.stats.reclaimed_entries += 1
+            inside |= live & (table[:, 1] >= start) & (table[:, 1] < start + nbytes)
+        slots = np.flatnonzero(inside).astype(np.int64)
+        if slots.size:     # payloads are not freed: their chunks go back whole
+            ix.evict_batch(self.mem, self.geo.entries_offset, self.index.mask, slots,
+                           ix.TOMBSTONE, np.zeros((slots.size, 4), dtype=np.int64))
+            self.stats.reclaimed_entries += int(slots.size)
 
     async def close(self, timeout: float) -> None:
         """Evict unfinished reservations and this node's blocks, return chunks."""

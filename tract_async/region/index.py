@@ -34,8 +34,9 @@ Who writes what, and in what order
   is the payload freed. Tombstones keep probe chains intact; reserve reuses them.
 * Touch (global-lock holder): ``last_access_ns`` of READY entries, batched: approximate LRU.
 
-Eviction is sampled LRU (as Redis does): from a rotating clock hand, up to ``sample`` READY
-entries are looked at and the least recently touched is evicted. Touches reach the region only
+Eviction is sampled LRU (as Redis does): to evict k blocks, the ``sample * k`` entries from a
+rotating clock hand are looked at and the k least recently touched READY ones are evicted
+(``evict_lru_batch``). Touches reach the region only
 when a node next holds the lock, so recency is approximate by up to one maintenance interval.
 Transfer-only entries are never victims before their deadline; after it, they go first.
 
@@ -452,23 +453,6 @@ def reserve_batch_counted(m, hoff, eoff, mask, max_probe, keys, ainfo, now_ns, p
 
 
 @njit(cache=True, nogil=True)
-def evict_slot(m, eoff, slot, new_state=TOMBSTONE):
-    """Tombstone an entry, then bump its version (both flushed). The caller frees the payload.
-
-    ``new_state=EMPTY`` is only for undoing a reservation of a slot that was EMPTY within the
-    same hold of the lock (no probe chain can run through it then)."""
-    off = eoff + slot * 128
-    K.invalidate(m, off, S_IX_READ)
-    K.full_fence(m)
-    K.store(m, off + 40, new_state)
-    K.flush(m, off, S_IX_EVICT_FLUSH)
-    K.full_fence(m)
-    K.store(m, off + 32, K.load(m, off + 32) + np.uint64(1))
-    K.flush(m, off, S_IX_EVICT_FLUSH)
-    K.full_fence(m)
-
-
-@njit(cache=True, nogil=True)
 def _sweep_tombstones(m, eoff, mask, slot):
     """After ``slot`` became a tombstone: if the next entry is EMPTY, no probe chain runs
     through ``slot``, so it and the tombstones right before it become EMPTY again (walking
@@ -495,10 +479,12 @@ def _sweep_tombstones(m, eoff, mask, slot):
 
 @njit(cache=True, nogil=True)
 def evict_batch(m, eoff, mask, slots, new_state, info):
-    """``evict_slot`` for many entries: info[i] = (payload_offset, nbytes, owner, token) read
-    fresh before the entry is tombstoned (for freeing the payload afterwards). Same order as
-    ``evict_slot``, one fence per step for the batch: every state flushed, fence, every version
-    bumped and flushed, fence. Tombstones are then swept (``_sweep_tombstones``)."""
+    """Evict entries (global-lock holder): ``state = new_state``, flush; then ``version + 1``,
+    flush; one fence per step for the whole batch. The caller frees the payloads afterwards:
+    info[i] = (payload_offset, nbytes, owner, token), read fresh before the entry changed.
+    ``new_state=EMPTY`` only undoes a reservation of a slot that was EMPTY within the same hold
+    of the lock (no probe chain can run through it then); tombstones are swept
+    (``_sweep_tombstones``)."""
     for i in range(slots.shape[0]):
         off = eoff + slots[i] * 128
         K.invalidate(m, off, S_IX_READ)
@@ -528,7 +514,7 @@ def evict_lru_batch(m, hoff, eoff, cap, sample, now_ns, k, info):
     """Evict up to ``k`` victims by sampled LRU over one window: the ``sample * k`` entries from
     the clock hand are read (one fence for the window), and the ``k`` least recently touched
     READY entries among them go (expired transfer-only entries first; unexpired ones are never
-    victims). As good a sample per victim as ``pick_victim`` k times, one pass instead of k.
+    victims): ``sample`` entries looked at per victim, in one pass.
     info[j] = (slot, payload_offset, nbytes, owner, token). Returns how many were evicted."""
     hand = np.int64(K.load_fresh(m, hoff + 64, S_IX_READ))
     window = min(cap, max(sample, sample * k))
@@ -599,40 +585,6 @@ def touch_batch(m, eoff, slots, versions, now_ns):
             n += 1
     K.full_fence(m)
     return n
-
-
-@njit(cache=True, nogil=True)
-def pick_victim(m, hoff, eoff, cap, sample, now_ns):
-    """Sampled LRU: the least recently touched of up to ``sample`` evictable entries from the
-    clock hand (expired transfer-only entries win at once). Returns slot or -1."""
-    hand = np.int64(K.load_fresh(m, hoff + 64, S_IX_READ))
-    best = np.int64(-1)
-    best_t = np.uint64(0xFFFFFFFFFFFFFFFF)
-    seen = 0
-    steps = 0
-    while seen < sample and steps < cap:
-        slot = (hand + steps) % cap
-        steps += 1
-        off = eoff + slot * 128
-        K.invalidate(m, off, S_IX_READ)
-        K.invalidate(m, off + 64, S_IX_LINE1_READ)
-        K.full_fence(m)
-        if K.load(m, off + 40) != READY:
-            continue
-        flags = K.load(m, off + 112)
-        if flags & np.uint64(FLAG_TRANSFER):
-            if np.int64(K.load(m, off + 120)) <= now_ns:
-                best = slot
-                break
-            continue
-        seen += 1
-        t = K.load(m, off + 96)
-        if t < best_t:
-            best_t = t
-            best = slot
-    K.store(m, hoff + 64, np.uint64((hand + steps) % cap))
-    K.flush(m, hoff + 64, S_IX_HDR)
-    return best
 
 
 @njit(cache=True, nogil=True)
