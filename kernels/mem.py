@@ -28,7 +28,7 @@ from numba import njit
 
 from . import sim
 from .intrinsics import (aload64, astore64, clflush_line, clflushopt_line, clwb_line, copy32,
-                         load_u8, mfence, nt_copy32, sfence, store_u8)
+                         load_u8, mfence, nt_copy32, ntstore64, sfence, store_u8)
 
 BACKEND_HW = 0
 BACKEND_SIM = 1
@@ -42,22 +42,42 @@ ENV_BACKEND = "TRACT_MEM_BACKEND"
 """Environment variable that selects the backend when the configuration leaves it open."""
 
 
-class Mem(NamedTuple):
-    """How kernels reach one mapping. Built by :func:`make_mem`; passed to every kernel.
-
-    ``buf`` keeps the mapping's numpy view alive for as long as the Mem exists. The sim arrays are
-    1-element dummies on the hardware backend.
-    """
-    buf: np.ndarray          # uint8 view of the whole mapping (keeps it alive)
-    base_addr: int           # address of buf[0]
+class _MemWords(NamedTuple):
+    base_addr: int           # address of the mapping's first byte
     size_bytes: int
     backend: int             # BACKEND_HW or BACKEND_SIM
     flush_insn: int          # FLUSH_CLFLUSH or FLUSH_CLFLUSHOPT (hardware backend)
     skip_site: int           # a flush/invalidate site to omit (fault injection), -1 for none
-    tags: np.ndarray         # sim: int64[cache_lines]
-    lines: np.ndarray        # sim: uint64[cache_lines, 8]
-    dirty: np.ndarray        # sim: uint8[cache_lines]
-    ctl: np.ndarray          # sim: uint64[8] (rng, threshold, counters)
+    tags_addr: int           # sim: int64[cache_lines] (sim.py has the layout)
+    lines_addr: int          # sim: uint64[cache_lines, 8]
+    dirty_addr: int          # sim: uint8[cache_lines]
+    ctl_addr: int            # sim: uint64[8] (rng, threshold, counters)
+    cache_lines: int         # sim: number of cache slots (a power of two)
+
+
+class Mem(_MemWords):
+    """How kernels reach one mapping. Built by :func:`make_mem`; passed to every kernel.
+
+    Why it holds only integers: a Mem that carried numpy arrays (the mapping's view, the sim
+    cache) made Numba increment and decrement each array's reference count around every
+    inlined word access that could raise (its bounds check) -- atomic instructions, ~50 ns per
+    store, 156 ns for three stores of one line, against ~1-2 ns of work. As a tuple of ints it is
+    passed and inlined with nothing to count. The arrays behind the addresses live in the
+    instance's ``__dict__`` (``buf``, ``tags``, ``lines``, ``dirty``, ``ctl``), which Numba never
+    sees, and stay alive as long as the Mem does. The sim arrays are 1-element dummies on the
+    hardware backend.
+    """
+
+    buf: np.ndarray
+    tags: np.ndarray
+    lines: np.ndarray
+    dirty: np.ndarray
+    ctl: np.ndarray
+
+    def _replace(self, **kw: int) -> "Mem":  # type: ignore[override]
+        out = super()._replace(**kw)
+        out.__dict__.update(self.__dict__)      # the same arrays: keep them alive
+        return out
 
 
 def cpu_flags() -> set[str]:
@@ -104,7 +124,11 @@ def make_mem(buf: np.ndarray, backend: str | None = None, *, seed: int = 0,
         tags, lines, dirty, ctl = sim.new_state(cache_lines, seed, evict_prob)
     else:
         tags, lines, dirty, ctl = sim.new_state(1, 1, 0.0)
-    return Mem(buf, base, int(buf.shape[0]), be, insn, int(skip_site), tags, lines, dirty, ctl)
+    m = Mem(base, int(buf.shape[0]), be, insn, int(skip_site), int(tags.ctypes.data),
+            int(lines.ctypes.data), int(dirty.ctypes.data), int(ctl.ctypes.data),
+            int(tags.shape[0]))
+    m.__dict__.update(buf=buf, tags=tags, lines=lines, dirty=dirty, ctl=ctl)
+    return m
 
 
 def with_skip_site(m: Mem, skip_site: int) -> Mem:
@@ -116,13 +140,13 @@ def with_skip_site(m: Mem, skip_site: int) -> Mem:
 # word access
 
 
-# Why every word kernel is split in two. A raising function inlined with the Mem namedtuple as an
-# argument makes Numba keep a reference to each of the Mem's five arrays across the possible
-# raise: an incref/decref pair per array per access (atomic instructions: a checked load cost
-# 48-95 ns, an invalidate 131-176 ns, against ~1-2 ns for the instruction itself). So the public
-# kernels only branch on the backend and hand *scalars* to the hardware half (inlined, checked,
-# raising with nothing reference-counted alive); the sim half gets the Mem in an ordinary call.
-# Measured (4096 lines, one thread): invalidate 131 -> 1.6 ns, load 48 -> 0.8 ns.
+# Why every word kernel is split in two. A raising function inlined with a Mem that held arrays
+# made Numba keep a reference to each array across the possible raise: an incref/decref pair per
+# array per access. Splitting the kernels (the public kernel branches on the backend and hands
+# scalars to an inlined, checked hardware half; the sim half is an ordinary call) removed the
+# counting inside some batch kernels (invalidate 131 -> 1.6 ns, load 48 -> 0.8 ns) but not in
+# all: three stores in a caller's loop still cost 156 ns. The Mem now holds only integers
+# (class Mem), so nothing is counted anywhere; the split stays, as the sim half is large.
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -159,6 +183,18 @@ def _hw_store(base_addr, size_bytes, offset_bytes, value):
 def _sim_store(m, offset_bytes, value):
     _check_word(m.size_bytes, offset_bytes)
     sim.sim_store(m, offset_bytes, value)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _hw_store_nt(base_addr, size_bytes, offset_bytes, value):
+    _check_word(size_bytes, offset_bytes)
+    ntstore64(np.uint64(base_addr) + np.uint64(offset_bytes), value)
+
+
+@njit(cache=True, nogil=True)
+def _sim_store_nt(m, offset_bytes, value):
+    _check_word(m.size_bytes, offset_bytes)
+    sim.sim_store_nt(m, offset_bytes, value)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -203,6 +239,21 @@ def store(m, offset_bytes, value):
         _sim_store(m, offset_bytes, np.uint64(value))
     else:
         _hw_store(m.base_addr, m.size_bytes, offset_bytes, np.uint64(value))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def store_nt(m, offset_bytes, value):
+    """Store one 64-bit word non-temporally (``movnti``): it goes to memory with no flush.
+
+    Why: a store + clflushopt of a line costs ~240 ns on this machine kind (the flush waits for
+    the dirty line's write-back), a full line of NT stores ~10 ns. Use it for metadata lines a
+    writer rewrites whole, or for single words. Warning: weakly ordered, like a flush: ``sfence``
+    before any store that publishes it; the words of one line may land in any order until then.
+    """
+    if m.backend == BACKEND_SIM:
+        _sim_store_nt(m, offset_bytes, np.uint64(value))
+    else:
+        _hw_store_nt(m.base_addr, m.size_bytes, offset_bytes, np.uint64(value))
 
 
 @njit(cache=True, nogil=True, inline="always")

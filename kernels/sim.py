@@ -58,52 +58,102 @@ def new_state(cache_lines: int, seed: int, evict_prob: float) -> tuple[np.ndarra
     return tags, lines, dirty, ctl
 
 
+# The private state is reached through its addresses (``Mem.tags_addr`` ...), not as arrays: a
+# Mem that carried arrays made Numba reference-count them around every inlined word access
+# (mem.py, "Why the Mem holds only integers").
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tag(m, slot):
+    return np.int64(aload64(np.uint64(m.tags_addr) + np.uint64(slot * 8)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_tag(m, slot, line):
+    astore64(np.uint64(m.tags_addr) + np.uint64(slot * 8), np.uint64(np.int64(line)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _word(m, slot, w):
+    return aload64(np.uint64(m.lines_addr) + np.uint64((slot * 8 + w) * 8))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_word(m, slot, w, value):
+    astore64(np.uint64(m.lines_addr) + np.uint64((slot * 8 + w) * 8), np.uint64(value))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dirty(m, slot):
+    return _load_byte(np.uint64(m.dirty_addr) + np.uint64(slot))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_dirty(m, slot, value):
+    _store_byte(np.uint64(m.dirty_addr) + np.uint64(slot), np.uint8(value))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ctl(m, i):
+    return aload64(np.uint64(m.ctl_addr) + np.uint64(i * 8))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_ctl(m, i, value):
+    astore64(np.uint64(m.ctl_addr) + np.uint64(i * 8), np.uint64(value))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _count(m, i):
+    _set_ctl(m, i, _ctl(m, i) + np.uint64(1))
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _slot_of(m, line_index):
     h = np.uint64(line_index) * np.uint64(0x9E3779B97F4A7C15)
-    return np.int64((h >> np.uint64(40)) & np.uint64(m.tags.shape[0] - 1))
+    return np.int64((h >> np.uint64(40)) & np.uint64(m.cache_lines - 1))
 
 
 @njit(cache=True, nogil=True)
 def sim_writeback_slot(m, slot):
     """Write the whole cached line back to memory (all 8 words, stale ones included)."""
-    line = m.tags[slot]
-    if line >= 0 and m.dirty[slot] != 0:
+    line = _tag(m, slot)
+    if line >= 0 and _dirty(m, slot) != 0:
         addr = np.uint64(m.base_addr) + np.uint64(line) * np.uint64(64)
         for w in range(8):
-            astore64(addr + np.uint64(8 * w), m.lines[slot, w])
-        m.dirty[slot] = 0
-        m.ctl[CTL_WRITEBACKS] += np.uint64(1)
+            astore64(addr + np.uint64(8 * w), _word(m, slot, w))
+        _set_dirty(m, slot, 0)
+        _count(m, CTL_WRITEBACKS)
 
 
 @njit(cache=True, nogil=True)
 def _maybe_early_evict(m):
-    x = m.ctl[CTL_RNG]
+    x = _ctl(m, CTL_RNG)
     x ^= x << np.uint64(13)
     x ^= x >> np.uint64(7)
     x ^= x << np.uint64(17)
-    m.ctl[CTL_RNG] = x
-    if (x & np.uint64(0xFFFFFFFF)) < m.ctl[CTL_THRESHOLD]:
-        slot = np.int64((x >> np.uint64(32)) & np.uint64(m.tags.shape[0] - 1))
-        if m.tags[slot] >= 0 and m.dirty[slot] != 0:
+    _set_ctl(m, CTL_RNG, x)
+    if (x & np.uint64(0xFFFFFFFF)) < _ctl(m, CTL_THRESHOLD):
+        slot = np.int64((x >> np.uint64(32)) & np.uint64(m.cache_lines - 1))
+        if _tag(m, slot) >= 0 and _dirty(m, slot) != 0:
             sim_writeback_slot(m, slot)
-            m.tags[slot] = -1
-            m.ctl[CTL_EARLY] += np.uint64(1)
+            _set_tag(m, slot, -1)
+            _count(m, CTL_EARLY)
 
 
 @njit(cache=True, nogil=True)
 def _fill(m, line_index):
     slot = _slot_of(m, line_index)
-    if m.tags[slot] != line_index:
-        if m.tags[slot] >= 0:
+    if _tag(m, slot) != line_index:
+        if _tag(m, slot) >= 0:
             sim_writeback_slot(m, slot)
-            m.ctl[CTL_CONFLICTS] += np.uint64(1)
+            _count(m, CTL_CONFLICTS)
         addr = np.uint64(m.base_addr) + np.uint64(line_index) * np.uint64(64)
         for w in range(8):
-            m.lines[slot, w] = aload64(addr + np.uint64(8 * w))
-        m.tags[slot] = line_index
-        m.dirty[slot] = 0
-        m.ctl[CTL_FILLS] += np.uint64(1)
+            _set_word(m, slot, w, aload64(addr + np.uint64(8 * w)))
+        _set_tag(m, slot, line_index)
+        _set_dirty(m, slot, 0)
+        _count(m, CTL_FILLS)
     return slot
 
 
@@ -112,7 +162,7 @@ def sim_load(m, offset_bytes):
     """Load a word through the private cache (stale if the line was cached earlier)."""
     _maybe_early_evict(m)
     slot = _fill(m, offset_bytes >> 6)
-    return m.lines[slot, (offset_bytes >> 3) & 7]
+    return _word(m, slot, (offset_bytes >> 3) & 7)
 
 
 @njit(cache=True, nogil=True)
@@ -120,8 +170,8 @@ def sim_store(m, offset_bytes, value):
     """Store a word into the private cache only (write-allocate); memory is unchanged."""
     _maybe_early_evict(m)
     slot = _fill(m, offset_bytes >> 6)
-    m.lines[slot, (offset_bytes >> 3) & 7] = np.uint64(value)
-    m.dirty[slot] = 1
+    _set_word(m, slot, (offset_bytes >> 3) & 7, value)
+    _set_dirty(m, slot, 1)
 
 
 @njit(cache=True, nogil=True)
@@ -129,10 +179,22 @@ def sim_flush(m, offset_bytes, keep):
     """Write the line back if dirty; drop it unless ``keep`` (clwb keeps, clflush drops)."""
     line = offset_bytes >> 6
     slot = _slot_of(m, line)
-    if m.tags[slot] == line:
+    if _tag(m, slot) == line:
         sim_writeback_slot(m, slot)
         if not keep:
-            m.tags[slot] = -1
+            _set_tag(m, slot, -1)
+
+
+@njit(cache=True, nogil=True)
+def sim_store_nt(m, offset_bytes, value):
+    """Non-temporal word store: a cached copy of the line is written back and dropped (as
+    hardware does), then the word goes straight to memory."""
+    line = offset_bytes >> 6
+    slot = _slot_of(m, line)
+    if _tag(m, slot) == line:
+        sim_writeback_slot(m, slot)
+        _set_tag(m, slot, -1)
+    astore64(np.uint64(m.base_addr) + np.uint64(offset_bytes), np.uint64(value))
 
 
 @njit(cache=True, nogil=True)
@@ -145,7 +207,7 @@ def sim_read_bytes(m, offset_bytes, dst_addr, nbytes):
         slot = _fill(m, line)
         line_end = min((line + 1) << 6, end)
         while pos < line_end:
-            word = m.lines[slot, (pos >> 3) & 7]
+            word = _word(m, slot, (pos >> 3) & 7)
             byte = (word >> np.uint64(8 * (pos & 7))) & np.uint64(0xFF)
             _store_byte(dst_addr + np.uint64(pos - offset_bytes), byte)
             pos += 1
@@ -158,9 +220,9 @@ def sim_write_bytes_nt(m, offset_bytes, src_addr, nbytes):
     line = offset_bytes >> 6
     while (line << 6) < end:
         slot = _slot_of(m, line)
-        if m.tags[slot] == line:
+        if _tag(m, slot) == line:
             sim_writeback_slot(m, slot)
-            m.tags[slot] = -1
+            _set_tag(m, slot, -1)
         line += 1
     # memory itself: word-wise where aligned, bytes at the edges
     pos = offset_bytes
