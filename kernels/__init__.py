@@ -7,13 +7,13 @@ to a Hugging Face package that transformers probes). See ``mem.py`` for the acce
 from .mem import (BACKEND_HW, BACKEND_SIM, ENV_BACKEND, LINE_BYTES, Mem, cpu_flags, flush,
                   flush_range, full_fence, invalidate, invalidate_range, load, load_fresh,
                   make_mem, nt_copy_raw, read_bytes, read_rows, resolve_backend, store, store_fence,
-                  store_flush, with_skip_site, write_bytes, write_rows, writeback)
+                  store_flush, store_nt, with_skip_site, write_bytes, write_rows, writeback)
 from .sites import NO_SITE, name_of, registered, site
 
 __all__ = [
     "BACKEND_HW", "BACKEND_SIM", "ENV_BACKEND", "LINE_BYTES", "Mem", "NO_SITE", "cpu_flags",
     "flush", "flush_range", "full_fence", "invalidate", "invalidate_range", "load", "load_fresh",
     "make_mem", "name_of", "nt_copy_raw", "read_bytes", "registered", "resolve_backend", "site",
-    "store", "store_fence", "store_flush", "with_skip_site", "write_bytes", "write_rows",
+    "store", "store_fence", "store_flush", "store_nt", "with_skip_site", "write_bytes", "write_rows",
     "read_rows", "writeback",
 ]

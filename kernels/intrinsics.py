@@ -166,6 +166,24 @@ def nt_copy32(typingctx, dst_addr, src_addr):
 
 
 @intrinsic
+def ntstore64(typingctx, word_addr, value):
+    """64-bit non-temporal store (``movnti``): goes to memory through a write-combining buffer,
+    evicting any cached copy of the line first; no flush needed, but an ``sfence`` before
+    anything that depends on it. An aligned 8-byte NT store is written whole (never torn);
+    several NT stores to one line may reach memory in any order until the fence.
+    """
+    sig = types.void(word_addr, value)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _i64p)
+        val = context.cast(builder, args[1], signature.args[1], types.uint64)
+        st = builder.store(val, ptr, align=8)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_i32, 1)]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
 def copy32(typingctx, dst_addr, src_addr):
     """Copy 32 bytes with ordinary (cached) unaligned loads and stores."""
     sig = types.void(dst_addr, src_addr)

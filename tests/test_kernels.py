@@ -57,6 +57,13 @@ def test_compiled_code_contains_the_instructions(buf: np.ndarray) -> None:
     asm = _asm_of(nt, addr, addr + np.uint64(64))
     assert "movnt" in asm, "the non-temporal copy did not emit a streaming store"
 
+    def ntw(a):
+        I.ntstore64(a, np.uint64(7))
+        I.sfence()
+
+    asm = _asm_of(ntw, addr)
+    assert "movnti" in asm, "the non-temporal word store did not emit movnti"
+
     def spin(a):
         n = 0
         while I.aload64(a) == np.uint64(12345) and n < 10:
@@ -144,6 +151,23 @@ def test_sim_writer_without_flush_is_not_seen(buf: np.ndarray) -> None:
     r = K.make_mem(buf, "sim", seed=2, evict_prob=0.0)
     assert publish_and_read(K.with_skip_site(w, S_W), r) == 0
     assert buf[128:136].view(np.uint64)[0] == 0      # memory never got it
+
+
+@pytest.mark.parametrize("backend", ["hw", "sim"])
+def test_store_nt_reaches_memory_without_a_flush(buf: np.ndarray, backend: str) -> None:
+    """An NT word store is in memory at once; the writer's own cached copy of the line is
+    written back first (its other dirty words survive) and dropped (its next load is fresh)."""
+    w = K.make_mem(buf, backend, seed=1, evict_prob=0.0)
+    K.store(w, 256, 11)                  # dirty word in the same line, not flushed
+    K.store_nt(w, 264, 22)
+    K.store_fence(w)
+    words = buf[256:272].view(np.uint64)
+    assert int(words[1]) == 22
+    assert int(words[0]) == 11           # written back with the line, not lost
+    buf[256:264].view(np.uint64)[0] = 33  # another node's write, straight to memory
+    assert int(K.load(w, 256)) == 33      # the line was dropped: the load reads memory
+    with pytest.raises(IndexError):
+        K.store_nt(w, 3, 1)
 
 
 def test_sim_two_writers_of_one_line_lose_an_update(buf: np.ndarray) -> None:
