@@ -16,12 +16,14 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from numba import njit
 
 import tract_async as tract
 from tract_async import errors as E
 from tests.engine_http_util import http_cfg, http_pair
 from tests.engine_util import TINY, block_matches, cfg, kv_for_keys
 from tract_async.keys import keys_to_words
+from tract_kernels.intrinsics import monotonic_ns
 
 
 @pytest.fixture(params=["region-hw", "region-sim", "http"])
@@ -329,3 +331,28 @@ async def test_revalidation_is_what_stops_a_torn_read(region_path: str, validate
     finally:
         await b.close()
         await a.close()
+
+
+@njit(cache=False)            # no nogil: this call keeps the GIL for its whole duration
+def _hold_gil_for(ns: int) -> int:
+    end = monotonic_ns() + ns
+    n = 0
+    while monotonic_ns() < end:
+        n += 1
+    return n
+
+
+async def test_heartbeat_survives_a_stall_that_holds_the_gil(region_path: str) -> None:
+    """A process stalled with the GIL held (a long numba compile, a C call that keeps it) for
+    three liveness timeouts is still live: the heartbeat runs in jitted code without the GIL.
+    (A Python heartbeat thread beat 0-1 times here, and the lock manager revoked the node.)"""
+    # cfg: heartbeat every 50 ms
+    async with tract.Engine.open(cfg(region_path, 0, create=True, liveness_timeout_s=0.4)) as eng:
+        nodes = eng._region.nodes
+        seq0 = nodes.info(0).heartbeat_seq
+        _hold_gil_for(int(1.2e9))
+        after = nodes.info(0, timeout_s=0.4)
+        assert after.live, f"heartbeat age {after.heartbeat_age_s:.3f} s after the stall"
+        assert after.heartbeat_seq - seq0 >= 12, (seq0, after.heartbeat_seq)   # ~24 expected
+        keys = eng.block_keys(range(16))
+        await eng.put_kv(keys, kv_for_keys(keys))            # the node still writes

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from . import kvplan
@@ -58,7 +59,7 @@ class Engine(CudaEngineMixin):
         self._failure: BaseException | None = None
         self._opened_at = 0.0
         self._hb_thread: threading.Thread | None = None
-        self._hb_stop = threading.Event()
+        self._hb_stop_word = np.zeros(1, dtype=np.uint64)   # non-zero: the heartbeat stops
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
@@ -155,7 +156,7 @@ class Engine(CudaEngineMixin):
             store_box.append(self._store)
             self._tg = asyncio.TaskGroup()
             await self._tg.__aenter__()
-            self._hb_stop = threading.Event()
+            self._hb_stop_word = np.zeros(1, dtype=np.uint64)
             self._hb_thread = threading.Thread(target=self._heartbeat_thread,
                                                name=f"tract-heartbeat-{cfg.node_id}", daemon=True)
             self._hb_thread.start()
@@ -176,26 +177,23 @@ class Engine(CudaEngineMixin):
         manager's kernels (seconds); doing it here, with a generous deadline, keeps that out of
         the first put's lock timeout. With a warm cache it costs one round trip.
         """
-        import numpy as np
         self._store.index.lookup(np.zeros((0, 4), dtype=np.uint64))
         await self._lock.acquire(timeout=max(60.0, 8 * self.cfg.liveness_timeout_s))
         self._lock.release()
 
     def _heartbeat_thread(self) -> None:
-        """Beat from a thread, not a task: a caller that keeps the event loop busy (a loop of
-        gets that never suspend, a long jitted call) must not get a live node judged dead,
-        revoked, and its chunks reclaimed under its feet."""
-        region, handle = self._region, self._handle
-        while not self._hb_stop.wait(self.cfg.heartbeat_interval_s):
-            try:
-                region.nodes.heartbeat(handle)
-            except NodeEvicted as e:
+        """Beat from a thread, not a task, and from jitted code that holds no GIL
+        (``NodeTable.beat_until_stopped``): neither a busy event loop (a loop of gets that
+        never suspend) nor a Python-level stall (a long compile, a C call that keeps the GIL)
+        may get a live node judged dead, revoked, and its chunks reclaimed under its feet."""
+        try:
+            self._region.nodes.beat_until_stopped(self._handle, self.cfg.heartbeat_interval_s,
+                                                  self._hb_stop_word)
+        except NodeEvicted as e:
+            self._failure = e
+        except Exception as e:  # a closed region at shutdown: stop quietly
+            if not self._hb_stop_word[0]:
                 self._failure = e
-                return
-            except Exception as e:  # a closed region at shutdown: stop quietly
-                if not self._hb_stop.is_set():
-                    self._failure = e
-                return
 
     async def _watch_failure(self) -> None:
         """Surface a heartbeat failure (this node was taken over) into the TaskGroup."""
@@ -238,7 +236,7 @@ class Engine(CudaEngineMixin):
             except Exception as e:  # keep going: the rest must still be released
                 errors.append(e)
         if getattr(self, "_hb_thread", None) is not None:
-            self._hb_stop.set()
+            self._hb_stop_word[0] = 1
             await asyncio.get_running_loop().run_in_executor(None, self._hb_thread.join, 5.0)
             self._hb_thread = None
         if self._tg is not None:

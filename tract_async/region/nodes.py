@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from numba import njit
 
 import tract_kernels as K
+from tract_kernels.intrinsics import aload64, monotonic_ns, realtime_ns, usleep
 
 from ..errors import NodeEvicted, NodeIdInUse, NodeIdOutOfRange
 from . import layout as L
@@ -51,6 +53,42 @@ NODE_LOCK_BASE = 1 << 40
 DEFAULT_LIVENESS_TIMEOUT_S = 1.0
 
 _F = {name: L.NODE.dtype.fields[name][1] for name in L.NODE.dtype.names}
+
+
+_O_STATE, _O_NONCE, _O_BEAT, _O_SEQ = (_F["state"], _F["owner_nonce"], _F["heartbeat_ns"],
+                                       _F["heartbeat_seq"])
+BEAT_STOP_POLL_US = 10_000
+"""How often a sleeping ``_beat_loop`` looks at its stop word: the longest ``Engine.close`` waits."""
+
+
+@njit(cache=True, nogil=True)
+def _beat_loop(m, off, nonce, interval_ns, stop_addr):
+    """Beat every ``interval_ns`` until the word at ``stop_addr`` is non-zero (returns 0) or the
+    line no longer names this owner as LIVE (returns 1: taken over). One beat: invalidate the
+    line, check owner and state, then ``heartbeat_ns`` and ``heartbeat_seq + 1``, flush, fence
+    (the same stores as ``NodeTable.heartbeat``).
+
+    Why jitted: it runs for the node's whole life without the GIL, so no Python-level stall of
+    the process (a long numba compile, a C call that keeps the GIL, a busy thread) can starve
+    the heartbeat and get a live node judged dead, its lock revoked and its chunks reclaimed."""
+    while True:
+        K.invalidate(m, off, S_NODE_READ)
+        K.full_fence(m)
+        if K.load(m, off + _O_NONCE) != np.uint64(nonce) or K.load(m, off + _O_STATE) != L.NODE_LIVE:
+            return 1
+        seq = K.load(m, off + _O_SEQ)
+        K.store(m, off + _O_BEAT, realtime_ns())
+        K.store(m, off + _O_SEQ, seq + np.uint64(1))
+        K.flush(m, off, S_NODE_BEAT)
+        K.full_fence(m)
+        due = monotonic_ns() + interval_ns
+        while True:
+            if aload64(stop_addr) != 0:
+                return 0
+            now = monotonic_ns()
+            if now >= due:
+                break
+            usleep(min(BEAT_STOP_POLL_US, max(1, (due - now) // 1000)))
 
 
 def host_id() -> int:
@@ -217,6 +255,19 @@ class NodeTable:
         K.store(mem, off + _F["heartbeat_seq"], seq + 1)
         K.flush(mem, off, S_NODE_BEAT)
         K.full_fence(mem)
+
+    def beat_until_stopped(self, handle: NodeHandle, interval_s: float, stop: np.ndarray) -> None:
+        """Heartbeat every ``interval_s`` from the calling thread, without the GIL, until
+        ``stop[0]`` becomes non-zero (``stop``: a uint64 array the caller keeps alive). Raises
+        NodeEvicted when another process took the id over. For a dedicated thread."""
+        self._check_owner(handle)
+        if stop.dtype != np.uint64 or stop.size < 1:
+            raise ValueError("stop must be a uint64 array of at least one element")
+        rc = _beat_loop(self._region.mem, self.line_offset(handle.node_id),
+                        np.uint64(handle.owner_nonce), int(interval_s * 1e9), stop.ctypes.data)
+        if rc != 0:
+            self._check_owner(handle)           # raises NodeEvicted with the details
+            raise NodeEvicted(f"node {handle.node_id} is no longer LIVE in the node table")
 
     def _check_owner(self, handle: NodeHandle) -> None:
         if handle.left:
