@@ -356,3 +356,16 @@ async def test_heartbeat_survives_a_stall_that_holds_the_gil(region_path: str) -
         assert after.heartbeat_seq - seq0 >= 12, (seq0, after.heartbeat_seq)   # ~24 expected
         keys = eng.block_keys(range(16))
         await eng.put_kv(keys, kv_for_keys(keys))            # the node still writes
+
+
+async def test_a_large_put_in_a_fresh_region_is_one_contiguous_run(region_path: str) -> None:
+    """Blocks of one put run up through the freshly claimed chunks in address order, so the
+    whole payload is one contiguous range (one DMA on the GPU path, not one per chunk)."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+        bb = eng.layout.block_bytes
+        per_chunk = (1 << 20) // bb                         # cfg: 1 MiB chunks
+        keys = eng.block_keys(range(TINY.block_tokens * per_chunk * 3))   # three chunks' worth
+        assert await eng.put_kv(keys, kv_for_keys(keys)) == len(keys)
+        snap = eng._store.index.snapshot(keys_to_words(keys))
+        poffs = snap[:, 3]
+        assert (np.diff(poffs) == bb).all(), np.unique(np.diff(poffs))

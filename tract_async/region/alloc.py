@@ -347,7 +347,11 @@ class Allocator:
                                      f"{self._region.path} ({self.geo.nchunks} chunks) for "
                                      f"{count - len(out)} more {nbytes}-byte blocks")
                 self._claims += len(got)
-                for chunk, gen in got:
+                # carved highest first: the free list hands out its *last* chunk first, so the
+                # slots of a batch then run up through the claimed chunks in address order and
+                # a large put's blocks form one contiguous run (one DMA on the GPU path instead
+                # of one per chunk)
+                for chunk, gen in reversed(got):
                     self._carve(chunk, gen, cls, lock.token)
                 out += self.alloc_many_nowait(nbytes, count - len(out))
         except BaseException:
