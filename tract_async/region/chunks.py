@@ -409,11 +409,16 @@ class ChunkTable:
     def dead_owners(self, nodes: list["NodeInfo"]) -> dict[int, set[int]]:
         """{node id: {epochs}} of chunk owners that are not live with that epoch."""
         own = self.owners()
+        owner = own["owner"].astype(np.int64)
+        held = owner != 0
+        node = owner[held] - 1
+        epoch = own["owner_epoch"][held].astype(np.int64)
+        # the epoch each node id is live with (-1: not live, or beyond the table)
+        live_epoch = np.array([n.epoch if n.live else -1 for n in nodes] + [-1], dtype=np.int64)
+        dead = live_epoch[np.minimum(node, len(nodes))] != epoch
         out: dict[int, set[int]] = {}
-        for rec in own[own["owner"] != 0]:
-            n, ep = int(rec["owner"]) - 1, int(rec["owner_epoch"])
-            if n >= len(nodes) or not (nodes[n].live and nodes[n].epoch == ep):
-                out.setdefault(n, set()).add(ep)
+        for n, ep in set(zip(node[dead].tolist(), epoch[dead].tolist())):
+            out.setdefault(n, set()).add(ep)
         return out
 
     def reclaim_dead(self, nodes: list["NodeInfo"], token: int, check: Callable[[], None],

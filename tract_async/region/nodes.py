@@ -157,6 +157,15 @@ class NodeHandle:
     left: bool = False
 
 
+def _node_info(node_id: int, rec: tuple, now_ns: int, timeout_s: float) -> NodeInfo:
+    """A NodeInfo from one ``layout.NODE`` record (as ``tolist()`` gives it, in field order)."""
+    state, epoch, nonce, pid, hb, seq, host, joined = rec
+    age = (now_ns - hb) / 1e9 if hb else float("inf")
+    return NodeInfo(node_id=node_id, state=state, epoch=epoch, owner_nonce=nonce, pid=pid,
+                    heartbeat_ns=hb, heartbeat_seq=seq, host_id=host, joined_ns=joined,
+                    heartbeat_age_s=age, live=state == L.NODE_LIVE and age < timeout_s)
+
+
 class NodeTable:
     """The region's node table. Obtained as ``region.nodes``."""
 
@@ -179,21 +188,18 @@ class NodeTable:
         off = self.line_offset(node_id)
         raw = np.zeros(L.NODE.itemsize, dtype=np.uint8)
         K.read_bytes(self._region.mem, off, raw.ctypes.data, raw.size, S_NODE_READ)
-        rec = raw.view(L.NODE.dtype)[0]
         now = time.time_ns() if now_ns is None else now_ns
-        hb = int(rec["heartbeat_ns"])
-        age = (now - hb) / 1e9 if hb else float("inf")
-        state = int(rec["state"])
-        return NodeInfo(node_id=int(node_id), state=state, epoch=int(rec["epoch"]),
-                        owner_nonce=int(rec["owner_nonce"]), pid=int(rec["pid"]), heartbeat_ns=hb,
-                        heartbeat_seq=int(rec["heartbeat_seq"]), host_id=int(rec["host_id"]),
-                        joined_ns=int(rec["joined_ns"]), heartbeat_age_s=age,
-                        live=state == L.NODE_LIVE and age < timeout_s)
+        return _node_info(int(node_id), raw.view(L.NODE.dtype)[0].tolist(), now, timeout_s)
 
     def all(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> list[NodeInfo]:
-        """Every node line."""
+        """Every node line, read from memory in one call (recovery reads the table on every
+        chunk claim: one read instead of ``max_nodes``, ~10 instead of ~100 µs for 8 nodes)."""
+        n = self._region.max_nodes
+        raw = np.zeros(n * L.NODE.itemsize, dtype=np.uint8)
+        K.read_bytes(self._region.mem, self._offset, raw.ctypes.data, raw.size, S_NODE_READ)
         now = time.time_ns()
-        return [self.info(i, timeout_s=timeout_s, now_ns=now) for i in range(self._region.max_nodes)]
+        return [_node_info(i, rec, now, timeout_s)
+                for i, rec in enumerate(raw.view(L.NODE.dtype).tolist())]
 
     def live_ids(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> list[int]:
         """Ids whose state is LIVE and heartbeat fresh."""
