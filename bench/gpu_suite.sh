@@ -73,7 +73,7 @@ step() {  # step NAME SECONDS CMD...  (output to $OUT/NAME.log)
 }
 
 # -- steps -------------------------------------------------------------------------------------
-step gpu_tests 200 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/test_cuda_gpu.py --maxfail=10
+step gpu_tests 270 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/test_cuda_gpu.py --maxfail=10
 step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
 step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
 # diagnostic: the same short prefills with a 200 µs GIL switch interval (see --help)
