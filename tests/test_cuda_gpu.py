@@ -375,16 +375,10 @@ def test_gpu_rows_match_numpy_reference_for_random_pool_ids(region_path):
 
 
 @pytest.mark.parametrize("method", ["auto", "zerocopy"])
-@pytest.mark.parametrize("pipeline_bytes", [None, 1 << 20])
-def test_large_put_is_exact_and_all_or_nothing(region_path, method, pipeline_bytes, monkeypatch):
+def test_large_put_is_exact_and_all_or_nothing(region_path, method):
     """A put of a few thousand blocks with present blocks mixed in is bit-exact; one that does
-    not fit raises RegionFull and leaves none of its blocks behind. With ``pipeline_bytes`` the
-    put reserves and enqueues in batches of 1 MiB (128 blocks; the 16 MiB put is 17 batches,
-    and the one that does not fit fails in a later batch, after earlier batches' DMA)."""
+    not fit raises RegionFull and leaves none of its blocks behind."""
     from tract_async import errors
-    from tract_async.cuda import store as cstore
-    if pipeline_bytes is not None:
-        monkeypatch.setattr(cstore, "PIPELINE_BYTES", pipeline_bytes)
     lay = layout(torch.float16, L=2, T=16, H=2, D=32)        # 8 KiB blocks
     n = 2085
 

@@ -122,12 +122,6 @@ class Copier:
         ev.record(stream)
         return ev
 
-    def get_barrier(self) -> Any:
-        """An event that completes after everything enqueued so far on both get streams (a
-        batched get's batches may end on either: a DMA straight into place, or a scatter)."""
-        _wait(self.get_xform, self._event(self.get_dma))
-        return self._event(self.get_xform)
-
     def producer_event(self, ready: Any) -> Any:
         """An event for the producer's work: ``ready`` as is (Event), recorded on it (Stream),
         or recorded now on the current stream (None)."""

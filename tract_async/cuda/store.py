@@ -166,12 +166,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             store.stats.blocks_skipped += 1
         else:
             new.append(i)
-    planes = planes_of(store.layout, layer)
-    per_batch = max(1, PIPELINE_BYTES // (planes * store.layout.half_layer_bytes))
-    if len(new) > per_batch and cpath.registered:
-        return await _start_put_pipelined(store, cpath, keys, words, todo, new, per_batch,
-                                          tensors, make_plan, layer, timeout, ready=ready,
-                                          method=method)
     if new:
         await store._reserve(keys, words, new, timeout)
         todo = sorted(set(todo) | {i for i in new if keys[i] in store._reserved})
@@ -182,7 +176,25 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     poffs = np.array([r.allocation.offset_bytes for r in res], dtype=np.int64)
     plan = make_plan(poffs, np.array(todo, dtype=np.int64))
     nbytes = plan.nbytes
-    publish = _publisher(store, keys, todo, res, layer, nbytes)
+    planes = planes_of(store.layout, layer)
+    layout = store.layout
+
+    def publish() -> int:
+        lo, hi = kvplan.layer_mask(layout, layer)
+        live = [(i, r) for i, r in zip(todo, res) if store._reserved.get(keys[i]) is r]
+        if live:
+            slots = np.array([r.slot for _, r in live], dtype=np.int64)
+            ix.publish_layers(store.mem, store.geo.entries_offset, slots, lo, hi, store._all_lo,
+                              store._all_hi)
+        for i, r in live:
+            r.layers_lo |= lo
+            r.layers_hi |= hi
+            if r.layers_lo == store._all_lo and r.layers_hi == store._all_hi:
+                del store._reserved[keys[i]]
+                store.stats.blocks_stored += 1
+        store.stats.puts += 1
+        store.stats.bytes_put += nbytes
+        return len(live)
 
     try:
         copier = cpath.copier(tensors[0].device)
@@ -203,91 +215,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     except BaseException:
         await store._abandon([keys[i] for i in todo])
         raise
-
-
-def _publisher(store: Any, keys: list[bytes], todo: list[int], res: list[Any],
-               layer: int | None, nbytes: int) -> Callable[[], int]:
-    """The completion of a put: publish the layer bits of the blocks still reserved by it
-    (READY after the last layer), on the loop, after the DMA's event completed."""
-    layout = store.layout
-
-    def publish() -> int:
-        lo, hi = kvplan.layer_mask(layout, layer)
-        live = [(i, r) for i, r in zip(todo, res) if store._reserved.get(keys[i]) is r]
-        if live:
-            slots = np.array([r.slot for _, r in live], dtype=np.int64)
-            ix.publish_layers(store.mem, store.geo.entries_offset, slots, lo, hi, store._all_lo,
-                              store._all_hi)
-        for i, r in live:
-            r.layers_lo |= lo
-            r.layers_hi |= hi
-            if r.layers_lo == store._all_lo and r.layers_hi == store._all_hi:
-                del store._reserved[keys[i]]
-                store.stats.blocks_stored += 1
-        store.stats.puts += 1
-        store.stats.bytes_put += nbytes
-        return len(live)
-
-    return publish
-
-
-PIPELINE_BYTES = 64 << 20
-"""Puts with more new blocks than this many bytes' worth reserve and enqueue in batches of
-that size (gets likewise drop the lines of, and enqueue, one batch at a time): the DMA of one batch (~1.2 ms at 55 GB/s) runs while the next is reserved and
-planned (~0.5 ms of host work for 64 one-MiB blocks), instead of the whole reservation and
-plan (~4-5 ms for 1 GiB) before the first byte moves. Sized in bytes, not blocks: with 1 MiB
-blocks a 1 GiB put is only 1024 blocks."""
-
-
-async def _start_put_pipelined(store: Any, cpath: CudaPath, keys: list[bytes], words: np.ndarray,
-                               todo: list[int], new: list[int], per_batch: int,
-                               tensors: Sequence[Any], make_plan: PlanFn, layer: int | None,
-                               timeout: float | None, *, ready: Any = None,
-                               method: str | None = None) -> StreamFuture:
-    """``start_put`` for large puts: reserve a batch (one global-lock hold), enqueue its copy,
-    reserve the next... All batches go to the copier's one put stream, so the last batch's event
-    completes after every earlier one; the future's completion publishes them all. A failure
-    after some batches were enqueued waits for their DMA to land, then evicts every reservation
-    of this put (all or nothing, as the unbatched put)."""
-    copier = cpath.copier(tensors[0].device)
-    planes = planes_of(store.layout, layer)
-    enqueued: list[int] = []
-    res_all: list[Any] = []
-    keep: list[Any] = []
-    ev: Any = None
-    m = ""
-    nbytes = 0
-    try:
-        carry = list(todo)               # blocks this node reserved in earlier (layer) calls
-        for lo in range(0, len(new), per_batch):
-            batch = new[lo:lo + per_batch]
-            await store._reserve(keys, words, batch, timeout)
-            pos = sorted(set(carry) | {i for i in batch if keys[i] in store._reserved})
-            carry = []
-            if not pos:
-                continue
-            res = [store._reserved[keys[i]] for i in pos]
-            poffs = np.array([r.allocation.offset_bytes for r in res], dtype=np.int64)
-            plan = make_plan(poffs, np.array(pos, dtype=np.int64))
-            ev, kept, m = copier.put(plan, tensors, planes=planes, ready=ready, method=method)
-            keep.extend(kept)
-            enqueued.extend(pos)
-            res_all.extend(res)
-            nbytes += plan.nbytes
-    except BaseException:
-        if ev is not None:
-            landed = cpath.track(StreamFuture(ev, keep=tuple(keep), label="put/aborted"))
-            await landed.wait_landed()
-        await store._abandon([keys[i] for i in enqueued]
-                             + [keys[i] for i in new if keys[i] in store._reserved])
-        raise
-    if not enqueued:
-        store.stats.puts += 1
-        return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
-    publish = _publisher(store, keys, enqueued, res_all, layer, nbytes)
-    return cpath.track(StreamFuture(ev, completion=publish, keep=tuple(keep), nbytes=nbytes,
-                                    not_before_s=nbytes / LINK_BYTES_PER_S,
-                                    label=f"put/{m}/batched"))
 
 
 async def finish_put(store: Any, cpath: CudaPath, keys: list[bytes], fut: StreamFuture) -> int:
@@ -337,10 +264,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     # drop this host's cached copies of the payload before the DMA reads it (non-coherent CXL)
     lay = store.layout
     rel, span = (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes, lay.layer_bytes)
-    per_batch = max(1, PIPELINE_BYTES // (planes * lay.half_layer_bytes))
-    pipelined = n > per_batch and cpath.registered
-    if not pipelined:
-        await invalidate_payloads(store.mem, poffs, rel, span)
+    await invalidate_payloads(store.mem, poffs, rel, span)
 
     def validate() -> Any:
         ok = np.zeros(n, dtype=np.bool_)
@@ -363,29 +287,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         return result
 
     copier = cpath.copier(tensors[0].device)
-    if pipelined:
-        # batch k's DMA runs while batch k+1's lines are dropped: the lines of a batch are
-        # invalidated before its copy is enqueued, every batch goes to the same streams, so
-        # the last batch's event completes after all of them; validation covers every block
-        keep_all: list[Any] = []
-        try:
-            for lo in range(0, n, per_batch):
-                hi = min(n, lo + per_batch)
-                await invalidate_payloads(store.mem, poffs[lo:hi], rel, span)
-                part = make_plan(poffs[lo:hi], np.arange(lo, hi, dtype=np.int64))
-                ev, keep, m = copier.get(part, tensors, planes=planes, after=after,
-                                         method=method)
-                keep_all.extend(keep)
-        except BaseException:
-            if keep_all:   # a cancelled get returns only once no more bytes can land in out
-                landed = cpath.track(StreamFuture(copier.get_barrier(), keep=tuple(keep_all),
-                                                  label="get/aborted"))
-                await asyncio.shield(landed.wait_landed())
-            raise
-        ev = copier.get_barrier()
-        fut = StreamFuture(ev, completion=validate, keep=tuple(keep_all), nbytes=nbytes,
-                           not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}/batched")
-    elif cpath.registered:
+    if cpath.registered:
         ev, keep, m = copier.get(plan, tensors, planes=planes, after=after, method=method)
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                            not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}")
