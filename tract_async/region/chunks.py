@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 import numpy as np
+from numba import njit
 
 import tract_kernels as K
 
@@ -186,6 +187,29 @@ class Journal:
     first_chunk: int
     count: int
     seq: int
+
+
+@njit(cache=True, nogil=True)
+def _set_owners_run(m, off, count, rec_bytes, o_owner, o_epoch, o_gen, o_token, owner_word,
+                    epoch, token, gens):
+    """``ChunkTable._set_owner`` for ``count`` consecutive owner records from ``off``: every
+    record line invalidated, one fence; each record's generation + 1, owner, epoch and token
+    stored, its line flushed; one fence. The new generations go to ``gens``. (One call instead of
+    a Python call with a fence per chunk: a 256 MiB put of 64 KiB blocks claims 128 chunks.)"""
+    for i in range(count):
+        K.invalidate(m, off + i * rec_bytes, S_OWNER_READ)
+    K.full_fence(m)
+    for i in range(count):
+        r = off + i * rec_bytes
+        gen = K.load(m, r + o_gen) + np.uint64(1)
+        K.store(m, r + o_owner, owner_word)
+        K.store(m, r + o_epoch, epoch)
+        K.store(m, r + o_gen, gen)
+        K.store(m, r + o_token, token)
+        gens[i] = np.int64(gen)
+    for i in range(count):
+        K.flush(m, off + i * rec_bytes, S_OWNER_FLUSH)
+    K.full_fence(m)
 
 
 class ChunkTable:
@@ -352,7 +376,11 @@ class ChunkTable:
         self._fault("claim.found")
         self._journal_begin(OP_CLAIM, node_id, epoch, token, first, count)
         self._fault("claim.journaled")
-        gens = [self._set_owner(c, node_id, epoch, token) for c in range(first, first + count)]
+        gens_a = np.zeros(count, dtype=np.int64)
+        _set_owners_run(self._region.mem, self.geo.owner_off(first), count,
+                        L.CHUNK_OWNER.itemsize, _O["owner"], _O["owner_epoch"],
+                        _O["generation"], _O["claim_token"], node_id + 1, epoch, token, gens_a)
+        gens = gens_a.tolist()
         self._fault("claim.owner")
         self._set_bits(range(first, first + count), True)
         self._fault("claim.bitmap")
