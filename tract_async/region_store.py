@@ -15,6 +15,7 @@ lands in a slot that was handed out again).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import dataclasses
 import time
 from typing import Any
@@ -45,6 +46,13 @@ SMALL_READ = 8
 
 NT_READ_BYTES = 8 << 20
 """Gets at least this large write their output with non-temporal stores (``read_rows``)."""
+
+
+_A_OFFSET, _A_NBYTES, _A_OWNER, _A_GEN, _A_TOKEN = (
+    Allocation._fields.index(f) for f in ("offset_bytes", "nbytes", "owner_node", "generation",
+                                          "token"))
+"""Columns of a batch of allocations flattened into one int64 array (``np.fromiter`` over
+the chained tuples: 0.5 ms for 4096 of them, ``np.array`` 1.2 ms, a tuple per row 2 ms)."""
 
 
 class _Reservation:
@@ -162,16 +170,23 @@ class RegionStore:
         snap = self.index.snapshot(words)
         todo: list[int] = []          # positions in keys this call writes
         new: list[int] = []           # positions that need a reservation
-        for i, k in enumerate(keys):
-            if k in self._reserved:
-                todo.append(i)
-            elif snap[i, 0] >= 0:
-                self.stats.blocks_skipped += 1       # present, or produced by another node
-            else:
-                new.append(i)
+        reserved = self._reserved
+        if not reserved:              # nothing of ours in flight: one numpy pass
+            present = snap[:, 0] >= 0
+            self.stats.blocks_skipped += int(present.sum())
+            new = np.flatnonzero(~present).tolist()
+        else:
+            for i, k in enumerate(keys):
+                if k in reserved:
+                    todo.append(i)
+                elif snap[i, 0] >= 0:
+                    self.stats.blocks_skipped += 1   # present, or produced by another node
+                else:
+                    new.append(i)
         if new:
             await self._reserve(keys, words, new, timeout)
-            todo = sorted(set(todo) | {i for i in new if keys[i] in self._reserved})
+            got = [i for i in new if keys[i] in reserved]
+            todo = sorted(set(todo).union(got)) if todo else got
         if not todo:
             self.stats.puts += 1
             return 0
@@ -188,12 +203,17 @@ class RegionStore:
         slots = np.array([r.slot for r in res], dtype=np.int64)
         ix.publish_layers(self.mem, self.geo.entries_offset, slots, lo, hi, self._all_lo,
                           self._all_hi)
-        for i, r in zip(todo, res):
-            r.layers_lo |= lo
-            r.layers_hi |= hi
-            if r.layers_lo == self._all_lo and r.layers_hi == self._all_hi:
-                del self._reserved[keys[i]]
-                self.stats.blocks_stored += 1
+        if layer is None:             # every layer written: all of them are READY now
+            for i in todo:
+                del reserved[keys[i]]
+            self.stats.blocks_stored += len(todo)
+        else:
+            for i, r in zip(todo, res):
+                r.layers_lo |= lo
+                r.layers_hi |= hi
+                if r.layers_lo == self._all_lo and r.layers_hi == self._all_hi:
+                    del reserved[keys[i]]
+                    self.stats.blocks_stored += 1
         self.stats.puts += 1
         self.stats.bytes_put += nbytes
         return len(todo)
@@ -213,8 +233,14 @@ class RegionStore:
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
             allocs = self._alloc_many_locked(len(positions))
             res = np.zeros((len(positions), 3), dtype=np.int64)
-            ainfo = np.array([(a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16),
-                               a.token) for a in allocs], dtype=np.uint64).reshape(-1, 4)
+            a = np.fromiter(itertools.chain.from_iterable(allocs), dtype=np.int64,
+                            count=len(allocs) * len(Allocation._fields)
+                            ).reshape(-1, len(Allocation._fields))
+            ainfo = np.empty((len(allocs), 4), dtype=np.uint64)
+            ainfo[:, 0] = a[:, _A_OFFSET]
+            ainfo[:, 1] = a[:, _A_NBYTES]
+            ainfo[:, 2] = a[:, _A_OWNER] | (a[:, _A_GEN] << 16)
+            ainfo[:, 3] = a[:, _A_TOKEN]
             try:
                 # one kernel call: the reservation, then (all reserved) the publishes counter
                 counted = ix.reserve_batch_counted(
@@ -228,7 +254,12 @@ class RegionStore:
             full = False
             unused: list[Allocation] = []
             reserved = self._reserved
-            for j, (slot, prev, version) in enumerate(res.tolist()):
+            if (res[:, 0] >= 0).all():    # every key reserved: no per-key branching
+                ks = [keys[i] for i in positions]
+                reserved.update(zip(ks, map(_Reservation, res[:, 0].tolist(),
+                                            res[:, 2].tolist(), allocs)))
+                mine = list(zip(ks, res[:, 1].tolist()))
+            for j, (slot, prev, version) in enumerate(res.tolist() if not mine else ()):
                 i = positions[j]
                 if slot >= 0:
                     reserved[keys[i]] = _Reservation(slot, version, allocs[j])

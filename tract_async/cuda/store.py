@@ -159,16 +159,23 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     snap = store.index.snapshot(words)
     todo: list[int] = []
     new: list[int] = []
-    for i, k in enumerate(keys):
-        if k in store._reserved:
-            todo.append(i)
-        elif snap[i, 0] >= 0:
-            store.stats.blocks_skipped += 1
-        else:
-            new.append(i)
+    reserved = store._reserved
+    if not reserved:                  # nothing of ours in flight: one numpy pass
+        present = snap[:, 0] >= 0
+        store.stats.blocks_skipped += int(present.sum())
+        new = np.flatnonzero(~present).tolist()
+    else:
+        for i, k in enumerate(keys):
+            if k in reserved:
+                todo.append(i)
+            elif snap[i, 0] >= 0:
+                store.stats.blocks_skipped += 1
+            else:
+                new.append(i)
     if new:
         await store._reserve(keys, words, new, timeout)
-        todo = sorted(set(todo) | {i for i in new if keys[i] in store._reserved})
+        got = [i for i in new if keys[i] in reserved]
+        todo = sorted(set(todo).union(got)) if todo else got
     if not todo:
         store.stats.puts += 1
         return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
