@@ -24,9 +24,9 @@ producer lives; the engine waits for a cancelled put's copy to finish before giv
 Who writes what, and in what order
 ----------------------------------
 * Reserve (global-lock holder, once per request batch): in a free or tombstoned slot of the key's
-  probe window, write line 1 (no layers yet, allocation, producer, LRU clock, flags) and line 0's
-  ``version + 1``, key and payload bounds with the old state in place, all non-temporal (no
-  flush needed), fence, then ``state = RESERVED`` (NT). The entry is now the producer's.
+  probe window, write line 1 (no layers yet, allocation, producer, LRU clock, flags) with
+  non-temporal stores, fence, then line 0 once: ``version + 1``, key, payload bounds and, stored
+  last, ``state = RESERVED``; flush. The entry is now the producer's.
 * Fill (the producer, no lock): payload bytes of a layer with non-temporal stores and ``sfence``;
   then the layer's bit in line 1 (NT store); the consumer sees the bit only after the bytes. After
   the last layer, a fence, then ``state = READY`` (NT) (DESIGN.md invariant 5). The entry is
@@ -340,8 +340,8 @@ def _claimed_add(table, slot, pos):
 
 
 RESERVE_GROUP = 64
-"""Keys per pair of store fences in ``reserve_batch``. One ``sfence`` (~0.3 µs) per 64 keys costs
-~5 ns per key; the group's table of claimed slots stays in L1."""
+"""Keys per store fence in ``reserve_batch``. One ``sfence`` (~0.3 µs) per 64 keys costs ~5 ns
+per key, and the group's line-0 copies read by the probe stay in L1 until they are written."""
 
 
 @njit(cache=True, nogil=True)
@@ -354,19 +354,20 @@ def reserve_batch(m, eoff, mask, max_probe, keys, poffs, pnbs, owners, tokens, n
 
     Every home line is invalidated first (one fence). Then, per group of ``RESERVE_GROUP`` keys:
     (1) per key: probe (later probes invalidate and fence one by one), then line 1 (no layers,
-    allocation, producer, clock, flags) written whole with non-temporal stores, and line 0's
-    fields (``version + 1``, key, payload bounds) likewise, the old state left in place;
-    (2) ``sfence``: all of that is in memory; (3) per key ``state = RESERVED``, one NT word;
-    ``mfence`` at the end of the batch. No entry shows RESERVED before all its fields are in
-    memory, and a reader that sees the new key with the old state (EMPTY or TOMBSTONE) treats
-    the entry as absent.
+    allocation, producer, clock, flags) written whole with non-temporal stores (no flush);
+    (2) ``sfence``: the group's lines 1 are in memory; (3) per key, line 0 written once --
+    ``version + 1``, key, payload bounds, and ``state = RESERVED`` as the last store -- and
+    flushed; ``mfence`` at the end of the batch. No entry shows RESERVED before all its fields
+    are in memory: line 1 by the fence, and inside line 0 the state is stored last, so any
+    write-back of that line (an early eviction included) that carries RESERVED carries the
+    stores before it (stores reach the line in program order; a line is written back whole). A
+    reader that sees the new key with the old state (EMPTY or TOMBSTONE) treats it as absent.
 
-    Why non-temporal stores: a store + clflushopt costs ~240 ns per line on this machine kind
-    (the flush waits for the dirty line's write-back, and the store first read the line from
-    memory), eight NT word stores of a line ~10 ns; two lines per block were 0.5 µs of a
-    1.35 µs reservation. The state goes in its own step, not as the last of line 0's NT stores,
-    because NT stores to one line may reach memory in any order until a fence (a partly drained
-    write-combining buffer could show RESERVED before the payload bounds).
+    Why: a store + clflushopt costs ~240 ns per line on this machine kind (the flush waits for
+    the dirty line's write-back, and the store first read the line from memory), eight NT word
+    stores of a line ~10 ns. Line 0 keeps ordinary stores and one flush: it was just read by
+    the probe, and writing its fields NT then the state NT behind a second fence measured no
+    faster (0.058 vs 0.053 µs a block). Line 0 used to be written twice (fields, fence, state).
 
     Slots taken earlier in the batch may still show their old state and key to a later key of
     the same group, so a local table remembers which batch position took each: a later key
