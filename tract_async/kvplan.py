@@ -20,11 +20,19 @@ from .errors import KeyMismatch, TensorMismatch
 from .keys import KEY_BYTES
 
 
+_KEY_TYPES = {bytes, bytearray}
+
+
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Keys as a list of 32-byte values. Raises KeyMismatch."""
     if isinstance(keys, (bytes, bytearray)):
         raise KeyMismatch("keys must be a sequence of block keys, got a single bytes object")
     out = list(keys)
+    try:                              # the common case checked by C loops (~70 vs ~250 ns a key)
+        if set(map(type, out)) <= _KEY_TYPES and set(map(len, out)) <= {KEY_BYTES}:
+            return out
+    except TypeError:                 # something without a len(): the loop below names it
+        pass
     for i, k in enumerate(out):
         if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
             raise KeyMismatch(f"keys[{i}] is not a {KEY_BYTES}-byte block key "
