@@ -4,10 +4,12 @@ Import name ``tract_kernels`` (the source folder is ``kernels/``; the bare name 
 to a Hugging Face package that transformers probes). See ``mem.py`` for the access rules and
 ``sim.py`` for the incoherent backend.
 """
-from .mem import (BACKEND_HW, BACKEND_SIM, ENV_BACKEND, LINE_BYTES, Mem, cpu_flags, flush,
+from .mem import (BACKEND_HW, BACKEND_SIM, ENV_BACKEND, LINE_BYTES, Mem, cpu_flags,
+                  drop_rows_ahead, flush,
                   flush_range, full_fence, invalidate, invalidate_range, load, load_fresh,
                   make_mem, nt_copy_raw, read_bytes, read_rows, resolve_backend, store, store_fence,
-                  store_flush, store_nt, with_skip_site, write_bytes, write_rows, writeback)
+                  store_flush, store_nt, with_skip_site, write_bytes, write_rows, writeback,
+                  read_rows_behind)
 from .sites import NO_SITE, name_of, registered, site
 
 __all__ = [
@@ -15,5 +17,5 @@ __all__ = [
     "flush", "flush_range", "full_fence", "invalidate", "invalidate_range", "load", "load_fresh",
     "make_mem", "name_of", "nt_copy_raw", "read_bytes", "registered", "resolve_backend", "site",
     "store", "store_fence", "store_flush", "store_nt", "with_skip_site", "write_bytes", "write_rows",
-    "read_rows", "writeback",
+    "read_rows", "read_rows_behind", "drop_rows_ahead", "writeback",
 ]

@@ -213,3 +213,32 @@ def test_sites_are_stable_and_named() -> None:
     assert K.site("test.writer.flush") == S_W
     assert K.name_of(S_W) == "test.writer.flush"
     assert "test.reader.invalidate" in K.registered("test.")
+
+
+def test_two_thread_read_copies_exactly_and_stops_on_a_bad_row(buf: np.ndarray) -> None:
+    """``drop_rows_ahead`` + ``read_rows_behind`` (hardware backend) copy what ``read_rows``
+    copies; a row out of bounds makes the dropping half raise and the copying half give up
+    instead of waiting forever."""
+    import threading
+    m = K.make_mem(buf, "hw")
+    buf[:] = np.arange(buf.size, dtype=np.uint64).astype(np.uint8)
+    rows = 40
+    plan = np.array([[i * 4096 + 64, i * 3000, 3000] for i in range(rows)], dtype=np.int64)
+    dst = np.zeros(rows * 3000, dtype=np.uint8)
+    ctl = np.zeros(2, dtype=np.uint64)
+    t = threading.Thread(target=K.drop_rows_ahead, args=(m, plan, ctl.ctypes.data, S_R))
+    t.start()
+    assert K.read_rows_behind(m, plan, np.uint64(dst.ctypes.data), ctl.ctypes.data, True) == 0
+    t.join()
+    for i in range(rows):
+        assert np.array_equal(dst[i * 3000:(i + 1) * 3000], buf[i * 4096 + 64:i * 4096 + 3064])
+    bad = plan.copy()
+    bad[5, 0] = buf.size - 10
+    ctl[:] = 0
+    with pytest.raises(IndexError):
+        K.drop_rows_ahead(m, bad, ctl.ctypes.data, S_R)
+    assert int(ctl[1]) == 1
+    good_rows = plan[:3].copy()
+    ctl[0] = 0                                   # nothing dropped yet, and the other side gave up
+    assert K.read_rows_behind(m, good_rows, np.uint64(dst.ctypes.data), ctl.ctypes.data,
+                              False) == 1

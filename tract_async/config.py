@@ -100,7 +100,8 @@ class EngineConfig:
     index_capacity: int | None = None        # entries; default 2x the blocks that fit
     heartbeat_interval_s: float = 0.1
     liveness_timeout_s: float = 1.0
-    copy_threads: int = 1
+    copy_threads: int = 2                    # large reads (>= 8 MiB, hw): 2 = one thread drops
+                                             # lines ahead while another copies; 1 = one thread
     # HTTP transport (region=None, or fallback)
     peers: Sequence[str] = field(default_factory=tuple)
     listen_host: str = "127.0.0.1"

@@ -147,6 +147,25 @@ class RegionStore:
             await asyncio.wait([fut])
             raise
 
+    async def _copy_out_split(self, plan: np.ndarray, dst: int) -> None:
+        """A large read on two threads: one drops the payload lines ahead, the other copies
+        behind it (``K.drop_rows_ahead``; 256 MiB: 13.0-13.8 -> 11.5-11.8 ms on this VM).
+        Returns once both threads are done, also when cancelled or when one of them raised."""
+        ctl = np.zeros(2, dtype=np.uint64)            # progress, abort: alive until both end
+        loop = asyncio.get_running_loop()
+        ahead = loop.run_in_executor(None, ix.drop_payload_rows_ahead, self.mem, plan,
+                                     ctl.ctypes.data)
+        behind = loop.run_in_executor(None, ix.copy_out_behind, self.mem, plan, np.uint64(dst),
+                                      ctl.ctypes.data, True)
+        try:
+            await asyncio.shield(asyncio.wait([ahead, behind]))
+        except asyncio.CancelledError:
+            await asyncio.wait([ahead, behind])
+            raise
+        ahead.result()                                # IndexError of a bad row, if any
+        if behind.result():
+            raise AssertionError("region store: the copying thread stopped before its rows")
+
     # -- lookup -------------------------------------------------------------------------------
     def lookup(self, keys: list[bytes]) -> int:
         if not keys:
@@ -413,8 +432,12 @@ class RegionStore:
             await self._pause_after_snapshot()
         plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
         nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
-        fn = ix.copy_out_nt if nbytes >= NT_READ_BYTES else ix.copy_out
-        await self._copy(fn, plan, out.data_ptr(), nbytes)
+        if (nbytes >= NT_READ_BYTES and self.cfg.copy_threads >= 2
+                and self.mem.backend == K.BACKEND_HW):
+            await self._copy_out_split(plan, out.data_ptr())
+        else:
+            fn = ix.copy_out_nt if nbytes >= NT_READ_BYTES else ix.copy_out
+            await self._copy(fn, plan, out.data_ptr(), nbytes)
         ok = np.ones(n, dtype=np.bool_)
         bad = (ix.revalidate_batch(self.mem, self.geo.entries_offset, slots, versions,
                                    snap[:, 3].copy(), words, ok)

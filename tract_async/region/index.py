@@ -275,6 +275,19 @@ def copy_out_nt(m, plan, dst_base):
 
 
 @njit(cache=True, nogil=True)
+def drop_payload_rows_ahead(m, plan, ctl_addr):
+    """The invalidating half of a two-thread ``copy_out`` (``K.drop_rows_ahead``)."""
+    K.drop_rows_ahead(m, plan, ctl_addr, S_IX_PAYLOAD_READ)
+
+
+@njit(cache=True, nogil=True)
+def copy_out_behind(m, plan, dst_base, ctl_addr, nt_dst):
+    """The copying half of a two-thread ``copy_out`` (``K.read_rows_behind``): 1 if the other
+    half gave up."""
+    return K.read_rows_behind(m, plan, dst_base, ctl_addr, nt_dst)
+
+
+@njit(cache=True, nogil=True)
 def copy_in(m, plan, src_base):
     """Copy private memory into the region: plan rows (region_offset, src_offset, nbytes).
     Non-temporal stores and one ``sfence``: the bytes precede any flag published after it."""
