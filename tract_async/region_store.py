@@ -42,7 +42,9 @@ INLINE_COPY_BYTES = 1 << 20
 VICTIM_SAMPLE = 16
 
 SMALL_READ = 8
-"""Reads of at most this many blocks check their snapshot on Python ints (``tolist``)."""
+"""Transfers of at most this many blocks take the Python-int paths (a get checks its snapshot
+after ``tolist``, a put splits its snapshot and builds its allocation rows in plain loops):
+each numpy operation costs ~1 µs whatever its size, more than the loop for a few blocks."""
 
 NT_READ_BYTES = 8 << 20
 """Gets at least this large write their output with non-temporal stores (``read_rows``)."""
@@ -190,7 +192,7 @@ class RegionStore:
         todo: list[int] = []          # positions in keys this call writes
         new: list[int] = []           # positions that need a reservation
         reserved = self._reserved
-        if not reserved:              # nothing of ours in flight: one numpy pass
+        if not reserved and n > SMALL_READ:    # none of ours in flight: one numpy pass
             present = snap[:, 0] >= 0
             self.stats.blocks_skipped += int(present.sum())
             new = np.flatnonzero(~present).tolist()
@@ -252,14 +254,18 @@ class RegionStore:
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
             allocs = self._alloc_many_locked(len(positions))
             res = np.zeros((len(positions), 3), dtype=np.int64)
-            a = np.fromiter(itertools.chain.from_iterable(allocs), dtype=np.int64,
-                            count=len(allocs) * len(Allocation._fields)
-                            ).reshape(-1, len(Allocation._fields))
-            ainfo = np.empty((len(allocs), 4), dtype=np.uint64)
-            ainfo[:, 0] = a[:, _A_OFFSET]
-            ainfo[:, 1] = a[:, _A_NBYTES]
-            ainfo[:, 2] = a[:, _A_OWNER] | (a[:, _A_GEN] << 16)
-            ainfo[:, 3] = a[:, _A_TOKEN]
+            if len(allocs) <= SMALL_READ:       # a few: tuples beat five numpy operations
+                ainfo = np.array([(a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16),
+                                   a.token) for a in allocs], dtype=np.uint64).reshape(-1, 4)
+            else:
+                a = np.fromiter(itertools.chain.from_iterable(allocs), dtype=np.int64,
+                                count=len(allocs) * len(Allocation._fields)
+                                ).reshape(-1, len(Allocation._fields))
+                ainfo = np.empty((len(allocs), 4), dtype=np.uint64)
+                ainfo[:, 0] = a[:, _A_OFFSET]
+                ainfo[:, 1] = a[:, _A_NBYTES]
+                ainfo[:, 2] = a[:, _A_OWNER] | (a[:, _A_GEN] << 16)
+                ainfo[:, 3] = a[:, _A_TOKEN]
             try:
                 # one kernel call: the reservation, then (all reserved) the publishes counter
                 counted = ix.reserve_batch_counted(
@@ -273,7 +279,7 @@ class RegionStore:
             full = False
             unused: list[Allocation] = []
             reserved = self._reserved
-            if (res[:, 0] >= 0).all():    # every key reserved: no per-key branching
+            if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: C loops
                 ks = [keys[i] for i in positions]
                 reserved.update(zip(ks, map(_Reservation, res[:, 0].tolist(),
                                             res[:, 2].tolist(), allocs)))
