@@ -189,25 +189,7 @@ class RegionStore:
         kv = kv.contiguous()
         words = keys_to_words(keys)
         snap = self.index.snapshot(words)
-        todo: list[int] = []          # positions in keys this call writes
-        new: list[int] = []           # positions that need a reservation
-        reserved = self._reserved
-        if not reserved and n > SMALL_READ:    # none of ours in flight: one numpy pass
-            present = snap[:, 0] >= 0
-            self.stats.blocks_skipped += int(present.sum())
-            new = np.flatnonzero(~present).tolist()
-        else:
-            for i, k in enumerate(keys):
-                if k in reserved:
-                    todo.append(i)
-                elif snap[i, 0] >= 0:
-                    self.stats.blocks_skipped += 1   # present, or produced by another node
-                else:
-                    new.append(i)
-        if new:
-            await self._reserve(keys, words, new, timeout)
-            got = [i for i in new if keys[i] in reserved]
-            todo = sorted(set(todo).union(got)) if todo else got
+        todo = await self.reserve_missing(keys, words, snap, timeout)
         if not todo:
             self.stats.puts += 1
             return 0
@@ -224,6 +206,7 @@ class RegionStore:
         slots = np.array([r.slot for r in res], dtype=np.int64)
         ix.publish_layers(self.mem, self.geo.entries_offset, slots, lo, hi, self._all_lo,
                           self._all_hi)
+        reserved = self._reserved
         if layer is None:             # every layer written: all of them are READY now
             for i in todo:
                 del reserved[keys[i]]
@@ -238,6 +221,32 @@ class RegionStore:
         self.stats.puts += 1
         self.stats.bytes_put += nbytes
         return len(todo)
+
+    async def reserve_missing(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
+                              timeout: float | None) -> list[int]:
+        """The positions of ``keys`` a put writes, ascending: blocks this node is already
+        filling (an earlier layer's put), plus those absent from the index, reserved now under
+        one hold of the global lock. Present blocks (anyone's) are skipped and counted."""
+        todo: list[int] = []          # positions in keys this call writes
+        new: list[int] = []           # positions that need a reservation
+        reserved = self._reserved
+        if not reserved and len(keys) > SMALL_READ:    # none of ours in flight: one numpy pass
+            present = snap[:, 0] >= 0
+            self.stats.blocks_skipped += int(present.sum())
+            new = np.flatnonzero(~present).tolist()
+        else:
+            for i, k in enumerate(keys):
+                if k in reserved:
+                    todo.append(i)
+                elif snap[i, 0] >= 0:
+                    self.stats.blocks_skipped += 1   # present, or produced by another node
+                else:
+                    new.append(i)
+        if new:
+            await self._reserve(keys, words, new, timeout)
+            got = [i for i in new if keys[i] in reserved]
+            todo = sorted(set(todo).union(got)) if todo else got
+        return todo
 
     async def _reserve(self, keys: list[bytes], words: np.ndarray, positions: list[int],
                        timeout: float | None) -> None:

@@ -157,25 +157,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                      ready: Any = None, method: str | None = None) -> StreamFuture:
     words = keys_to_words(keys)
     snap = store.index.snapshot(words)
-    todo: list[int] = []
-    new: list[int] = []
-    reserved = store._reserved
-    if not reserved:                  # nothing of ours in flight: one numpy pass
-        present = snap[:, 0] >= 0
-        store.stats.blocks_skipped += int(present.sum())
-        new = np.flatnonzero(~present).tolist()
-    else:
-        for i, k in enumerate(keys):
-            if k in reserved:
-                todo.append(i)
-            elif snap[i, 0] >= 0:
-                store.stats.blocks_skipped += 1
-            else:
-                new.append(i)
-    if new:
-        await store._reserve(keys, words, new, timeout)
-        got = [i for i in new if keys[i] in reserved]
-        todo = sorted(set(todo).union(got)) if todo else got
+    todo = await store.reserve_missing(keys, words, snap, timeout)
     if not todo:
         store.stats.puts += 1
         return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
