@@ -234,3 +234,20 @@ async def test_node_local_lock_survives_timeouts_and_cancellations(tmp_path) -> 
     assert not lk.locked
     await lk.acquire(time.monotonic() + 1)       # free, not leaked to a dead waiter
     lk.release()
+
+
+async def test_heartbeat_forever_beats_while_its_loop_is_blocked(one_node) -> None:  # noqa: ANN001
+    """The coroutine's beats come from a thread: a loop blocked for 1.2 s (a long synchronous
+    call, a first-call compile) does not stop them; cancelling stops the thread."""
+    r, h = one_node
+    task = asyncio.create_task(heartbeat_forever(r, h, interval_s=0.05))
+    await asyncio.sleep(0.1)
+    seq0 = r.nodes.info(0).heartbeat_seq
+    time.sleep(1.2)                                   # blocks this event loop
+    seq1 = r.nodes.info(0).heartbeat_seq
+    assert seq1 - seq0 >= 12, (seq0, seq1)            # ~24 expected at 50 ms
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.15)
+    assert r.nodes.info(0).heartbeat_seq - seq1 <= 4  # stopped (a beat or two in flight)
