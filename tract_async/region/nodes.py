@@ -62,6 +62,18 @@ BEAT_STOP_POLL_US = 10_000
 
 
 @njit(cache=True, nogil=True)
+def _stamp(m, off):
+    """One beat's stores: ``heartbeat_ns`` (CLOCK_REALTIME) and ``heartbeat_seq + 1`` of the
+    node line at ``off``, flushed, fenced. Only the owner writes its line, so its cached copy
+    of the sequence is current."""
+    seq = K.load(m, off + _O_SEQ)
+    K.store(m, off + _O_BEAT, realtime_ns())
+    K.store(m, off + _O_SEQ, seq + np.uint64(1))
+    K.flush(m, off, S_NODE_BEAT)
+    K.full_fence(m)
+
+
+@njit(cache=True, nogil=True)
 def _beat_loop(m, off, nonce, interval_ns, stop_addr):
     """Beat every ``interval_ns`` until the word at ``stop_addr`` is non-zero (returns 0) or the
     line no longer names this owner as LIVE (returns 1: taken over). One beat: invalidate the
@@ -76,11 +88,7 @@ def _beat_loop(m, off, nonce, interval_ns, stop_addr):
         K.full_fence(m)
         if K.load(m, off + _O_NONCE) != np.uint64(nonce) or K.load(m, off + _O_STATE) != L.NODE_LIVE:
             return 1
-        seq = K.load(m, off + _O_SEQ)
-        K.store(m, off + _O_BEAT, realtime_ns())
-        K.store(m, off + _O_SEQ, seq + np.uint64(1))
-        K.flush(m, off, S_NODE_BEAT)
-        K.full_fence(m)
+        _stamp(m, off)
         due = monotonic_ns() + interval_ns
         while True:
             if aload64(stop_addr) != 0:
@@ -251,16 +259,10 @@ class NodeTable:
     def heartbeat(self, handle: NodeHandle) -> None:
         """Stamp this node alive. Raises NodeEvicted if another process took the id over.
 
-        Safe to call from a dedicated thread (the engine does, so that a busy event loop cannot
-        starve its heartbeat and get a live node judged dead)."""
+        One beat, for callers that drive their own schedule; the engine and
+        ``heartbeat_forever`` beat with ``beat_until_stopped`` (no GIL, no event loop)."""
         self._check_owner(handle)
-        off = self.line_offset(handle.node_id)
-        mem = self._region.mem
-        seq = K.load(mem, off + _F["heartbeat_seq"])  # our own line: our cached copy is current
-        K.store(mem, off + _F["heartbeat_ns"], time.time_ns())
-        K.store(mem, off + _F["heartbeat_seq"], seq + 1)
-        K.flush(mem, off, S_NODE_BEAT)
-        K.full_fence(mem)
+        _stamp(self._region.mem, self.line_offset(handle.node_id))
 
     def beat_until_stopped(self, handle: NodeHandle, interval_s: float, stop: np.ndarray) -> None:
         """Heartbeat every ``interval_s`` from the calling thread, without the GIL, until
