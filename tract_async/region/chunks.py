@@ -289,15 +289,16 @@ class ChunkTable:
 
     def _set_owner(self, chunk: int, owner: int | None, epoch: int, token: int) -> int:
         """Write one owner record (generation + 1); returns the new generation."""
-        m, off = self._region.mem, self.geo.owner_off(chunk)
-        gen = int(K.load_fresh(m, off + _O["generation"], S_OWNER_READ)) + 1
-        K.store(m, off + _O["owner"], 0 if owner is None else owner + 1)
-        K.store(m, off + _O["owner_epoch"], epoch)
-        K.store(m, off + _O["generation"], gen)
-        K.store(m, off + _O["claim_token"], token)
-        K.flush(m, off, S_OWNER_FLUSH)
-        K.full_fence(m)
-        return gen
+        return self._set_owners(chunk, 1, 0 if owner is None else owner + 1, epoch, token)[0]
+
+    def _set_owners(self, first: int, count: int, owner_word: int, epoch: int,
+                    token: int) -> list[int]:
+        """Write ``count`` consecutive owner records (``_set_owners_run``); the new generations."""
+        gens = np.zeros(count, dtype=np.int64)
+        _set_owners_run(self._region.mem, self.geo.owner_off(first), count,
+                        L.CHUNK_OWNER.itemsize, _O["owner"], _O["owner_epoch"],
+                        _O["generation"], _O["claim_token"], owner_word, epoch, token, gens)
+        return gens.tolist()
 
     def _set_bit(self, chunk: int, value: bool) -> None:
         self._set_bits([chunk], value)
@@ -376,11 +377,7 @@ class ChunkTable:
         self._fault("claim.found")
         self._journal_begin(OP_CLAIM, node_id, epoch, token, first, count)
         self._fault("claim.journaled")
-        gens_a = np.zeros(count, dtype=np.int64)
-        _set_owners_run(self._region.mem, self.geo.owner_off(first), count,
-                        L.CHUNK_OWNER.itemsize, _O["owner"], _O["owner_epoch"],
-                        _O["generation"], _O["claim_token"], node_id + 1, epoch, token, gens_a)
-        gens = gens_a.tolist()
+        gens = self._set_owners(first, count, node_id + 1, epoch, token)
         self._fault("claim.owner")
         self._set_bits(range(first, first + count), True)
         self._fault("claim.bitmap")
