@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import time
 
+import tract_kernels as K
 from tract_async.region import Region
+from tract_async.region import nodes as nodes_mod
 
 
 def join_beat_leave(path: str, backend: str, node_id: int, beats: int, period_s: float,
@@ -47,3 +49,22 @@ def read_root(path: str, backend: str, name: str, q) -> None:  # noqa: ANN001
         q.put(("found", e.offset_bytes, e.kind))
     finally:
         r.close()
+
+
+class StaleSnapshotBeats:
+    """Node ``node_id``'s beats as a host whose snapshot looks stale although it is alive (its
+    stamps lag by ``lag_s``, as every node's do right after a stall of the whole host or a clock
+    step): stamps and sequence written like ``_stamp``, from the test's thread."""
+
+    def __init__(self, r: Region, node_id: int, lag_s: float) -> None:
+        self.r, self.lag_ns = r, int(lag_s * 1e9)
+        self.off = r.nodes.line_offset(node_id)
+        self.f = nodes_mod._F
+
+    def beat(self) -> None:
+        m, off, f = self.r.mem, self.off, self.f
+        seq = int(K.load_fresh(m, off + f["heartbeat_seq"], K.NO_SITE))
+        K.store(m, off + f["heartbeat_ns"], time.time_ns() - self.lag_ns)
+        K.store(m, off + f["heartbeat_seq"], seq + 1)
+        K.flush(m, off, K.NO_SITE)
+        K.full_fence(m)

@@ -251,3 +251,53 @@ async def test_heartbeat_forever_beats_while_its_loop_is_blocked(one_node) -> No
         await task
     await asyncio.sleep(0.15)
     assert r.nodes.info(0).heartbeat_seq - seq1 <= 4  # stopped (a beat or two in flight)
+
+
+async def test_live_holder_with_a_stale_snapshot_keeps_the_lock(region_path: str,
+                                                                backend: str) -> None:
+    """A holder whose heartbeat *snapshot* is stale while its sequence keeps moving (every node
+    looks like that right after a stall of the whole host, or a clock step) is granted the lock
+    and keeps it; once it really goes silent it is revoked. The realtime-only verdict never
+    granted it here (and revoked such a holder in the torn-read stress, seen in CI)."""
+    import threading
+    from tests.procs_region import StaleSnapshotBeats
+    r = P.make_region(region_path, backend)
+    try:
+        h0 = r.nodes.join(0, timeout_s=LIVENESS_S)
+        h1 = r.nodes.join(1, timeout_s=LIVENESS_S)
+        host = StaleSnapshotBeats(r, 1, lag_s=3 * LIVENESS_S)
+        beating = threading.Event()
+        beating.set()
+        lock = GlobalLock(r, h1)
+
+        async def fake_beats() -> None:
+            while beating.is_set():
+                host.beat()
+                await asyncio.sleep(0.02)
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(heartbeat_forever(r, h0, interval_s=0.1)),
+                     tg.create_task(fake_beats())]
+            mgr = LockManager(r, h0, liveness_timeout_s=LIVENESS_S)
+            tasks.append(tg.create_task(mgr.run()))
+            await lock.acquire(timeout=10)
+            assert not r.nodes.info(1, timeout_s=LIVENESS_S).live      # the snapshot says stale
+            t_end = time.monotonic() + 2.5 * LIVENESS_S
+            while time.monotonic() < t_end:
+                lock.check_token()                                     # never revoked
+                await asyncio.sleep(0.05)
+            assert mgr.statistics().revocations == 0
+            beating.clear()                                            # now silent for real
+            t0 = time.monotonic()
+            while lock.token_valid():
+                assert time.monotonic() - t0 < 3 * LIVENESS_S, "a silent holder kept the lock"
+                await asyncio.sleep(0.02)
+            assert mgr.statistics().revocations == 1
+            with pytest.raises(E.LockRevoked):
+                lock.check_token()
+            lock.release()
+            for t in tasks:
+                t.cancel()
+        lock.close()
+    finally:
+        r.close()

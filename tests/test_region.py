@@ -254,6 +254,60 @@ def test_liveness_from_heartbeat_age(region_path: str, backend: str) -> None:
         r.nodes.leave(h)
 
 
+def test_dead_needs_silence_counted_in_own_beats(region_path: str, backend: str) -> None:
+    """``NodeInfo.dead`` (what revocation and reclaim act on): a stale snapshot alone is not
+    death while the node's sequence still moves; silence across this process's own beats is;
+    a process without a beat loop falls back to the snapshot verdict."""
+    import threading
+    import numpy as np
+    from tract_async.region import nodes as nodes_mod
+    _make(region_path, backend)
+    timeout, interval = 0.4, 0.02
+    need = max(nodes_mod.CONFIRM_MIN_BEATS, int(np.ceil(timeout / (4 * interval))))   # 5
+    with Region.attach(region_path, backend=backend, sim_seed=3) as r, \
+            Region.attach(region_path, backend=backend, sim_seed=4) as tool:
+        me = r.nodes.join(0, timeout_s=timeout)
+        other = r.nodes.join(1, timeout_s=timeout)
+        host = P.StaleSnapshotBeats(r, 1, lag_s=10 * timeout)
+        host.beat()
+        # before our own beat loop runs there is nothing to count with: the snapshot verdict
+        snap = r.nodes.all(timeout_s=timeout)[1]
+        assert not snap.live and snap.dead
+        stop = np.zeros(1, dtype=np.uint64)
+        beater = threading.Thread(target=r.nodes.beat_until_stopped, args=(me, interval, stop))
+        beater.start()
+        try:
+            time.sleep(0.05)
+            t_end = time.monotonic() + 6 * need * interval
+            while time.monotonic() < t_end:           # stale, but its sequence moves: alive
+                host.beat()
+                infos = r.nodes.all(timeout_s=timeout)
+                assert not infos[1].live and not infos[1].dead, infos[1]
+                assert infos[0].live and not infos[0].dead
+                time.sleep(interval / 2)
+            # a tool process (no beat loop) and confirm=False keep the snapshot verdict
+            assert tool.nodes.all(timeout_s=timeout)[1].dead
+            assert r.nodes.all(timeout_s=timeout, confirm=False)[1].dead
+            # now it goes silent (one last beat): dead only after `need` of our own beats
+            host.beat()
+            seq0 = r.nodes.info(0).heartbeat_seq
+            t0 = time.monotonic()
+            assert not r.nodes.all(timeout_s=timeout)[1].dead      # first sight of this seq
+            while not r.nodes.all(timeout_s=timeout)[1].dead:
+                assert time.monotonic() - t0 < 5, "a silent node was never judged dead"
+                time.sleep(interval / 4)
+            took = time.monotonic() - t0
+            beats = r.nodes.info(0).heartbeat_seq - seq0
+            assert beats >= need and took >= (need - 1) * interval, (beats, took)
+            # a node that left is dead at once, whatever its heartbeat says
+            r.nodes.leave(other)
+            assert r.nodes.all(timeout_s=timeout)[1].dead
+        finally:
+            stop[0] = 1
+            beater.join()
+        r.nodes.leave(me)
+
+
 def test_evicted_owner_learns_on_heartbeat(region_path: str) -> None:
     _make(region_path, "sim")
     with Region.attach(region_path, backend="sim", sim_seed=1) as a, \

@@ -139,7 +139,8 @@ class FallbackStore:
     async def _region_present(self, keys: list[bytes], left: float) -> None:
         r, g = self.region, self.region.geo
         stop = np.zeros(1, dtype=np.uint8)
-        await waits.run_poll(waits.poll_present, r.mem, g.entries_offset, r.index.mask,
+        await waits.run_poll(waits.poll_present, waits.ThreadMem(r), g.entries_offset,
+                             r.index.mask,
                              g.max_probe, keys_to_words(keys), waits.deadline_ns(left), stop)
 
     async def _http_any(self, keys: list[bytes], left: float) -> None:

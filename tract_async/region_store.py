@@ -142,7 +142,9 @@ class RegionStore:
             return
         # A copy in a thread cannot be interrupted: shield it so that a cancelled caller still
         # waits for the last byte before anything is freed (DESIGN.md invariant 7).
-        fut = asyncio.get_running_loop().run_in_executor(None, fn, self.mem, plan, base)
+        # the worker thread's own view (``Region.mem``; the sim's caches are per thread)
+        region = self.region
+        fut = asyncio.get_running_loop().run_in_executor(None, lambda: fn(region.mem, plan, base))
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -155,10 +157,11 @@ class RegionStore:
         Returns once both threads are done, also when cancelled or when one of them raised."""
         ctl = np.zeros(2, dtype=np.uint64)            # progress, abort: alive until both end
         loop = asyncio.get_running_loop()
-        ahead = loop.run_in_executor(None, ix.drop_payload_rows_ahead, self.mem, plan,
-                                     ctl.ctypes.data)
-        behind = loop.run_in_executor(None, ix.copy_out_behind, self.mem, plan, np.uint64(dst),
-                                      ctl.ctypes.data, True)
+        region = self.region          # each thread its own view (``Region.mem``)
+        ahead = loop.run_in_executor(None, lambda: ix.drop_payload_rows_ahead(
+            region.mem, plan, ctl.ctypes.data))
+        behind = loop.run_in_executor(None, lambda: ix.copy_out_behind(
+            region.mem, plan, np.uint64(dst), ctl.ctypes.data, True))
         try:
             await asyncio.shield(asyncio.wait([ahead, behind]))
         except asyncio.CancelledError:
@@ -499,7 +502,7 @@ class RegionStore:
         """Wait (event-driven poll) until every key is present and has the layer / is READY."""
         deadline = waits.deadline_ns(timeout)
         self.stats.layer_waits += 1
-        m, g = self.mem, self.geo
+        g = self.geo
         for _ in range(3):  # brief in-loop spin: the common case is "already there"
             if self._satisfied(snap, layer):
                 return snap
@@ -508,7 +511,8 @@ class RegionStore:
         stop = np.zeros(1, dtype=np.uint8)
         word, bit = (0, 0) if layer is None else divmod(layer, 64)
         out = np.zeros_like(snap)
-        r = await waits.run_poll(waits.poll_ready, m, g.entries_offset, self.index.mask,
+        r = await waits.run_poll(waits.poll_ready, waits.ThreadMem(self.region), g.entries_offset,
+                                 self.index.mask,
                                  g.max_probe, words, word, np.uint64(1 << bit), layer is None,
                                  deadline, stop, out)
         if r == 0:

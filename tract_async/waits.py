@@ -118,13 +118,33 @@ def deadline_ns(timeout: float | None) -> int:
     return time.perf_counter_ns() + int((timeout if timeout is not None else 0.0) * 1e9)
 
 
+class ThreadMem:
+    """Stands in an argument list for ``region.mem`` *as the worker thread sees it*.
+
+    With the sim backend each thread has its own private cache (``Region.mem``), and that
+    model's arrays are not thread-safe: a ``Mem`` taken on the event loop's thread and handed
+    to a worker thread would be used by both at once (the loop keeps reading the node table,
+    the index...), corrupting the model. ``run_poll`` resolves this on the worker thread. The
+    hardware backend has one stateless view, so nothing changes there."""
+
+    __slots__ = ("region",)
+
+    def __init__(self, region) -> None:  # noqa: ANN001
+        self.region = region
+
+
+def _in_thread(fn, *args):  # noqa: ANN001, ANN202
+    return call_tight(fn, *[a.region.mem if isinstance(a, ThreadMem) else a for a in args])
+
+
 async def run_poll(fn, *args) -> object:  # noqa: ANN001
     """Run a jitted poll (whose last-but-one argument... see callers) in a thread; a cancelled
-    caller sets the stop flag (``args`` carries it) and waits for the thread to notice."""
+    caller sets the stop flag (``args`` carries it) and waits for the thread to notice. Pass
+    the region's view as ``ThreadMem(region)``, never as a ``Mem`` taken on this thread."""
     stop = next(a for a in args if isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.size == 1)
     # a tight timer slack: the back-off's usleep(10..100) sleeps that long, not ~50 µs more
     # (timerslack.py); on the handoff path that slack is most of the wake-up latency
-    fut = asyncio.get_running_loop().run_in_executor(None, call_tight, fn, *args)
+    fut = asyncio.get_running_loop().run_in_executor(None, _in_thread, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

@@ -432,14 +432,15 @@ class ChunkTable:
         return done
 
     def dead_owners(self, nodes: list["NodeInfo"]) -> dict[int, set[int]]:
-        """{node id: {epochs}} of chunk owners that are not live with that epoch."""
+        """{node id: {epochs}} of chunk owners that are not live with that epoch (``dead``:
+        see ``NodeInfo.dead``; pass ``nodes.all(confirm=False)`` for the snapshot verdict)."""
         own = self.owners()
         owner = own["owner"].astype(np.int64)
         held = owner != 0
         node = owner[held] - 1
         epoch = own["owner_epoch"][held].astype(np.int64)
         # the epoch each node id is live with (-1: not live, or beyond the table)
-        live_epoch = np.array([n.epoch if n.live else -1 for n in nodes] + [-1], dtype=np.int64)
+        live_epoch = np.array([-1 if n.dead else n.epoch for n in nodes] + [-1], dtype=np.int64)
         dead = live_epoch[np.minimum(node, len(nodes))] != epoch
         out: dict[int, set[int]] = {}
         for n, ep in set(zip(node[dead].tolist(), epoch[dead].tolist())):

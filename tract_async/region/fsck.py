@@ -289,7 +289,9 @@ async def _repair_online(region: Region, rep: FsckReport, liveness_timeout_s: fl
             try:
                 await lock.acquire(timeout=4 * liveness_timeout_s + 5)
                 try:
-                    nodes = region.nodes.all(timeout_s=liveness_timeout_s)
+                    # the snapshot verdict: this process has just started beating, so it has
+                    # no silence count yet (NodeInfo.dead), and an operator asked for repair
+                    nodes = region.nodes.all(timeout_s=liveness_timeout_s, confirm=False)
                     _repair_locked(region, ChunkTable(region), lock, nodes, rep)
                 finally:
                     lock.release()

@@ -13,14 +13,31 @@ keep two claimants apart:
   one dead id (a misconfiguration: ids are assigned by configuration) is caught on the next
   heartbeat: each beat re-reads ``owner_nonce`` and the loser raises ``NodeEvicted`` and stops.
 
-Liveness is the age of ``heartbeat_ns`` (CLOCK_REALTIME) against a timeout: rack clocks must
-agree to well within the timeout (NTP/PTP). ``heartbeat_seq`` lets a reader also judge progress
-without trusting clocks. Publish order on join: every field with state still as before, flush,
-then state = LIVE, flush.
+Two verdicts on a node (``NodeInfo``):
+
+* ``live``: state LIVE and ``heartbeat_ns`` (CLOCK_REALTIME) younger than the timeout: a
+  snapshot verdict. Rack clocks must agree to well within the timeout (NTP/PTP).
+* ``dead``: the verdict that *takes things away* (a revoked lock, reclaimed chunks, a new lock
+  manager). Not LIVE; or LIVE, not ``live``, *and* its ``heartbeat_seq`` has stood still while
+  this process's own beat loop (``beat_until_stopped``) stamped at least
+  ``max(3, timeout / (4 * interval))`` beats. Why the second condition: a snapshot taken just
+  after a stall of the whole host (a paused VM, a stopped process group, a clock stepped
+  forward) finds every node "stale" until their beat threads have run again; the manager's own
+  beat thread may run first and revoke a live holder (the stress test's intermittent
+  ``LockRevoked``). A stall stops this process's own beats too, so it never adds to the count,
+  and once the host runs again every live node beats within a few intervals. A real crash is
+  counted while it happens: the verdict comes at the same moment as ``not live`` for a process
+  that has been reading the table (the lock manager and its candidates read it at least every
+  quarter timeout), a quarter timeout later for one that reads it for the first time. A
+  process with no beat loop of its own (a one-shot tool) has nothing to count with: there
+  ``dead`` is ``not live``.
+
+Publish order on join: every field with state still as before, flush, then state = LIVE, flush.
 """
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import secrets
 import socket
@@ -51,6 +68,10 @@ NODE_LOCK_BASE = 1 << 40
 """Byte offset (past any region's end) of the per-node OFD lock bytes in the region file."""
 
 DEFAULT_LIVENESS_TIMEOUT_S = 1.0
+
+CONFIRM_MIN_BEATS = 3
+"""The fewest of this process's own beats across which a stale node's ``heartbeat_seq`` must
+stand still before it is ``dead`` (module docstring); more when the timeout spans more beats."""
 
 _F = {name: L.NODE.dtype.fields[name][1] for name in L.NODE.dtype.names}
 
@@ -149,6 +170,10 @@ class NodeInfo:
     joined_ns: int
     heartbeat_age_s: float
     live: bool
+    """State LIVE and a heartbeat younger than the timeout (a realtime snapshot)."""
+    dead: bool
+    """Not LIVE, or not ``live`` and silent across several of this process's own beats
+    (module docstring); ``not live`` where this process runs no beat loop."""
 
     @property
     def state_name(self) -> str:
@@ -165,13 +190,16 @@ class NodeHandle:
     left: bool = False
 
 
-def _node_info(node_id: int, rec: tuple, now_ns: int, timeout_s: float) -> NodeInfo:
-    """A NodeInfo from one ``layout.NODE`` record (as ``tolist()`` gives it, in field order)."""
+def _node_info(node_id: int, rec: tuple, now_ns: int, timeout_s: float,
+               dead: bool | None = None) -> NodeInfo:
+    """A NodeInfo from one ``layout.NODE`` record (as ``tolist()`` gives it, in field order);
+    ``dead`` defaults to ``not live``."""
     state, epoch, nonce, pid, hb, seq, host, joined = rec
     age = (now_ns - hb) / 1e9 if hb else float("inf")
+    live = state == L.NODE_LIVE and age < timeout_s
     return NodeInfo(node_id=node_id, state=state, epoch=epoch, owner_nonce=nonce, pid=pid,
                     heartbeat_ns=hb, heartbeat_seq=seq, host_id=host, joined_ns=joined,
-                    heartbeat_age_s=age, live=state == L.NODE_LIVE and age < timeout_s)
+                    heartbeat_age_s=age, live=live, dead=not live if dead is None else dead)
 
 
 class NodeTable:
@@ -181,6 +209,14 @@ class NodeTable:
         self._region = region
         self._offset = int(region.header["node_table_offset"])
         self._handles: list[NodeHandle] = []
+        # the silence counter behind NodeInfo.dead (module docstring):
+        self._beating: dict[int, tuple[int, float]] = {}
+        """node id -> (owner nonce, interval_s) of each beat loop running in this process"""
+        self._seen: dict[int, tuple[int, int, int]] = {}
+        """node id -> (owner nonce, heartbeat_seq, our own heartbeat_seq when we first read that
+        pair): how many of our beats a node's line has stayed unchanged"""
+        self._seen_by: tuple[int, int] | None = None
+        """(node id, owner nonce) of our own line that ``_seen`` counts in"""
 
     def line_offset(self, node_id: int) -> int:
         """Byte offset of node ``node_id``'s line. Raises NodeIdOutOfRange."""
@@ -199,15 +235,59 @@ class NodeTable:
         now = time.time_ns() if now_ns is None else now_ns
         return _node_info(int(node_id), raw.view(L.NODE.dtype)[0].tolist(), now, timeout_s)
 
-    def all(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> list[NodeInfo]:
+    def all(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
+            confirm: bool = True) -> list[NodeInfo]:
         """Every node line, read from memory in one call (recovery reads the table on every
-        chunk claim: one read instead of ``max_nodes``, ~10 instead of ~100 µs for 8 nodes)."""
+        chunk claim: one read instead of ``max_nodes``, ~10 instead of ~100 µs for 8 nodes).
+
+        Each call also advances the silence counts behind ``NodeInfo.dead`` (module
+        docstring). ``confirm=False`` gives the snapshot verdict (``dead = not live``): for an
+        operator's repair, which must not wait for a count to build up."""
         n = self._region.max_nodes
         raw = np.zeros(n * L.NODE.itemsize, dtype=np.uint8)
         K.read_bytes(self._region.mem, self._offset, raw.ctypes.data, raw.size, S_NODE_READ)
         now = time.time_ns()
-        return [_node_info(i, rec, now, timeout_s)
-                for i, rec in enumerate(raw.view(L.NODE.dtype).tolist())]
+        recs = raw.view(L.NODE.dtype).tolist()
+        dead = self._silence_verdicts(recs, now, timeout_s)
+        if dead is None or not confirm:
+            return [_node_info(i, rec, now, timeout_s) for i, rec in enumerate(recs)]
+        return [_node_info(i, rec, now, timeout_s, dead[i]) for i, rec in enumerate(recs)]
+
+    def _silence_verdicts(self, recs: list[tuple], now_ns: int,
+                          timeout_s: float) -> list[bool] | None:
+        """``dead`` of every line (stale, and silent across ``need`` of our own beats), and
+        the counts updated; None when no beat loop of ours is running (nothing to count with)."""
+        me = None
+        for nid in sorted(self._beating):
+            nonce, interval = self._beating.get(nid, (None, 0.0))
+            if nid < len(recs) and recs[nid][0] == L.NODE_LIVE and recs[nid][2] == nonce:
+                me = (nid, nonce, interval)
+                break
+        if me is None:
+            return None
+        my_id, my_nonce, interval = me
+        if self._seen_by != (my_id, my_nonce):
+            self._seen.clear()
+            self._seen_by = (my_id, my_nonce)
+        my_seq = recs[my_id][5]
+        need = max(CONFIRM_MIN_BEATS, math.ceil(timeout_s / (4 * interval)))
+        stale_before = now_ns - timeout_s * 1e9         # not live: age >= timeout_s
+        seen = self._seen
+        out: list[bool] = []
+        for i, (state, _epoch, nonce, _pid, hb, seq, _host, _joined) in enumerate(recs):
+            if i == my_id:
+                out.append(False)
+            elif state != L.NODE_LIVE:
+                seen.pop(i, None)
+                out.append(True)
+            else:
+                first = seen.get(i)
+                if first is None or first[0] != nonce or first[1] != seq:
+                    seen[i] = (nonce, seq, my_seq)
+                    out.append(False)
+                else:
+                    out.append((hb == 0 or hb <= stale_before) and my_seq - first[2] >= need)
+        return out
 
     def live_ids(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> list[int]:
         """Ids whose state is LIVE and heartbeat fresh."""
@@ -271,8 +351,16 @@ class NodeTable:
         self._check_owner(handle)
         if stop.dtype != np.uint64 or stop.size < 1:
             raise ValueError("stop must be a uint64 array of at least one element")
-        rc = _beat_loop(self._region.mem, self.line_offset(handle.node_id),
-                        np.uint64(handle.owner_nonce), int(interval_s * 1e9), stop.ctypes.data)
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self._beating[handle.node_id] = (handle.owner_nonce, float(interval_s))
+        try:
+            rc = _beat_loop(self._region.mem, self.line_offset(handle.node_id),
+                            np.uint64(handle.owner_nonce), int(interval_s * 1e9),
+                            stop.ctypes.data)
+        finally:
+            if self._beating.get(handle.node_id, (None,))[0] == handle.owner_nonce:
+                del self._beating[handle.node_id]
         if rc != 0:
             self._check_owner(handle)           # raises NodeEvicted with the details
             raise NodeEvicted(f"node {handle.node_id} is no longer LIVE in the node table")

@@ -237,9 +237,11 @@ class GlobalLock:
         if not self._held:
             raise LockNotHeld(f"check_token() without holding lock {self.lock_index}")
         if not S.check_token(self._mem, self._state_off, self.node_id, self._token):
+            st = self._read_state()
             raise LockRevoked(f"node {self.node_id}'s token {self._token:#x} for lock "
                               f"{self.lock_index} was revoked (heartbeat stale?): its writes "
-                              f"are refused")
+                              f"are refused (lock state now: holder {st['holder']}, token "
+                              f"{st['token']:#x}, revocations {st['revocations']})")
 
     def token_valid(self) -> bool:
         """check_token() as a boolean (False when not held)."""
@@ -259,7 +261,9 @@ class GlobalLock:
 
         import tract_kernels as K
         raw = np.zeros(64, dtype=np.uint8)
-        K.read_bytes(self._mem, self._state_off, raw.ctypes.data, 64, S.S_STATE_READ)
+        # the calling thread's view, not this lock's: stats() may run on the loop while a
+        # waiter's slice uses ``self._mem`` in a worker thread (the sim's caches are per thread)
+        K.read_bytes(self._region.mem, self._state_off, raw.ctypes.data, 64, S.S_STATE_READ)
         rec = raw.view(S.L.LOCK_STATE.dtype)[0]
         holder = int(rec["holder"])
         return {"holder": holder - 1 if holder else None, "token": int(rec["token"]),

@@ -4,8 +4,9 @@ One manager grants at a time. Every engine process runs ``LockManager.run()`` in
 all of them are *candidates*, and at most one is the *manager* of the current term.
 
 Manager line and terms. The ``MANAGER`` line (``layout.py``) names the manager node, its node
-epoch and the term. A manager is *valid* while that node is live (heartbeat fresh, state LIVE)
-with the same epoch. Candidates poll the line every ``liveness_timeout_s / 4``.
+epoch and the term. A manager is *valid* while that node is not dead (``NodeInfo.dead``: a
+stale heartbeat that also stood still across several of the reader's own beats) with the same
+epoch. Candidates poll the line every ``liveness_timeout_s / 4``.
 
 Election (no atomics: Lamport's bakery over the ``MANAGER_CANDIDATE`` lines, one per node, each
 written only by its node). When the manager is missing or invalid, the lowest live candidate
@@ -23,21 +24,22 @@ A live manager is never pre-empted: takeover happens only on death (or resignati
 
 Lease (why two managers never grant at once). Before *every* grant, release or revocation the
 manager (1) checks its own lease: its node's last heartbeat is younger than
-``liveness_timeout_s / 2``, and (2) re-reads the manager line and finds its own term. Others
-elect a new manager only after this node's heartbeat is older than ``liveness_timeout_s``, by
-which time the old manager has stopped writing for ``liveness_timeout_s / 2``. Residual window:
-a manager thread that passed both checks and then stalls for more than half the liveness timeout
-before its next store (a store that is already in flight when it resumes). Heartbeats must come
-at least every ``liveness_timeout_s / 4`` (``liveness.heartbeat_forever``), and clocks of the
-rack agree within a small fraction of the timeout (NTP/PTP), as for node liveness.
+``liveness_timeout_s / 2`` by its own clock, and (2) re-reads the manager line and finds its own
+term. Others elect a new manager only after its heartbeat is older than ``liveness_timeout_s``
+(and stood still across several of their own beats: ``NodeInfo.dead``), by which time the old
+manager has stopped writing for ``liveness_timeout_s / 2``. Residual window: a manager thread
+that passed both checks and then stalls for more than half the liveness timeout before its next
+store (a store that is already in flight when it resumes). Heartbeats must come at least every
+``liveness_timeout_s / 4`` (``liveness.heartbeat_forever``), and clocks of the rack agree within
+a small fraction of the timeout (NTP/PTP), as for node liveness.
 
 Takeover. The new manager reads every ``LOCK_STATE`` and ``LOCK_GRANT`` line fresh. A holder
 named in a state line keeps the lock (and its token); if its grant line lags the state line (the
 old manager died between the two stores) the grant is re-issued with the recorded token. New
 tokens are ``term << 32 | n``: larger than any token of an older term.
 
-Holder death. Between scan slices the manager reads the node table; a holder whose node is not
-live is revoked: ``holder = 0``, ``revocations += 1``, ``last_revoked_token = token``, flush. Its
+Holder death. Between scan slices the manager reads the node table; a holder whose node is
+dead (``NodeInfo.dead``) is revoked: ``holder = 0``, ``revocations += 1``, ``last_revoked_token = token``, flush. Its
 request stays recorded as granted, so it is never granted again; a new process of that node
 withdraws it before requesting (``slots.post_request``).
 
@@ -49,6 +51,7 @@ yields the core to waiters on every scan (never busy-poll with more pollers than
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -60,6 +63,8 @@ from ..errors import NodeEvicted
 from ..region import layout as L
 from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
 from . import slots as S
+
+log = logging.getLogger(__name__)
 from .lock import run_slice
 
 S_CAND_FLUSH = K.site("lock.election.candidate.flush")
@@ -112,11 +117,12 @@ def read_manager(region, geo: S.LockGeometry | None = None,  # noqa: ANN001
 
 
 def manager_valid(info: ManagerInfo, nodes: list[NodeInfo]) -> bool:
-    """True while the recorded manager's node is live with the recorded epoch."""
+    """True while the recorded manager's node is not dead (``NodeInfo.dead``: silent for the
+    liveness timeout by the reader's own beats) and has the recorded epoch."""
     if info.node_id is None or info.node_id >= len(nodes):
         return False
     n = nodes[info.node_id]
-    return n.live and n.epoch == info.epoch
+    return not n.dead and n.epoch == info.epoch
 
 
 class LockManager:
@@ -206,7 +212,7 @@ class LockManager:
                 now = time.monotonic()
                 if missing_since is None:
                     missing_since = now
-                lower = [j for j in range(self.node_id) if nodes[j].live
+                lower = [j for j in range(self.node_id) if not nodes[j].dead
                          and self._read_candidate(j)[2] == 1]
                 if not lower or now - missing_since > self.liveness_timeout_s:
                     if await self._elect():
@@ -220,7 +226,7 @@ class LockManager:
         nodes = self._nodes()
         top = 0
         for j in range(self._geo.max_nodes):
-            if j != me and nodes[j].live:
+            if j != me and not nodes[j].dead:
                 top = max(top, self._read_candidate(j)[1])
         mine = top + 1
         self._write_candidate(candidate=1, choosing=1, number=mine)
@@ -314,7 +320,7 @@ class LockManager:
                 raise NodeEvicted(f"node {self.node_id} was taken over; its LockManager stops")
             fence_deadline = me.heartbeat_ns + half_ns
             for j, n in enumerate(nodes):
-                self._live[j] = 1 if n.live else 0
+                self._live[j] = 0 if n.dead else 1
             self._revoke_dead(nodes, fence_deadline)
             if self._term is None:
                 return
@@ -336,7 +342,7 @@ class LockManager:
         m, geo = self._mem, self._geo
         for lk in range(geo.num_locks):
             h = int(self._st[lk, S.M_HOLDER])
-            if h < 0 or nodes[h].live:
+            if h < 0 or not nodes[h].dead:
                 continue
             if time.time_ns() >= fence_deadline:
                 return
@@ -345,6 +351,11 @@ class LockManager:
                 self._step_down()
                 return
             st = self._st[lk]
+            n = nodes[h]
+            log.warning("lock %d: revoking node %d's token %#x (node %s, heartbeat %.3f s old, "
+                        "seq %d; liveness timeout %.3f s; manager node %d term %d)", lk, h,
+                        int(st[S.M_TOKEN]), n.state_name, n.heartbeat_age_s, n.heartbeat_seq,
+                        self.liveness_timeout_s, self.node_id, self._term)
             st[S.M_HOLDER] = -1
             st[S.M_REVOKED] += 1
             st[S.M_LAST_REVOKED] = st[S.M_TOKEN]
