@@ -73,6 +73,9 @@ step() {  # step NAME SECONDS CMD...  (output to $OUT/NAME.log)
 }
 
 # -- steps -------------------------------------------------------------------------------------
+# a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
+# (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
+step warmup 180 $PY -m tract_async.warmup
 step gpu_tests 270 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/test_cuda_gpu.py --maxfail=10
 step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
 step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120

@@ -33,7 +33,8 @@ async def _scenario(path: str, backend: str) -> None:
     try:
         keys = a.block_keys(range(48))
         kv = torch.randn(layout.kv_shape(len(keys)))
-        waiter = asyncio.create_task(b.get_kv(keys, layer=1, timeout=30))   # the wait paths
+        # the wait paths; a generous deadline: on a cold cache the puts below compile first
+        waiter = asyncio.create_task(b.get_kv(keys, layer=1, timeout=600))
         for layer in range(layout.num_layers):
             await a.put_kv(keys, kv[layer].contiguous(), layer=layer)
         await waiter
