@@ -71,6 +71,29 @@ async def _node_services(r: Region, h, liveness_s: float, tg: asyncio.TaskGroup,
     return tasks
 
 
+
+def collect_reports(procs: list, q, n: int, timeout_s: float, barriers: tuple = (),  # noqa: ANN001
+                    kind_wanted: str | None = None) -> list:
+    """Read ``n`` reports from ``q`` (only those of ``kind_wanted``, when given); an "error"
+    report aborts ``barriers`` and fails. Always reaps the workers (killing stragglers)."""
+    reports = []
+    try:
+        while len(reports) < n:
+            kind, node, payload = q.get(timeout=timeout_s)
+            if kind == "error":
+                for b in barriers:
+                    b.abort()
+                raise AssertionError(f"node {node} failed: {payload}")
+            if kind_wanted is None or kind == kind_wanted:
+                reports.append(payload)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return reports
+
 # ---- mutual exclusion --------------------------------------------------------------------------
 
 def counter_worker(path: str, backend: str, node_id: int, cycles: int, use_lock: bool,

@@ -33,23 +33,7 @@ def run_stress(path: str, backend: str, seconds: float, *, use_lock: bool = True
              for i in range(n)]
     for p in procs:
         p.start()
-    reports = []
-    try:
-        while len(reports) < n:
-            kind, node, payload = q.get(timeout=seconds + 240)
-            if kind == "error":
-                start.abort()
-                done.abort()
-                raise AssertionError(f"node {node} failed: {payload}")
-            if kind == "done":
-                reports.append(payload)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return reports
+    return P.collect_reports(procs, q, n, seconds + 240, (start, done), kind_wanted="done")
 
 
 def _assert_clean_run(path: str, reports: list[dict]) -> None:

@@ -34,21 +34,7 @@ def run_counter(path: str, backend: str, *, nodes: int = 4, cycles: int = 2000,
              for i in range(nodes)]
     for p in procs:
         p.start()
-    reports = []
-    try:
-        while len(reports) < nodes:
-            kind, node, payload = q.get(timeout=300)
-            if kind == "error":
-                start.abort()
-                done.abort()
-                raise AssertionError(f"node {node} failed: {payload}")
-            reports.append(payload)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    reports = P.collect_reports(procs, q, nodes, 300, (start, done))
     with Region.attach(path, backend="hw") as r:
         value = int(K.load_fresh(r.mem, r.section(P.COUNTER_SECTION).offset_bytes, K.NO_SITE))
     return value, reports

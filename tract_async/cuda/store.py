@@ -253,7 +253,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     # drop this host's cached copies of the payload before the DMA reads it (non-coherent CXL)
     lay = store.layout
     rel, span = (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes, lay.layer_bytes)
-    await invalidate_payloads(store.mem, poffs, rel, span)
+    await drop_cached_payloads(store.mem, poffs, rel, span)
 
     def validate() -> Any:
         ok = np.zeros(n, dtype=np.bool_)
@@ -302,7 +302,7 @@ def _invalidate_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-async def invalidate_payloads(m: Any, poffs: np.ndarray, rel: int, span: int) -> None:
+async def drop_cached_payloads(m: Any, poffs: np.ndarray, rel: int, span: int) -> None:
     """Drop this host's cached copies of the payload lines before a DMA reads them.
 
     One clflushopt per 64-byte line: 16.7 M lines for a 1 GiB get, ~20 ms on one core, as long
