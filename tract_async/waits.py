@@ -25,7 +25,6 @@ import time
 import numpy as np
 from numba import njit
 
-import tract_kernels as K
 from tract_kernels.intrinsics import monotonic_ns, sched_yield, usleep
 
 from .region import index as ix

@@ -29,10 +29,11 @@ from aiohttp import web
 
 from tract_async.errors import TractError
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
-from tract_async.serving.metrics import ServiceMetrics, metrics_handler
+from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import DecodeRequest, decode_past_len, error_body, now
-from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_secret,
-                                         kv_layout, load_model, open_engine)
+from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_info,
+                                         agent_secret, kv_layout, load_model, open_engine,
+                                         worker_app)
 
 
 class DecodeWorker:
@@ -238,27 +239,14 @@ async def handle_decode(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def handle_health(request: web.Request) -> web.Response:
-    return web.json_response(request.app[DECODE_KEY].health())
-
-
 def build_app(cfg: ServiceConfig) -> web.Application:
     """The decode worker's application (the resources are built when it starts)."""
-    if cfg.role != "decode":
-        raise ValueError(f"build_app for the decode worker got role {cfg.role!r}")
-    app = web.Application(client_max_size=64 << 20)
-    w = DecodeWorker(cfg)
-    app[DECODE_KEY] = w
-    app.cleanup_ctx.append(_resources)
-    app.router.add_post("/decode", handle_decode)
-    app.router.add_get("/health", handle_health)
-    app.router.add_get("/metrics", metrics_handler(w.metrics))
-    return app
+    return worker_app(cfg, "decode", DECODE_KEY, DecodeWorker(cfg), "/decode", handle_decode,
+                      _resources)
 
 
 def ready_info(app: web.Application) -> dict[str, Any]:
-    h = app[DECODE_KEY].health()
-    return {k: h[k] for k in ("agent", "agent_url") if k in h}
+    return agent_ready_info(app[DECODE_KEY])
 
 
 __all__ = ["DECODE_KEY", "DecodeWorker", "build_app", "ready_info"]

@@ -28,10 +28,11 @@ from aiohttp import web
 
 from tract_async.errors import TractError
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull
-from tract_async.serving.metrics import ServiceMetrics, metrics_handler
+from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import PrefillReply, PrefillRequest, error_body, now
-from tract_async.serving.service import (KVDevice, ServiceConfig, TaskOwner, agent_secret,
-                                         kv_layout, load_model, open_engine)
+from tract_async.serving.service import (KVDevice, ServiceConfig, TaskOwner, agent_ready_info,
+                                         agent_secret, kv_layout, load_model, open_engine,
+                                         worker_app)
 
 
 class PrefillWorker:
@@ -222,27 +223,14 @@ async def handle_prefill(request: web.Request) -> web.Response:
     return web.json_response(reply.to_json())
 
 
-async def handle_health(request: web.Request) -> web.Response:
-    return web.json_response(request.app[PREFILL_KEY].health())
-
-
 def build_app(cfg: ServiceConfig) -> web.Application:
     """The prefill worker's application (the resources are built when it starts)."""
-    if cfg.role != "prefill":
-        raise ValueError(f"build_app for the prefill worker got role {cfg.role!r}")
-    app = web.Application(client_max_size=64 << 20)
-    w = PrefillWorker(cfg)
-    app[PREFILL_KEY] = w
-    app.cleanup_ctx.append(_resources)
-    app.router.add_post("/prefill", handle_prefill)
-    app.router.add_get("/health", handle_health)
-    app.router.add_get("/metrics", metrics_handler(w.metrics))
-    return app
+    return worker_app(cfg, "prefill", PREFILL_KEY, PrefillWorker(cfg), "/prefill", handle_prefill,
+                      _resources)
 
 
 def ready_info(app: web.Application) -> dict[str, Any]:
-    h = app[PREFILL_KEY].health()
-    return {k: h[k] for k in ("agent", "agent_url") if k in h}
+    return agent_ready_info(app[PREFILL_KEY])
 
 
 __all__ = ["PREFILL_KEY", "PrefillWorker", "build_app", "ready_info"]

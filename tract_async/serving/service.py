@@ -252,6 +252,33 @@ def agent_secret() -> bytes | None:
     return bytes.fromhex(raw) if raw else None
 
 
+def worker_app(cfg: ServiceConfig, role: str, key: "web.AppKey[Any]", worker: Any, route: str,
+               handler: Callable[[web.Request], Any],
+               resources: Callable[[web.Application], AsyncIterator[None]]) -> web.Application:
+    """A prefill or decode worker's application: the worker under ``key``, its resources in
+    ``cleanup_ctx`` (built when it starts), ``POST route``, ``GET /health``, ``GET /metrics``."""
+    if cfg.role != role:
+        raise ValueError(f"build_app for the {role} worker got role {cfg.role!r}")
+    from tract_async.serving.metrics import metrics_handler
+
+    async def handle_health(request: web.Request) -> web.Response:
+        return web.json_response(request.app[key].health())
+
+    app = web.Application(client_max_size=64 << 20)
+    app[key] = worker
+    app.cleanup_ctx.append(resources)
+    app.router.add_post(route, handler)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", metrics_handler(worker.metrics))
+    return app
+
+
+def agent_ready_info(worker: Any) -> dict[str, Any]:
+    """What a worker adds to its ready line: its transfer agent and the agent's URL, if any."""
+    h = worker.health()
+    return {k: h[k] for k in ("agent", "agent_url") if k in h}
+
+
 async def serve(app: web.Application, cfg: ServiceConfig, *, ready_info: Callable[[web.Application], dict[str, Any]]
                 | None = None, stop: asyncio.Event | None = None) -> None:
     """Run ``app`` until SIGTERM/SIGINT (or ``stop``), then clean up. Prints the ready line."""
