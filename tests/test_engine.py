@@ -211,6 +211,39 @@ async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str
         await a.close()
 
 
+async def test_node_without_a_chunk_does_not_evict_other_nodes_blocks(region_path: str) -> None:
+    """Node 0 owns every chunk of a full region. Node 1's put fails at once with RegionFull and
+    evicts nothing: freed slots of node 0's chunks would go back to node 0, so evicting only
+    emptied everyone's cache (the torn-read stress, under load: one node evicted ~20 000 blocks
+    in 30 s and every node's reads collapsed). Node 1 still reads node 0's blocks."""
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=6 << 20))
+    b = None
+    try:
+        stored: list[bytes] = []
+        for r in range(40):                                   # until node 0 owns every chunk
+            keys = a.block_keys(range(10_000 * r, 10_000 * r + 16 * 16))
+            await a.put_kv(keys, kv_for_keys(keys))
+            stored += keys
+            if a._store.alloc.table.find_free() is None and a.stats()["evictions_for_space"]:
+                break
+        assert a._store.alloc.table.find_free() is None, "the region never filled"
+        b = await tract.Engine.open(cfg(region_path, 1))
+        present = [k for k in stored if a.lookup([k])]
+        assert len(present) > 16
+        mine = b.block_keys(range(900_000, 900_000 + 16 * 2))
+        with pytest.raises(E.RegionFull, match="holds no chunk"):
+            await b.put_kv(mine, kv_for_keys(mine))
+        st = b.stats()
+        assert st["evictions"] == 0 and st["full_without_chunk"] == 1, st
+        assert sum(a.lookup([k]) for k in present) == len(present), "node 0 lost blocks"
+        got = await b.get_kv(present[-4:])                    # reads still work
+        assert all(block_matches(present[-4:], got))
+    finally:
+        if b is not None:
+            await b.close()
+        await a.close()
+
+
 async def test_transfer_only_mode_frees_on_consume_and_deadline(region_path: str,
                                                                  transport: str) -> None:
     a, b = await _pair(region_path, "hw", transport, mode="transfer", transfer_deadline_s=0.3)

@@ -74,6 +74,8 @@ class _Reservation:
 class StoreStats(TransferStats):
     """The region store's counters: the shared ones plus recovery and global-lock figures."""
     reclaimed_entries: int = 0
+    full_without_chunk: int = 0
+    """Puts refused at once: no chunk of this node's to make room in, none free to claim."""
     lock_acquisitions: int = 0
     lock_wait_s: float = 0.0
 
@@ -336,6 +338,17 @@ class RegionStore:
                                                     partial=True)
                 if len(out) >= count:
                     break
+                if not out and not self.alloc.holds_class(nbytes):
+                    # No chunk of ours to free slots in, and none free to claim: evicting
+                    # would only hand other nodes' slots back to them and empty everyone's
+                    # cache for nothing (a node that joined a full region evicted ~20 000
+                    # blocks in a 30 s stress and starved the other nodes' reads too)
+                    self.stats.full_without_chunk += 1
+                    raise RegionFull(f"node {self.node_id} holds no chunk of "
+                                     f"{self.alloc.class_for(nbytes)}-byte slots and the region "
+                                     f"has none free: blocks live in their producer's chunks "
+                                     f"(chunks are not rebalanced between nodes), so evicting "
+                                     f"other nodes' blocks would not make room here")
                 budget = 64 + 2 * count - evicted
                 got = self._evict_lru_locked(min(count - len(out), budget)) if budget > 0 else 0
                 if got == 0:

@@ -610,6 +610,13 @@ class Allocator:
     def owned_chunks(self) -> list[int]:
         return sorted(self._chunks)
 
+    def holds_class(self, nbytes: int) -> bool:
+        """True when this node owns a chunk carved for ``nbytes``-byte slots: only then can
+        evicting blocks give it room (a freed slot of another node's chunk returns to that
+        node)."""
+        cls = self.class_for(nbytes)
+        return any(c.slot_bytes == cls for c in self._chunks.values())
+
     def self_check(self) -> list[str]:
         """Compare this node's private heap state with the region; the problems found."""
         g, m = self.geo, self._region.mem
