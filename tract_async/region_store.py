@@ -145,8 +145,8 @@ class RegionStore:
         # A copy in a thread cannot be interrupted: shield it so that a cancelled caller still
         # waits for the last byte before anything is freed (DESIGN.md invariant 7).
         # the worker thread's own view (``Region.mem``; the sim's caches are per thread)
-        region = self.region
-        fut = asyncio.get_running_loop().run_in_executor(None, lambda: fn(region.mem, plan, base))
+        fut = asyncio.get_running_loop().run_in_executor(
+            None, waits.resolve_thread_mem, fn, waits.ThreadMem(self.region), plan, base)
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -159,11 +159,11 @@ class RegionStore:
         Returns once both threads are done, also when cancelled or when one of them raised."""
         ctl = np.zeros(2, dtype=np.uint64)            # progress, abort: alive until both end
         loop = asyncio.get_running_loop()
-        region = self.region          # each thread its own view (``Region.mem``)
-        ahead = loop.run_in_executor(None, lambda: ix.drop_payload_rows_ahead(
-            region.mem, plan, ctl.ctypes.data))
-        behind = loop.run_in_executor(None, lambda: ix.copy_out_behind(
-            region.mem, plan, np.uint64(dst), ctl.ctypes.data, True))
+        tm = waits.ThreadMem(self.region)    # each thread its own view (``Region.mem``)
+        ahead = loop.run_in_executor(None, waits.resolve_thread_mem, ix.drop_payload_rows_ahead,
+                                     tm, plan, ctl.ctypes.data)
+        behind = loop.run_in_executor(None, waits.resolve_thread_mem, ix.copy_out_behind, tm,
+                                      plan, np.uint64(dst), ctl.ctypes.data, True)
         try:
             await asyncio.shield(asyncio.wait([ahead, behind]))
         except asyncio.CancelledError:

@@ -123,8 +123,8 @@ class ThreadMem:
     With the sim backend each thread has its own private cache (``Region.mem``), and that
     model's arrays are not thread-safe: a ``Mem`` taken on the event loop's thread and handed
     to a worker thread would be used by both at once (the loop keeps reading the node table,
-    the index...), corrupting the model. ``run_poll`` resolves this on the worker thread. The
-    hardware backend has one stateless view, so nothing changes there."""
+    the index...), corrupting the model. ``resolve_thread_mem`` resolves it on the worker
+    thread. The hardware backend has one stateless view, so nothing changes there."""
 
     __slots__ = ("region",)
 
@@ -132,8 +132,10 @@ class ThreadMem:
         self.region = region
 
 
-def _in_thread(fn, *args):  # noqa: ANN001, ANN202
-    return call_tight(fn, *[a.region.mem if isinstance(a, ThreadMem) else a for a in args])
+def resolve_thread_mem(fn, *args):  # noqa: ANN001, ANN202
+    """``fn(*args)`` with every ``ThreadMem`` replaced by the calling thread's view: the
+    function to hand to ``run_in_executor``."""
+    return fn(*[a.region.mem if isinstance(a, ThreadMem) else a for a in args])
 
 
 async def run_poll(fn, *args) -> object:  # noqa: ANN001
@@ -143,7 +145,8 @@ async def run_poll(fn, *args) -> object:  # noqa: ANN001
     stop = next(a for a in args if isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.size == 1)
     # a tight timer slack: the back-off's usleep(10..100) sleeps that long, not ~50 µs more
     # (timerslack.py); on the handoff path that slack is most of the wake-up latency
-    fut = asyncio.get_running_loop().run_in_executor(None, _in_thread, fn, *args)
+    fut = asyncio.get_running_loop().run_in_executor(None, call_tight, resolve_thread_mem, fn,
+                                                     *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

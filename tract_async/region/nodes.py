@@ -191,15 +191,16 @@ class NodeHandle:
 
 
 def _node_info(node_id: int, rec: tuple, now_ns: int, timeout_s: float,
-               dead: bool | None = None) -> NodeInfo:
-    """A NodeInfo from one ``layout.NODE`` record (as ``tolist()`` gives it, in field order);
-    ``dead`` defaults to ``not live``."""
+               silent: bool = True) -> NodeInfo:
+    """A NodeInfo from one ``layout.NODE`` record (as ``tolist()`` gives it, in field order).
+    ``silent``: its sequence stood still across enough of our own beats (``NodeTable.all``);
+    True where nothing counts, so that ``dead`` is ``not live``."""
     state, epoch, nonce, pid, hb, seq, host, joined = rec
     age = (now_ns - hb) / 1e9 if hb else float("inf")
     live = state == L.NODE_LIVE and age < timeout_s
     return NodeInfo(node_id=node_id, state=state, epoch=epoch, owner_nonce=nonce, pid=pid,
                     heartbeat_ns=hb, heartbeat_seq=seq, host_id=host, joined_ns=joined,
-                    heartbeat_age_s=age, live=live, dead=not live if dead is None else dead)
+                    heartbeat_age_s=age, live=live, dead=not live and silent)
 
 
 class NodeTable:
@@ -248,15 +249,15 @@ class NodeTable:
         K.read_bytes(self._region.mem, self._offset, raw.ctypes.data, raw.size, S_NODE_READ)
         now = time.time_ns()
         recs = raw.view(L.NODE.dtype).tolist()
-        dead = self._silence_verdicts(recs, now, timeout_s)
-        if dead is None or not confirm:
+        silent = self._silence(recs, timeout_s)
+        if silent is None or not confirm:
             return [_node_info(i, rec, now, timeout_s) for i, rec in enumerate(recs)]
-        return [_node_info(i, rec, now, timeout_s, dead[i]) for i, rec in enumerate(recs)]
+        return [_node_info(i, rec, now, timeout_s, silent[i]) for i, rec in enumerate(recs)]
 
-    def _silence_verdicts(self, recs: list[tuple], now_ns: int,
-                          timeout_s: float) -> list[bool] | None:
-        """``dead`` of every line (stale, and silent across ``need`` of our own beats), and
-        the counts updated; None when no beat loop of ours is running (nothing to count with)."""
+    def _silence(self, recs: list[tuple], timeout_s: float) -> list[bool] | None:
+        """Per line: has its sequence stood still across ``need`` of our own beats (True for a
+        line that is not LIVE, False for our own), with the counts updated; None when no beat
+        loop of ours is running (nothing to count with). ``dead`` = not ``live`` and silent."""
         me = None
         for nid in sorted(self._beating):
             nonce, interval = self._beating.get(nid, (None, 0.0))
@@ -271,10 +272,9 @@ class NodeTable:
             self._seen_by = (my_id, my_nonce)
         my_seq = recs[my_id][5]
         need = max(CONFIRM_MIN_BEATS, math.ceil(timeout_s / (4 * interval)))
-        stale_before = now_ns - timeout_s * 1e9         # not live: age >= timeout_s
         seen = self._seen
         out: list[bool] = []
-        for i, (state, _epoch, nonce, _pid, hb, seq, _host, _joined) in enumerate(recs):
+        for i, (state, _epoch, nonce, _pid, _hb, seq, _host, _joined) in enumerate(recs):
             if i == my_id:
                 out.append(False)
             elif state != L.NODE_LIVE:
@@ -286,7 +286,7 @@ class NodeTable:
                     seen[i] = (nonce, seq, my_seq)
                     out.append(False)
                 else:
-                    out.append((hb == 0 or hb <= stale_before) and my_seq - first[2] >= need)
+                    out.append(my_seq - first[2] >= need)
         return out
 
     def live_ids(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S) -> list[int]:

@@ -39,9 +39,10 @@ old manager died between the two stores) the grant is re-issued with the recorde
 tokens are ``term << 32 | n``: larger than any token of an older term.
 
 Holder death. Between scan slices the manager reads the node table; a holder whose node is
-dead (``NodeInfo.dead``) is revoked: ``holder = 0``, ``revocations += 1``, ``last_revoked_token = token``, flush. Its
-request stays recorded as granted, so it is never granted again; a new process of that node
-withdraws it before requesting (``slots.post_request``).
+dead (``NodeInfo.dead``) is revoked: ``holder = 0``, ``revocations += 1``,
+``last_revoked_token = token``, flush. Its request stays recorded as granted, so it is never
+granted again; a new process of that node withdraws it before requesting
+(``slots.post_request``).
 
 Polling. The scan runs in a worker thread (``manager_slice``, nogil) for ``slice_s`` at a time:
 ``sched_yield`` between scans while the lock saw a request or release within ``spin_s``, then
@@ -63,9 +64,9 @@ from ..errors import NodeEvicted
 from ..region import layout as L
 from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
 from . import slots as S
+from .lock import run_slice
 
 log = logging.getLogger(__name__)
-from .lock import run_slice
 
 S_CAND_FLUSH = K.site("lock.election.candidate.flush")
 S_CAND_READ = K.site("lock.election.candidate.invalidate")
@@ -117,8 +118,8 @@ def read_manager(region, geo: S.LockGeometry | None = None,  # noqa: ANN001
 
 
 def manager_valid(info: ManagerInfo, nodes: list[NodeInfo]) -> bool:
-    """True while the recorded manager's node is not dead (``NodeInfo.dead``: silent for the
-    liveness timeout by the reader's own beats) and has the recorded epoch."""
+    """True while the recorded manager's node is not dead (``NodeInfo.dead``) and has the
+    recorded epoch."""
     if info.node_id is None or info.node_id >= len(nodes):
         return False
     n = nodes[info.node_id]
