@@ -74,6 +74,9 @@ class _Reservation:
 class StoreStats(TransferStats):
     """The region store's counters: the shared ones plus recovery and global-lock figures."""
     reclaimed_entries: int = 0
+    stale_entries_dropped: int = 0
+    """Evicted entries whose slot had been handed to another reservation (index and allocator
+    disagreed): dropped without freeing the slot, which is not theirs."""
     full_without_chunk: int = 0
     """Puts refused at once: no chunk of this node's to make room in, none free to claim."""
     lock_acquisitions: int = 0
@@ -283,7 +286,8 @@ class RegionStore:
             try:
                 # one kernel call: the reservation, then (all reserved) the publishes counter
                 counted = ix.reserve_batch_counted(
-                    self.mem, self.geo.header_offset, self.geo.entries_offset, self.index.mask,
+                    self.mem, self.geo.header_offset, self.geo.entries_offset, self.index.tgeo,
+                    self.index.mask,
                     self.geo.max_probe, words if len(positions) == len(keys) else
                     words[np.asarray(positions, dtype=np.int64)], ainfo, now, producer, flags,
                     deadline, res)
@@ -364,9 +368,9 @@ class RegionStore:
 
     def _evict_lru_locked(self, k: int) -> int:
         """Evict up to ``k`` sampled-LRU victims and free their payloads; how many."""
-        info = np.zeros((k, 5), dtype=np.int64)
+        info = np.zeros((k, 6), dtype=np.int64)
         n = int(ix.evict_lru_batch(self.mem, self.geo.header_offset, self.geo.entries_offset,
-                                   self.geo.capacity, VICTIM_SAMPLE, time.time_ns(), k, info))
+                                   self.index.tgeo, self.geo.capacity, VICTIM_SAMPLE, time.time_ns(), k, info))
         if n:
             self._free_payloads(info[:n, 1:])
             self.index.bump_counter_locked(ix.H_EVICTIONS, n)
@@ -382,8 +386,8 @@ class RegionStore:
         """Tombstone entries (``new_state``), then free their payloads, as one batch."""
         if not slots:
             return
-        info = np.zeros((len(slots), 4), dtype=np.int64)
-        ix.evict_batch(self.mem, self.geo.entries_offset, self.index.mask,
+        info = np.zeros((len(slots), 5), dtype=np.int64)
+        ix.evict_batch(self.mem, self.geo.entries_offset, self.index.tgeo, self.index.mask,
                        np.asarray(slots, dtype=np.int64), new_state, info)
         if count:
             self.index.bump_counter_locked(ix.H_EVICTIONS, len(slots))
@@ -391,9 +395,15 @@ class RegionStore:
         self._free_payloads(info)
 
     def _free_payloads(self, info: np.ndarray) -> None:
-        """Free the payload slots of evicted entries: rows (offset, nbytes, owner word, token)."""
-        allocs = [self._allocation_of(poff, pnb, owner, token)
-                  for poff, pnb, owner, token in info.tolist() if self._payload_ok(poff, pnb)]
+        """Free the payload slots of evicted entries: rows (offset, nbytes, owner word, token,
+        slot is the entry's). A stale entry's slot (tag names another reservation) is not
+        freed: it is the new occupant's (``index.evict_batch``)."""
+        allocs = []
+        for poff, pnb, owner, token, mine in info.tolist():
+            if not mine:
+                self.stats.stale_entries_dropped += 1
+            elif self._payload_ok(poff, pnb):
+                allocs.append(self._allocation_of(poff, pnb, owner, token))
         self.alloc.free_many(allocs)
 
     async def _abandon(self, keys: list[bytes]) -> None:
@@ -470,8 +480,7 @@ class RegionStore:
             fn = ix.copy_out_nt if nbytes >= NT_READ_BYTES else ix.copy_out
             await self._copy(fn, plan, out.data_ptr(), nbytes)
         ok = np.ones(n, dtype=np.bool_)
-        bad = (ix.revalidate_batch(self.mem, self.geo.entries_offset, slots, versions,
-                                   snap[:, 3].copy(), words, ok)
+        bad = (self.index.revalidate(slots, versions, snap[:, 3], words, ok)
                if self.validate_reads else 0)
         self.stats.gets += 1
         if bad:
@@ -567,8 +576,7 @@ class RegionStore:
         await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
             check = np.zeros(len(done), dtype=np.bool_)
-            ix.revalidate_batch(self.mem, self.geo.entries_offset, slots[done], versions[done],
-                                poffs[done], words[done], check)
+            self.index.revalidate(slots[done], versions[done], poffs[done], words[done], check)
             gone = [int(slots[i]) for j, i in enumerate(done) if check[j]]
             self._evict_many_locked(gone)
             self.stats.consumed += len(gone)
@@ -605,16 +613,7 @@ class RegionStore:
 
     def on_reclaim(self, node_id: int, spans: list[tuple[int, int]]) -> None:
         """Allocator hook (under the lock): a dead node's chunks go away; so do their entries."""
-        table = self.index.scan()
-        live = (table[:, 0] == ix.READY) | (table[:, 0] == ix.RESERVED)
-        inside = np.zeros(len(table), dtype=np.bool_)
-        for start, nbytes in spans:
-            inside |= live & (table[:, 1] >= start) & (table[:, 1] < start + nbytes)
-        slots = np.flatnonzero(inside).astype(np.int64)
-        if slots.size:     # payloads are not freed: their chunks go back whole
-            ix.evict_batch(self.mem, self.geo.entries_offset, self.index.mask, slots,
-                           ix.TOMBSTONE, np.zeros((slots.size, 4), dtype=np.int64))
-            self.stats.reclaimed_entries += int(slots.size)
+        self.stats.reclaimed_entries += self.index.drop_spans_locked(spans)
 
     async def close(self, timeout: float) -> None:
         """Evict unfinished reservations and this node's blocks, return chunks."""

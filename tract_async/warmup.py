@@ -54,7 +54,7 @@ async def _scenario(path: str, backend: str) -> None:
         waits.poll_present(st.mem, st.geo.entries_offset, st.index.mask, st.geo.max_probe,
                            np.zeros((1, 4), dtype=np.uint64), 0, stop)
         ix.scan_entries(st.mem, st.geo.entries_offset, st.geo.capacity,
-                        np.zeros((st.geo.capacity, 8), dtype=np.int64))
+                        np.zeros((st.geo.capacity, 9), dtype=np.int64))
     finally:
         await b.close()
         await a.close()

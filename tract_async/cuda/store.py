@@ -257,8 +257,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
 
     def validate() -> Any:
         ok = np.zeros(n, dtype=np.bool_)
-        bad = ix.revalidate_batch(store.mem, store.geo.entries_offset, slots, versions, poffs,
-                                  words, ok)
+        bad = store.index.revalidate(slots, versions, poffs, words, ok)
         store.stats.gets += 1
         if bad:
             store.stats.validation_failures += 1

@@ -15,6 +15,11 @@ Who writes what (layouts in ``layout.py``):
   (stored, flushed) before the slot is returned to the caller, and cleared when it is freed
   back, so the region always records which slots are in use; the free lists are a private
   cache of the clear bits. Nobody else reads these lines except ``fsck`` and recovery.
+* Slot tags (``layout.SLOT_TAG``) of a chunk: its owner node only. Zeroed when the chunk is
+  carved; the reservation that hands a slot to an index entry stores the entry's identity there
+  (``index.reserve_batch``) and every read checks it after its copy, so a disagreement between
+  the index and the allocator (an entry left pointing at a slot that was freed and reused) reads
+  as a miss, never as another block's bytes.
 * Return rings, one per (owner, sender) pair: a slot of node O freed by node S is pushed by S
   onto ring (O, S): entry stored and flushed, then ``head += 1`` stored and flushed (publish
   order: an entry is visible before the head that covers it). O pops in ``drain_returns``:
@@ -210,9 +215,12 @@ class Allocator:
         else:
             classes = sorted(set(int(c) for c in size_classes))
             for c in classes:
-                if c <= 0 or c % 64 or c > g.chunk_bytes or g.chunk_bytes // c > 65535 \
+                if c <= 0 or c % 64 or c < g.min_slot_bytes or c > g.chunk_bytes \
+                        or g.chunk_bytes // c > 65535 \
                         or g.chunk_bytes // c > g.heap_bitmap_lines * 512:
-                    raise ValueError(f"size class {c}: must be a multiple of 64 bytes, at most "
+                    raise ValueError(f"size class {c}: must be a multiple of 64 bytes, at least "
+                                     f"the region's min_slot_bytes={g.min_slot_bytes} (one "
+                                     f"slot tag per min_slot_bytes), at most "
                                      f"chunk_bytes={g.chunk_bytes}, and give at most "
                                      f"{g.heap_bitmap_lines * 512} slots per chunk")
         self.size_classes: tuple[int, ...] = tuple(classes)
@@ -410,6 +418,11 @@ class Allocator:
         # one non-temporal write of the whole record (meta line + empty bitmap), in memory on
         # return: one kernel call instead of one per word
         K.write_bytes(m, base, rec.ctypes.data, rec.size, S_HEAP_FLUSH)
+        # and every slot tag zeroed: a tag left from the chunk's previous carving (another
+        # owner's, maybe another slot size) could otherwise still name an old index entry for
+        # a word that is now inside one of this carving's slots
+        tags = np.zeros(g.tag_lines * L.LINE_BYTES, dtype=np.uint8)
+        K.write_bytes(m, g.tags_off(chunk), tags.ctypes.data, tags.size, S_HEAP_FLUSH)
         K.full_fence(m)
         c = _Chunk(index=chunk, generation=generation, token=token, slot_bytes=slot_bytes,
                    nslots=nslots, used=np.zeros(nslots, dtype=bool),

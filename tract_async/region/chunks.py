@@ -59,6 +59,7 @@ OP_NAMES = {OP_CLAIM: "claim", OP_RELEASE: "release", OP_RECLAIM: "reclaim"}
 
 SEC_META, SEC_BITMAP, SEC_OWNERS = "alloc.meta", "alloc.bitmap", "alloc.owners"
 SEC_HEAPS, SEC_RINGS, SEC_CHUNKS = "alloc.heaps", "alloc.rings", "alloc.chunks"
+SEC_TAGS = "alloc.tags"
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_MIN_SLOT_BYTES = 4096
@@ -84,6 +85,9 @@ class AllocGeometry(NamedTuple):
     heap_bitmap_lines: int
     ring_entries: int
     max_nodes: int
+    tags_offset: int
+    tag_lines: int
+    """Lines of slot tags per chunk (``layout.SLOT_TAG``): one word per ``min_slot_bytes``."""
 
     def count_off(self, node_id: int) -> int:
         return self.meta_offset + L.LINE_BYTES + node_id * L.ALLOC_COUNT.itemsize
@@ -97,6 +101,16 @@ class AllocGeometry(NamedTuple):
     def chunk_off(self, chunk: int) -> int:
         return self.chunks_offset + chunk * self.chunk_bytes
 
+    def tags_off(self, chunk: int) -> int:
+        """First tag line of ``chunk``."""
+        return self.tags_offset + chunk * self.tag_lines * L.LINE_BYTES
+
+    def tag_off(self, payload_offset_bytes: int) -> int:
+        """The tag word of the slot starting at ``payload_offset_bytes`` (inside the chunks)."""
+        rel = payload_offset_bytes - self.chunks_offset
+        chunk = rel // self.chunk_bytes
+        return self.tags_off(chunk) + (rel % self.chunk_bytes) // self.min_slot_bytes * 8
+
     @property
     def ring_pair_bytes(self) -> int:
         return (2 + math.ceil(self.ring_entries / 8)) * L.LINE_BYTES
@@ -108,6 +122,11 @@ class AllocGeometry(NamedTuple):
 
 def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+def tag_lines_per_chunk(chunk_bytes: int, min_slot_bytes: int) -> int:
+    """Lines of slot tags one chunk needs: a word per ``min_slot_bytes``, padded to a line."""
+    return math.ceil(chunk_bytes // min_slot_bytes / 8)
 
 
 def sections_for(size_bytes: int, max_nodes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
@@ -145,6 +164,8 @@ def sections_for(size_bytes: int, max_nodes: int, chunk_bytes: int = DEFAULT_CHU
         SectionSpec(name=SEC_OWNERS, nbytes=L.align_up(n_max * L.CHUNK_OWNER.itemsize, line)),
         SectionSpec(name=SEC_HEAPS, nbytes=n_max * (1 + bitmap_lines) * line, kind=min_slot_bytes),
         SectionSpec(name=SEC_RINGS, nbytes=max_nodes * max_nodes * pair, kind=ring_entries),
+        SectionSpec(name=SEC_TAGS, nbytes=n_max * tag_lines_per_chunk(chunk_bytes, min_slot_bytes)
+                    * line),
         SectionSpec(name=SEC_CHUNKS, nbytes=-1, align_bytes=min(chunk_bytes, 2 << 20),
                     kind=chunk_bytes),
     ]
@@ -157,15 +178,19 @@ def alloc_geometry(region: "Region") -> AllocGeometry:
     owners = region.section(SEC_OWNERS)
     heaps = region.section(SEC_HEAPS)
     rings = region.section(SEC_RINGS)
+    tags = region.section(SEC_TAGS)
     chunks = region.section(SEC_CHUNKS)
     chunk_bytes, min_slot = int(chunks.kind), int(heaps.kind)
     bitmap_lines = math.ceil(chunk_bytes // min_slot / 512)
+    tag_lines = tag_lines_per_chunk(chunk_bytes, min_slot)
     n = min(chunks.nbytes // chunk_bytes, bitmap.nbytes * 8,
             owners.nbytes // L.CHUNK_OWNER.itemsize,
-            heaps.nbytes // ((1 + bitmap_lines) * L.LINE_BYTES))
+            heaps.nbytes // ((1 + bitmap_lines) * L.LINE_BYTES),
+            tags.nbytes // (tag_lines * L.LINE_BYTES))
     return AllocGeometry(meta.offset_bytes, bitmap.offset_bytes, owners.offset_bytes,
                          heaps.offset_bytes, rings.offset_bytes, chunks.offset_bytes, int(n),
-                         chunk_bytes, min_slot, bitmap_lines, int(rings.kind), region.max_nodes)
+                         chunk_bytes, min_slot, bitmap_lines, int(rings.kind), region.max_nodes,
+                         tags.offset_bytes, tag_lines)
 
 
 @dataclass(frozen=True, kw_only=True)

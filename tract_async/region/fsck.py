@@ -14,9 +14,21 @@ takes no lock, and reports:
   equals the bitmap's popcount, no bit past the last slot);
 * return rings: ``0 <= head - tail <= ring_entries``; a pending return of a live chunk names a
   slot still marked used (else the slot is both free and being returned: a double free), and no
-  slot is pending twice.
+  slot is pending twice;
+* the prefix index against the allocator: every live (READY or RESERVED) entry points at the
+  start of a slot that is marked used, in a carved chunk owned by a live node, with the chunk
+  generation and owner the entry recorded, and whose slot tag names this entry and version (so
+  of two live entries sharing a slot, at most one passes). An entry that fails is a block a get could hand out with
+  another block's bytes (the slot tag makes such a get a miss, but the entry is still wrong).
+  Findings are confirmed by a second read of the entry (same version, still live): an entry
+  that changed meanwhile was being evicted or reserved concurrently, not wrong.
 
-``--repair`` does what recovery does. Structures under the global lock are repaired under the
+``--repair`` does what recovery does, including its index hook: entries that point into a
+reclaimed dead node's chunks are tombstoned before the chunks are released (the engine's
+``RegionStore.on_reclaim`` and this repair share ``PrefixIndex.drop_spans_locked``). It then
+tombstones every index entry the check above finds (READY ones, and RESERVED ones whose producer
+is dead; a live producer's RESERVED entry is reported, not touched: its producer still writes
+it). Payloads are never freed by this: a finding's slot is free, reclaimed, or another block's. Structures under the global lock are repaired under the
 lock: when nodes are live, fsck joins a free node id for the duration, runs a LockManager
 candidate and takes the lock like any node; when no node is live it repairs directly. Lines owned
 by the manager (manager line, lock state, dead candidates) are repaired only when no node is
@@ -36,6 +48,7 @@ from ..errors import RootNameNotFound
 from . import layout as L
 from .alloc import GEN_MASK, decode_entry, heap_record, ring_state
 from .chunks import J_PENDING, OP_NAMES, ChunkTable
+from .index import READY, RESERVED, TOMBSTONE, PrefixIndex, evict_batch, tag_value
 from .nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
 from .region import Region
 
@@ -127,7 +140,107 @@ def check(region: Region, *, liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOU
         rep.notes.append("no allocator sections")
         return rep
     _check_alloc(region, table, nodes, rep)
+    for f in index_findings(region, table, nodes):
+        rep.problems.append(f"index: entry {f.entry} ({f.state_name}, key {f.key0:016x}…) "
+                            f"{f.reason}")
     return rep
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexFinding:
+    """A live index entry that disagrees with the allocator."""
+    entry: int            # slot of the entry in the index
+    version: int
+    state: int
+    producer: int         # node id that reserved it
+    key0: int
+    reason: str
+
+    @property
+    def state_name(self) -> str:
+        return "READY" if self.state == READY else "RESERVED"
+
+
+def index_findings(region: Region, table: ChunkTable, nodes: list[NodeInfo]
+                   ) -> list[IndexFinding]:
+    """Live index entries that point where no block of theirs can be (module docstring), each
+    confirmed by a second read of the entry. Empty when the region has no index."""
+    try:
+        idx = PrefixIndex(region)
+    except RootNameNotFound:
+        return []
+    g = table.geo
+    first = idx.scan()
+    live = np.flatnonzero((first[:, 0] == READY) | (first[:, 0] == RESERVED))
+    if not live.size:
+        return []
+    own = table.owners()
+    end = g.chunks_offset + g.nchunks * g.chunk_bytes
+    heaps: dict[int, tuple[dict[str, int], np.ndarray]] = {}
+    tags: dict[int, np.ndarray] = {}
+    by_payload: dict[int, list[int]] = {}
+    suspects: dict[int, str] = {}
+    for e in live.tolist():
+        poff, owner_word = int(first[e, 1]), int(first[e, 6])
+        version = int(first[e, 8])
+        if not g.chunks_offset <= poff < end:
+            suspects[e] = f"points at offset {poff}, outside the chunk area"
+            continue
+        by_payload.setdefault(poff, []).append(e)
+        c = (poff - g.chunks_offset) // g.chunk_bytes
+        owner = int(own[c]["owner"]) - 1
+        if owner < 0:
+            suspects[e] = f"points into chunk {c}, which is free"
+            continue
+        if owner >= len(nodes) or nodes[owner].dead:
+            suspects[e] = f"points into chunk {c} of dead node {owner} (awaits reclaim)"
+            continue
+        if (owner_word & 0xFFFF) != owner or (owner_word >> 16) != int(own[c]["generation"]):
+            suspects[e] = (f"recorded chunk {c} as node {owner_word & 0xFFFF}'s, generation "
+                           f"{owner_word >> 16}; it is node {owner}'s, generation "
+                           f"{int(own[c]['generation'])}")
+            continue
+        if c not in heaps:
+            heaps[c] = heap_record(region, g, c)
+        meta, ubits = heaps[c]
+        rel = poff - g.chunk_off(c)
+        sb = meta["slot_bytes"]
+        if sb == 0 or rel % sb or rel // sb >= meta["nslots"]:
+            suspects[e] = f"points at byte {rel} of chunk {c}, not a slot of its carving"
+            continue
+        if not ubits[rel // sb]:
+            suspects[e] = f"points at chunk {c} slot {rel // sb}, which is free"
+            continue
+        if c not in tags:
+            raw = np.zeros(g.tag_lines * 64, dtype=np.uint8)
+            K.read_bytes(region.mem, g.tags_off(c), raw.ctypes.data, raw.size, S_FSCK_READ)
+            tags[c] = raw.view("<u8")
+        tag = int(tags[c][rel // g.min_slot_bytes])
+        if tag != tag_value(e, version):
+            suspects[e] = (f"points at chunk {c} slot {rel // sb}, whose tag {tag:#x} names "
+                           f"another reservation (slot reused)")
+    # two live entries at one slot: the tag names at most one of them, so the others are
+    # suspects already; report a share only if tags were somehow unable to tell them apart
+    for poff, es in by_payload.items():
+        unflagged = [e for e in es if e not in suspects]
+        if len(unflagged) > 1:
+            for e in unflagged:
+                suspects[e] = f"shares its slot (offset {poff}) with entries " \
+                              f"{[x for x in unflagged if x != e]}"
+    if not suspects:
+        return []
+    again = idx.scan()     # confirm: an entry changed meanwhile was concurrent, not wrong
+    out = []
+    for e, why in sorted(suspects.items()):
+        if again[e, 0] == first[e, 0] and again[e, 8] == first[e, 8]:
+            out.append(IndexFinding(entry=e, version=int(first[e, 8]), state=int(first[e, 0]),
+                                    producer=int(first[e, 3]) & 0xFFFF,
+                                    key0=_entry_key0(region, idx, e), reason=why))
+    return out
+
+
+def _entry_key0(region: Region, idx: PrefixIndex, entry: int) -> int:
+    return int(K.load_fresh(region.mem, idx.geo.entries_offset + entry * 128, S_FSCK_READ))
 
 
 def _check_alloc(region: Region, table: ChunkTable, nodes: list[NodeInfo],
@@ -228,9 +341,35 @@ def _repair_locked(region: Region, table: ChunkTable, lock, nodes: list[NodeInfo
     for c in np.flatnonzero(bits != (own["owner"] != 0)):
         table._set_bit(int(c), bool(own[c]["owner"] != 0))
         rep.repairs.append(f"bitmap bit of chunk {int(c)} set from its owner record")
-    for n, k in table.reclaim_dead(nodes, lock.token, lock.check_token).items():
-        rep.repairs.append(f"reclaimed {k} chunk(s) of dead node {n}")
+    try:
+        idx: PrefixIndex | None = PrefixIndex(region)
+    except RootNameNotFound:
+        idx = None
+    dropped: dict[int, int] = {}
+
+    def drop(node: int, spans: list[tuple[int, int]]) -> None:
+        if idx is not None:
+            dropped[node] = dropped.get(node, 0) + idx.drop_spans_locked(spans)
+
+    for n, k in table.reclaim_dead(nodes, lock.token, lock.check_token, drop).items():
+        rep.repairs.append(f"reclaimed {k} chunk(s) of dead node {n} and dropped its "
+                           f"{dropped.get(n, 0)} index entr{'y' if dropped.get(n, 0) == 1 else 'ies'}")
     table.recount()
+    if idx is None:
+        return
+    lock.check_token()
+    drop_now: list[int] = []
+    for f in index_findings(region, table, nodes):
+        if f.state == RESERVED and f.producer < len(nodes) and not nodes[f.producer].dead:
+            rep.notes.append(f"index entry {f.entry} {f.reason}: left to its live producer "
+                             f"(node {f.producer})")
+            continue
+        drop_now.append(f.entry)
+        rep.repairs.append(f"tombstoned index entry {f.entry}: {f.reason}")
+    if drop_now:
+        evict_batch(region.mem, idx.geo.entries_offset, idx.tgeo, idx.mask,
+                    np.asarray(drop_now, dtype=np.int64), TOMBSTONE,
+                    np.zeros((len(drop_now), 5), dtype=np.int64))
 
 
 def _repair_offline(region: Region, rep: FsckReport, liveness_timeout_s: float) -> None:

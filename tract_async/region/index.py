@@ -67,6 +67,7 @@ S_IX_RESERVE_FLUSH = K.site("index.reserve.flush")
 S_IX_EVICT_FLUSH = K.site("index.evict.flush")
 S_IX_TOUCH_FLUSH = K.site("index.touch.flush")
 S_IX_HDR = K.site("index.header.flush")
+S_IX_TAG_READ = K.site("index.slot_tag.invalidate")
 
 ENTRY_BYTES = L.INDEX_ENTRY.itemsize
 _E = {n: L.INDEX_ENTRY.dtype.fields[n][1] for n in L.INDEX_ENTRY.dtype.names}
@@ -81,6 +82,17 @@ H_CLOCK, H_EVICTIONS, H_PUBLISHES = _H["clock_hand"], _H["evictions"], _H["publi
 EMPTY, RESERVED, READY, TOMBSTONE = L.IX_EMPTY, L.IX_RESERVED, L.IX_READY, L.IX_TOMBSTONE
 FLAG_TRANSFER = 1
 DEFAULT_MAX_PROBE = 32
+
+TAG_VERSION_BITS = 40
+TAG_VERSION_MASK = (1 << TAG_VERSION_BITS) - 1
+TG_CHUNKS, TG_CHUNK_BYTES, TG_MIN_SLOT, TG_TAGS, TG_TAG_BYTES, TG_END = range(6)
+"""Columns of the slot-tag geometry array the kernels take (``tag_geometry``); TG_TAGS < 0
+means the region has no slot tags (an index without an allocator: nothing to check)."""
+
+
+def tag_value(entry_slot: int, version: int) -> int:
+    """The slot tag of the reservation (entry ``entry_slot``, ``version``): never 0."""
+    return ((entry_slot + 1) << TAG_VERSION_BITS) | (version & TAG_VERSION_MASK)
 
 
 def section_bytes(capacity: int) -> int:
@@ -98,6 +110,24 @@ def capacity_for(blocks: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # jitted primitives (no lock: readers)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tag_off(tgeo, poff):
+    """Offset of the slot tag of the payload at ``poff`` (``layout.SLOT_TAG``), or -1 when the
+    region has no tags or ``poff`` lies outside the chunk area."""
+    if tgeo[TG_TAGS] < 0 or poff < tgeo[TG_CHUNKS] or poff >= tgeo[TG_END]:
+        return np.int64(-1)
+    rel = poff - tgeo[TG_CHUNKS]
+    chunk = rel // tgeo[TG_CHUNK_BYTES]
+    return (tgeo[TG_TAGS] + chunk * tgeo[TG_TAG_BYTES]
+            + (rel % tgeo[TG_CHUNK_BYTES]) // tgeo[TG_MIN_SLOT] * 8)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tag_of(slot, version):
+    return (np.uint64(slot + 1) << np.uint64(TAG_VERSION_BITS)) | (
+        np.uint64(version) & np.uint64(TAG_VERSION_MASK))
 
 
 @njit(cache=True, nogil=True)
@@ -221,9 +251,18 @@ def layer_bits_batch(m, eoff, slots, out):
 
 
 @njit(cache=True, nogil=True)
-def revalidate_batch(m, eoff, slots, versions, poffs, keys, ok):
-    """After a copy: ok[i] = entry i still holds the same key, version and payload, live.
-    Returns the number that failed.
+def revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok):
+    """After a copy: ok[i] = entry i still holds the same key, version and payload, live, and
+    the payload's slot tag still names this entry and version. Returns the number that failed.
+
+    The slot tag closes the class of bugs where the index and the allocator disagree: an entry
+    whose slot was freed and handed to another reservation (a reclaim that forgot the index, a
+    free without an eviction) keeps its key and version, so the entry checks alone would pass
+    and hand out the new occupant's bytes. The new occupant's reservation stored its own tag
+    before any of its payload bytes (``reserve_batch``: the tag's NT store precedes the fence
+    that precedes RESERVED, and the payload is written after that), and this check reads the
+    tag after the copy: if any byte copied came from the new occupant, the tag read here is the
+    new one. A carve zeroes a chunk's tags, so a re-carved slot never matches either.
 
     The key and payload are compared too, not just the version: the first read of a line may be
     torn against a concurrent re-reservation (old key words, new version and payload: a fill or
@@ -235,6 +274,9 @@ def revalidate_batch(m, eoff, slots, versions, poffs, keys, ok):
     K.full_fence(m)
     for i in range(slots.shape[0]):
         K.invalidate(m, eoff + slots[i] * 128, S_IX_REVALIDATE)
+        t = _tag_off(tgeo, poffs[i])
+        if t >= 0:
+            K.invalidate(m, t, S_IX_TAG_READ)
     K.full_fence(m)
     for i in range(slots.shape[0]):
         off = eoff + slots[i] * 128
@@ -244,6 +286,9 @@ def revalidate_batch(m, eoff, slots, versions, poffs, keys, ok):
                 and K.load(m, off + 16) == keys[i, 2] and K.load(m, off + 24) == keys[i, 3]
                 and np.int64(K.load(m, off + 48)) == poffs[i]
                 and np.int64(K.load(m, off + 32)) == versions[i])
+        if good and tgeo[TG_TAGS] >= 0:
+            t = _tag_off(tgeo, poffs[i])
+            good = t >= 0 and K.load(m, t) == _tag_of(slots[i], versions[i])
         ok[i] = good
         if not good:
             bad += 1
@@ -358,7 +403,7 @@ per key, and the group's line-0 copies read by the probe stay in L1 until they a
 
 
 @njit(cache=True, nogil=True)
-def reserve_batch(m, eoff, mask, max_probe, keys, poffs, pnbs, owners, tokens, now_ns,
+def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tokens, now_ns,
                   producer, flags, deadline_ns, out):
     """Reserve an entry for each key (the global-lock holder's step; module docstring).
 
@@ -367,8 +412,10 @@ def reserve_batch(m, eoff, mask, max_probe, keys, poffs, pnbs, owners, tokens, n
 
     Every home line is invalidated first (one fence). Then, per group of ``RESERVE_GROUP`` keys:
     (1) per key: probe (later probes invalidate and fence one by one), then line 1 (no layers,
-    allocation, producer, clock, flags) written whole with non-temporal stores (no flush);
-    (2) ``sfence``: the group's lines 1 are in memory; (3) per key, line 0 written once --
+    allocation, producer, clock, flags) written whole with non-temporal stores (no flush), and
+    the payload slot's tag (``layout.SLOT_TAG``: this entry and its new version; NT store: the
+    caller owns the slot, so it owns the tag's line);
+    (2) ``sfence``: the group's lines 1 and tags are in memory; (3) per key, line 0 written once --
     ``version + 1``, key, payload bounds, and ``state = RESERVED`` as the last store -- and
     flushed; ``mfence`` at the end of the batch. No entry shows RESERVED before all its fields
     are in memory: line 1 by the fence, and inside line 0 the state is stored last, so any
@@ -452,6 +499,9 @@ def reserve_batch(m, eoff, mask, max_probe, keys, poffs, pnbs, owners, tokens, n
             out[i, 0] = free
             out[i, 1] = np.int64(prev)
             out[i, 2] = np.int64(K.load(m, off + 32) + np.uint64(1))
+            t = _tag_off(tgeo, np.int64(poffs[i]))
+            if t >= 0:
+                K.store_nt(m, t, _tag_of(free, out[i, 2]))
         K.store_fence(m)           # the group's lines 1 are in memory before any RESERVED
         for i in range(g0, g1):
             if out[i, 0] >= 0:
@@ -469,8 +519,8 @@ def reserve_batch(m, eoff, mask, max_probe, keys, poffs, pnbs, owners, tokens, n
 
 
 @njit(cache=True, nogil=True)
-def reserve_batch_counted(m, hoff, eoff, mask, max_probe, keys, ainfo, now_ns, producer, flags,
-                          deadline_ns, out):
+def reserve_batch_counted(m, hoff, eoff, tgeo, mask, max_probe, keys, ainfo, now_ns, producer,
+                          flags, deadline_ns, out):
     """``reserve_batch`` with the allocation columns of one (n, 4) uint64 array ``ainfo``
     (payload offset, nbytes, owner word, token), then, when every key was reserved, the
     ``publishes`` counter bumped by n (fresh read, store, flush: ``bump_counter_locked``).
@@ -481,7 +531,7 @@ def reserve_batch_counted(m, hoff, eoff, mask, max_probe, keys, ainfo, now_ns, p
     unboxing, and the counter bump was two more such calls; a small put pays this once. The
     stores, flushes and fences are those of ``reserve_batch`` followed by the bump's, in that
     order, exactly as the separate calls made them."""
-    reserve_batch(m, eoff, mask, max_probe, keys, ainfo[:, 0], ainfo[:, 1], ainfo[:, 2],
+    reserve_batch(m, eoff, tgeo, mask, max_probe, keys, ainfo[:, 0], ainfo[:, 1], ainfo[:, 2],
                   ainfo[:, 3], now_ns, producer, flags, deadline_ns, out)
     n = keys.shape[0]
     for i in range(n):
@@ -518,10 +568,14 @@ def _sweep_tombstones(m, eoff, mask, slot):
 
 
 @njit(cache=True, nogil=True)
-def evict_batch(m, eoff, mask, slots, new_state, info):
+def evict_batch(m, eoff, tgeo, mask, slots, new_state, info):
     """Evict entries (global-lock holder): ``state = new_state``, flush; then ``version + 1``,
     flush; one fence per step for the whole batch. The caller frees the payloads afterwards:
-    info[i] = (payload_offset, nbytes, owner, token), read fresh before the entry changed.
+    info[i] = (payload_offset, nbytes, owner, token, slot is the entry's), read fresh before the
+    entry changed. The last column is 1 when the payload slot's tag names this entry and version
+    (or the region has no tags), else 0: the entry was stale (its slot was reused by another
+    reservation) and its payload must *not* be freed -- that would free the new occupant's slot
+    under it.
     ``new_state=EMPTY`` only undoes a reservation of a slot that was EMPTY within the same hold
     of the lock (no probe chain can run through it then); tombstones are swept
     (``_sweep_tombstones``)."""
@@ -530,12 +584,22 @@ def evict_batch(m, eoff, mask, slots, new_state, info):
         K.invalidate(m, off, S_IX_READ)
         K.invalidate(m, off + 64, S_IX_LINE1_READ)
     K.full_fence(m)
+    for i in range(slots.shape[0]):       # the tag lines after the entries' (their payloads)
+        t = _tag_off(tgeo, np.int64(K.load(m, eoff + slots[i] * 128 + 48)))
+        if t >= 0:
+            K.invalidate(m, t, S_IX_TAG_READ)
+    K.full_fence(m)
     for i in range(slots.shape[0]):
         off = eoff + slots[i] * 128
         info[i, 0] = np.int64(K.load(m, off + 48))
         info[i, 1] = np.int64(K.load(m, off + 56))
         info[i, 2] = np.int64(K.load(m, off + 80))
         info[i, 3] = np.int64(K.load(m, off + 88))
+        info[i, 4] = 1
+        if tgeo[TG_TAGS] >= 0:
+            t = _tag_off(tgeo, info[i, 0])
+            if t < 0 or K.load(m, t) != _tag_of(slots[i], K.load(m, off + 32)):
+                info[i, 4] = 0
         K.store(m, off + 40, new_state)
         K.flush(m, off, S_IX_EVICT_FLUSH)
     K.full_fence(m)
@@ -550,12 +614,13 @@ def evict_batch(m, eoff, mask, slots, new_state, info):
 
 
 @njit(cache=True, nogil=True)
-def evict_lru_batch(m, hoff, eoff, cap, sample, now_ns, k, info):
+def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, info):
     """Evict up to ``k`` victims by sampled LRU over one window: the ``sample * k`` entries from
     the clock hand are read (one fence for the window), and the ``k`` least recently touched
     READY entries among them go (expired transfer-only entries first; unexpired ones are never
     victims): ``sample`` entries looked at per victim, in one pass.
-    info[j] = (slot, payload_offset, nbytes, owner, token). Returns how many were evicted."""
+    info[j] = (slot, payload_offset, nbytes, owner, token, slot is the entry's: see
+    ``evict_batch``). Returns how many were evicted."""
     hand = np.int64(K.load_fresh(m, hoff + 64, S_IX_READ))
     window = min(cap, max(sample, sample * k))
     for s in range(window):
@@ -586,10 +651,10 @@ def evict_lru_batch(m, hoff, eoff, cap, sample, now_ns, k, info):
     for j in range(n):
         victims[j] = cand_s[order[j]]
         info[j, 0] = victims[j]
-    tmp = np.zeros((n, 4), dtype=np.int64)
-    evict_batch(m, eoff, cap - 1, victims, TOMBSTONE, tmp)
+    tmp = np.zeros((n, 5), dtype=np.int64)
+    evict_batch(m, eoff, tgeo, cap - 1, victims, TOMBSTONE, tmp)
     for j in range(n):
-        for c in range(4):
+        for c in range(5):
             info[j, 1 + c] = tmp[j, c]
     K.store(m, hoff + 64, np.uint64((hand + window) % cap))
     K.flush(m, hoff + 64, S_IX_HDR)
@@ -629,8 +694,8 @@ def touch_batch(m, eoff, slots, versions, now_ns):
 
 @njit(cache=True, nogil=True)
 def scan_entries(m, eoff, cap, out):
-    """Fresh (state, payload_offset, nbytes, producer, flags, deadline, owner, token) of every
-    entry, for recovery, reaping and fsck."""
+    """Fresh (state, payload_offset, nbytes, producer, flags, deadline, owner, token, version)
+    of every entry, for recovery, reaping and fsck."""
     for slot in range(cap):
         off = eoff + slot * 128
         K.invalidate(m, off, S_IX_READ)
@@ -644,10 +709,27 @@ def scan_entries(m, eoff, cap, out):
         out[slot, 5] = np.int64(K.load(m, off + 120))
         out[slot, 6] = np.int64(K.load(m, off + 80))
         out[slot, 7] = np.int64(K.load(m, off + 88))
+        out[slot, 8] = np.int64(K.load(m, off + 32))
 
 
 # ---------------------------------------------------------------------------------------------
 # the Python face
+
+
+def tag_geometry(region: "Region") -> np.ndarray:
+    """The slot-tag geometry the kernels take (columns ``TG_*``); TG_TAGS = -1 when the region
+    has no allocator (and so no tags)."""
+    from ..errors import RootNameNotFound
+    from .chunks import alloc_geometry
+    t = np.full(6, -1, dtype=np.int64)
+    try:
+        g = alloc_geometry(region)
+    except RootNameNotFound:
+        return t
+    t[TG_CHUNKS], t[TG_CHUNK_BYTES], t[TG_MIN_SLOT] = g.chunks_offset, g.chunk_bytes, g.min_slot_bytes
+    t[TG_TAGS], t[TG_TAG_BYTES] = g.tags_offset, g.tag_lines * L.LINE_BYTES
+    t[TG_END] = g.chunks_offset + g.nchunks * g.chunk_bytes
+    return t
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -680,6 +762,7 @@ class PrefixIndex:
                                  max_probe=int(rec["max_probe"]))
         if sec.offset_bytes + section_bytes(cap) > sec.offset_bytes + sec.nbytes:
             raise AssertionError("index section smaller than its recorded capacity")
+        self.tgeo = tag_geometry(region)
 
     @staticmethod
     def format(region: "Region", section_name: str = "index", *,
@@ -718,9 +801,37 @@ class PrefixIndex:
         snapshot_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe, key_words, out)
         return out
 
+    def revalidate(self, slots: np.ndarray, versions: np.ndarray, poffs: np.ndarray,
+                   key_words: np.ndarray, ok: np.ndarray) -> int:
+        """Step 4 of a read (``revalidate_batch``): after the copy, ``ok[i]`` says whether block
+        ``i`` is still the one snapshotted (entry and slot tag). Returns how many are not."""
+        return int(revalidate_batch(self.region.mem, self.geo.entries_offset, self.tgeo,
+                                    np.ascontiguousarray(slots, dtype=np.int64),
+                                    np.ascontiguousarray(versions, dtype=np.int64),
+                                    np.ascontiguousarray(poffs, dtype=np.int64), key_words, ok))
+
+    def drop_spans_locked(self, spans: list[tuple[int, int]]) -> int:
+        """Tombstone every live entry whose payload lies in one of ``spans`` ((offset_bytes,
+        nbytes) of chunks about to be reclaimed); payloads are not freed (their chunks go back
+        whole). The ``on_reclaim`` hook of every reclaim (the engine's recovery and ``fsck
+        --repair`` alike): without it, the entries would keep pointing into chunks that other
+        nodes then reuse. Returns how many entries were dropped. Caller holds the global lock."""
+        if not spans:
+            return 0
+        table = self.scan()
+        live = (table[:, 0] == READY) | (table[:, 0] == RESERVED)
+        inside = np.zeros(len(table), dtype=np.bool_)
+        for start, nbytes in spans:
+            inside |= live & (table[:, 1] >= start) & (table[:, 1] < start + nbytes)
+        slots = np.flatnonzero(inside).astype(np.int64)
+        if slots.size:
+            evict_batch(self.region.mem, self.geo.entries_offset, self.tgeo, self.mask, slots,
+                        TOMBSTONE, np.zeros((slots.size, 5), dtype=np.int64))
+        return int(slots.size)
+
     def scan(self) -> np.ndarray:
-        """(capacity, 8) int64 of every entry (see ``scan_entries``)."""
-        out = np.zeros((self.geo.capacity, 8), dtype=np.int64)
+        """(capacity, 9) int64 of every entry (see ``scan_entries``)."""
+        out = np.zeros((self.geo.capacity, 9), dtype=np.int64)
         scan_entries(self.region.mem, self.geo.entries_offset, self.geo.capacity, out)
         return out
 

@@ -18,6 +18,8 @@ Format version history (increment whenever any table below changes meaning or si
      two-tier allocator (journal, per-node chunk counts, chunk owners, heap records, return
      rings); see the tables marked "sync" and "alloc" below.
   3  prefix index (index header and two-line entries); see the tables marked "index".
+  4  slot tags ("alloc.tags", SLOT_TAG): every payload slot records which index reservation
+     (entry slot, version) it holds, so a read can prove the slot still holds its block.
 
 The layout signature (``layout_signature()``) hashes every struct's field names, offsets, types,
 itemsize and alignment together with the cache-line size; attach refuses a region whose
@@ -36,7 +38,7 @@ PAGE_BYTES = 4096
 MAGIC = int.from_bytes(b"TRACTRG\x01", "little")
 """First word of every region: ASCII 'TRACTRG' plus 0x01."""
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 HEADER_RESERVED_BYTES = PAGE_BYTES
 """The header occupies the first page; the node table starts on the next page."""
@@ -303,6 +305,9 @@ MANAGER_CANDIDATE = Struct(name="manager_candidate", fields=_u8_fields(_CANDIDAT
 #                  only by the chunk's owner node
 #   "alloc.rings"  per (owner, sender) pair a RING_HEAD line (sender), a RING_TAIL line (owner)
 #                  and ``ring_entries`` u64 entries (sender)
+#   "alloc.tags"   per chunk, ``chunk_bytes // min_slot_bytes`` SLOT_TAG words padded to whole
+#                  lines (so no line spans two chunks, whose owners differ), written only by the
+#                  chunk's owner node
 #   "alloc.chunks" the chunks themselves; ``kind`` of the section is chunk_bytes
 # ===========================================================================================
 
@@ -384,9 +389,24 @@ RING_HEAD = Struct(name="ring_head", fields=_u8_fields(("head",), "sender"),
 RING_TAIL = Struct(name="ring_tail", fields=_u8_fields(("tail",), "owner"),
                    dtype=_u8_dtype(("tail",)), itemsize=64)
 
+# Slot tag: one word per ``min_slot_bytes`` of a chunk; the word of a slot is the one at the
+# slot's first byte (every slot is at least ``min_slot_bytes`` long, so no two slots share a
+# word). Writer: the chunk's owner node -- zeroed when it carves the chunk, then stored by the
+# reservation that hands the slot to an index entry, before any payload byte is written.
+# A reader checks it after its copy (``index.revalidate_batch``): a slot handed to another
+# reservation since, or carved again, shows another tag, so a stale index entry reads as a
+# miss, never as another block's bytes.
+#
+# | off | size | type | field | writer |
+# |-----|------|------|-------|--------|
+# |   0 |    8 | u64  | tag   | owner  |  (entry slot + 1) << 40 | (entry version & 2**40-1); 0 none
+SLOT_TAG = Struct(name="slot_tag", fields=(
+    Field(offset=0, size=8, type="<u8", name="tag", writer="owner"),),
+    dtype=np.dtype([("tag", "<u8")]), itemsize=8)
+
 STRUCTS: list[Struct] = [HEADER, NODE, ROOT_ENTRY, LOCK_STATE, LOCK_REQ, LOCK_GRANT, MANAGER,
                          MANAGER_CANDIDATE, ALLOC_JOURNAL, ALLOC_COUNT, CHUNK_OWNER, HEAP_META,
-                         HEAP_BITS, RING_HEAD, RING_TAIL]
+                         HEAP_BITS, RING_HEAD, RING_TAIL, SLOT_TAG]
 """Every on-region structure. All of them are defined in this module (never registered from
 another one), so the signature cannot depend on which modules a process happened to import."""
 
