@@ -11,6 +11,7 @@ import torch
 import tract_async as tract
 from tract_async import errors as E
 from tests.engine_util import TINY, block_matches, cfg
+from tract_async.keys import keys_to_words
 
 
 def consumer(path: str, backend: str, node_id: int, token_ids: list[int], q_out, q_in) -> None:  # noqa: ANN001
@@ -92,6 +93,61 @@ def kill_me_later(path: str, backend: str, node_id: int, q_out) -> None:  # noqa
             q_out.put(("up", node_id, os.getpid()))
             await asyncio.sleep(600)
     tract.run(main())
+
+
+def put_then_hang(path: str, backend: str, node_id: int, token_ids: list[int], create: bool,
+                  q_out) -> None:  # noqa: ANN001
+    """Creates (or joins) the region, stores the blocks of ``token_ids``, reports, then sleeps
+    until killed: a node that dies holding chunks and index entries."""
+    async def main() -> None:
+        c = cfg(path, node_id, create=create, backend=backend)
+        async with tract.Engine.open(c) as eng:
+            keys = eng.block_keys(token_ids)
+            from tests.engine_util import kv_for_keys
+            await eng.put_kv(keys, kv_for_keys(keys))
+            q_out.put(("stored", node_id, eng.lookup(keys)))
+            await asyncio.sleep(600)
+    tract.run(main())
+
+
+def reader_worker(path: str, backend: str, node_id: int, universe: int, seed: int, q_out,
+                  stop) -> None:  # noqa: ANN001
+    """Gets random prompts of the disagreement stress until ``stop``; counts wrong bytes, and
+    the misses that only the slot-tag check caught (entry intact, tag changed)."""
+    async def main() -> dict:
+        rnd = random.Random(seed)
+        async with tract.Engine.open(cfg(path, node_id, backend=backend)) as eng:
+            prompts = [eng.block_keys([p * 1000 + t for t in range(16 * (1 + p % 4))])
+                       for p in range(universe)]
+            res = {"gets_ok": 0, "misses": 0, "wrong_blocks": 0, "tag_misses": 0}
+            q_out.put(("ready", node_id, None))
+            while not stop.is_set():
+                keys = prompts[rnd.randrange(universe)]
+                words = keys_to_words(keys)
+                snap0 = eng._store.index.snapshot(words)
+                try:
+                    got = await eng.get_kv(keys)
+                except E.BlockEvicted:
+                    res["misses"] += 1
+                    snap1 = eng._store.index.snapshot(words)
+                    # every entry unchanged across the whole get (same slot, version, READY):
+                    # only the slot tag can have failed it
+                    if ((snap0[:, 0] >= 0).all() and (snap0[:, 2] == 2).all()
+                            and (snap0[:, :4] == snap1[:, :4]).all()):
+                        res["tag_misses"] += 1
+                    continue
+                except (E.BlockNotFound, E.LayerNotReady):
+                    res["misses"] += 1
+                    await asyncio.sleep(0.001)
+                    continue
+                res["gets_ok"] += 1
+                res["wrong_blocks"] += block_matches(keys, got).count(False)
+            return res
+    try:
+        q_out.put(("result", node_id, tract.run(main())))
+    except BaseException as e:  # report, don't hang the parent
+        q_out.put(("error", node_id, f"{type(e).__name__}: {e}"))
+        raise
 
 
 def _unused() -> torch.Tensor:  # keep torch import used for type checkers
