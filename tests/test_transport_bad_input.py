@@ -49,6 +49,10 @@ class Rig:
         assert bytes(self.dst[:4096].numpy()) == bytes(self.srv.registry.view("kv")[:4096])
         h.release()
 
+    def signed(self, path: str, doc: bytes) -> dict[str, str]:
+        """The good client's auth headers for a POST of ``path`` to the server."""
+        return self.cli.signer.headers("POST", path, doc, to=self.srv.name, to_instance=self.srv.instance)
+
     async def raw(self, path: str, body: bytes, headers: dict[str, str], method: str = "POST") -> tuple[int, str]:
         async with aiohttp.ClientSession() as s:
             async with s.request(method, self.url + path, data=body, headers=headers) as r:
@@ -86,11 +90,15 @@ def framed(rows: list[list[int]], notif: bytes = b"", mem_type: str = "DRAM") ->
 
 # --- metadata ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("data", [
-    b"", b"TRACTMD", b"NOTOURS\x00\x01\x00{}", b"TRACTMD\x00\x01\x00{not json",
-    b"TRACTMD\x00\x01\x00[]", b'TRACTMD\x00\x01\x00{"name": "x"}',
-    b'TRACTMD\x00\x01\x00{"name":"x","host":"h","port":"80","auth":"hmac","key_id":"k","regions":[]}',
-    b'TRACTMD\x00\x01\x00{"name":"x","host":"h","port":80,"auth":"hmac","key_id":"k","regions":[{"name":1}]}',
-    b'TRACTMD\x00\x01\x00{"name":"x","host":"h","port":0,"auth":"hmac","key_id":"k","regions":[]}',
+    b"", b"TRACTMD", b"NOTOURS\x00\x02\x00{}", b"TRACTMD\x00\x02\x00{not json",
+    b"TRACTMD\x00\x02\x00[]", b'TRACTMD\x00\x02\x00{"name": "x"}',
+    b'TRACTMD\x00\x02\x00{"name":"x","host":"h","port":"80","auth":"hmac","key_id":"k","regions":[]}',
+    b'TRACTMD\x00\x02\x00{"name":"x","instance":"' + b"0" * 32
+    + b'","host":"h","port":80,"auth":"hmac","key_id":"k","regions":[{"name":1}]}',
+    b'TRACTMD\x00\x02\x00{"name":"x","host":"h","port":0,"auth":"hmac","key_id":"k","regions":[]}',
+    b'TRACTMD\x00\x02\x00{"name":"x","host":"h","port":80,"auth":"hmac","key_id":"k","regions":[]}',
+    b'TRACTMD\x00\x02\x00{"name":"x","instance":"not-hex","host":"h","port":80,"auth":"hmac","key_id":"k",'
+    b'"regions":[]}',
 ])
 async def test_malformed_metadata(rig, data):
     with pytest.raises(E.MetadataError):
@@ -100,9 +108,10 @@ async def test_malformed_metadata(rig, data):
 
 async def test_wrong_metadata_version_checked_before_decoding(rig):
     good = rig.srv.get_agent_metadata()
-    # Version 2 followed by garbage: the version check must fire, not the JSON decoder.
-    with pytest.raises(E.MetadataVersionMismatch, match="version 2"):
-        rig.cli.add_remote_agent(good[:8] + struct.pack("<H", 2) + b"\xff garbage")
+    # Version 1 (before the instance field) followed by garbage: the version check must fire,
+    # not the JSON decoder.
+    with pytest.raises(E.MetadataVersionMismatch, match="version 1"):
+        rig.cli.add_remote_agent(good[:8] + struct.pack("<H", 1) + b"\xff garbage")
     with pytest.raises(E.MetadataVersionMismatch):
         rig.cli.add_remote_agent(good[:8] + struct.pack("<H", 0) + good[10:])
 
@@ -144,7 +153,7 @@ async def test_missing_secret_is_refused(rig):
 
 async def test_replayed_request_is_refused(rig):
     doc, body = framed([list(rig.inbox.desc(0, 8))], notif=b"once")
-    headers = rig.cli.signer.headers("POST", wire.PATH_WRITE, doc)
+    headers = rig.signed(wire.PATH_WRITE, doc)
     payload = body + b"\x01" * 8
     assert await rig.raw(wire.PATH_WRITE, payload, headers) == (200, "")
     after_first = rig.digest()  # the first, legitimate write changed the inbox
@@ -153,8 +162,11 @@ async def test_replayed_request_is_refused(rig):
     assert rig.srv.get_new_notifs() == {"cli": [b"once"]}  # delivered once, not twice
     # A stale timestamp with a valid signature is refused as a replay too.
     ts, nonce = f"{time.time() - 3600:.6f}", "ab" * 16
-    sig = hmac.new(SECRET, auth._canonical("POST", wire.PATH_READ, "cli", ts, nonce, doc), hashlib.sha256).hexdigest()
-    stale = {auth.H_AGENT: "cli", auth.H_TIME: ts, auth.H_NONCE: nonce, auth.H_SIG: sig}
+    inst = rig.srv.instance
+    sig = hmac.new(SECRET, auth._canonical("POST", wire.PATH_READ, "cli", "srv", inst, ts, nonce, doc),
+                   hashlib.sha256).hexdigest()
+    stale = {auth.H_AGENT: "cli", auth.H_TO: "srv", auth.H_TO_INSTANCE: inst, auth.H_TIME: ts, auth.H_NONCE: nonce,
+             auth.H_SIG: sig}
     _, rbody = framed([list(rig.kv.desc(0, 8))])
     assert (await rig.raw(wire.PATH_READ, rbody, stale))[1] == "replayed"
     # Undo the one legitimate write so the fixture's "nothing changed" check holds.
@@ -187,21 +199,21 @@ async def test_out_of_range_descriptor(rig):
     for row in ([1, 16, 0], [rig.kv.addr, 16, 3], [rig.kv.addr + rig.kv.nbytes - 8, 16, 0],
                 [rig.kv.addr - 8, 16, 0], [rig.kv.addr + 8, rig.kv.nbytes, 0]):
         doc, body = framed([row])
-        assert (await rig.raw(wire.PATH_READ, body, rig.cli.signer.headers("POST", wire.PATH_READ, doc)))[1] == \
+        assert (await rig.raw(wire.PATH_READ, body, rig.signed(wire.PATH_READ, doc)))[1] == \
             "desc_out_of_range"
 
 
 async def test_truncated_bodies(rig):
     # 1. The declared body is shorter than the descriptors need: refused before any byte lands.
     doc, body = framed([list(rig.inbox.desc(0, 4096))], notif=b"t")
-    st = await rig.raw(wire.PATH_WRITE, body + b"\x00" * 100, rig.cli.signer.headers("POST", wire.PATH_WRITE, doc))
+    st = await rig.raw(wire.PATH_WRITE, body + b"\x00" * 100, rig.signed(wire.PATH_WRITE, doc))
     assert st == (400, "truncated")
     # 2. The descriptor document is cut short.
-    st = await rig.raw(wire.PATH_READ, body[:20], rig.cli.signer.headers("POST", wire.PATH_READ, doc))
+    st = await rig.raw(wire.PATH_READ, body[:20], rig.signed(wire.PATH_READ, doc))
     assert st == (400, "truncated")
     # 3. The writer promises the full length, sends part, and hangs up (raw socket).
     reader, writer = await asyncio.open_connection("127.0.0.1", rig.srv.port)
-    hdrs = rig.cli.signer.headers("POST", wire.PATH_WRITE, doc)
+    hdrs = rig.signed(wire.PATH_WRITE, doc)
     head = (f"POST {wire.PATH_WRITE} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body) + 4096}\r\n"
             + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items()) + "\r\n").encode()
     refused = rig.srv.stats["requests_refused"]
@@ -219,18 +231,18 @@ async def test_oversized_requests(rig):
     # Too many bytes (limit 1 MiB) and too many descriptors (limit 64).
     rows = [list(rig.kv.desc(0, 1 << 18))] * 5          # 5 x 256 KiB > 1 MiB
     doc, body = framed(rows)
-    assert await rig.raw(wire.PATH_READ, body, rig.cli.signer.headers("POST", wire.PATH_READ, doc)) == (413, "too_large")
+    assert await rig.raw(wire.PATH_READ, body, rig.signed(wire.PATH_READ, doc)) == (413, "too_large")
     doc, body = framed([list(rig.kv.desc(0, 16))] * 65)
-    assert await rig.raw(wire.PATH_READ, body, rig.cli.signer.headers("POST", wire.PATH_READ, doc)) == (413, "too_large")
+    assert await rig.raw(wire.PATH_READ, body, rig.signed(wire.PATH_READ, doc)) == (413, "too_large")
     # A document longer than max_doc_bytes is refused from its length prefix, unread.
-    st = await rig.raw(wire.PATH_READ, wire.DOC_LEN.pack(1 << 30) + b"x" * 16, rig.cli.signer.headers("POST", wire.PATH_READ, b""))
+    st = await rig.raw(wire.PATH_READ, wire.DOC_LEN.pack(1 << 30) + b"x" * 16, rig.signed(wire.PATH_READ, b""))
     assert st == (413, "too_large")
     # Through the client API the same refusal arrives as RequestTooLarge.
     local = rig.cli.get_xfer_descs([(rig.dst.data_ptr() + i * (1 << 18), 1 << 18, 0) for i in range(5)], "DRAM")
     h = rig.cli.initialize_xfer("READ", local, rig.cli.get_xfer_descs([rig.kv.desc(0, 1 << 18)] * 5, "DRAM"), "srv")
     with pytest.raises(E.RequestTooLarge):
         await rig.cli.transfer(h, timeout=10)
-    notif = rig.cli.signer.headers("POST", wire.PATH_NOTIF, b"n" * (128 << 10))
+    notif = rig.signed(wire.PATH_NOTIF, b"n" * (128 << 10))
     assert (await rig.raw(wire.PATH_NOTIF, b"n" * (128 << 10), notif))[1] == "too_large"
 
 
@@ -240,7 +252,7 @@ async def test_malformed_document(rig):
                 orjson.dumps({"mem_type": "DRAM", "descs": [[1.5, 2, 0]]}),
                 orjson.dumps({"mem_type": "DRAM", "descs": [[1, 2, 0]], "notif": "%%%"})):
         body = wire.DOC_LEN.pack(len(doc)) + doc
-        assert await rig.raw(wire.PATH_READ, body, rig.cli.signer.headers("POST", wire.PATH_READ, doc)) == \
+        assert await rig.raw(wire.PATH_READ, body, rig.signed(wire.PATH_READ, doc)) == \
             (400, "malformed")
 
 

@@ -46,6 +46,10 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.agent.port}"
         self.signer = Signer("fuzzer", SECRET)
 
+    def signed(self, path: str, doc: bytes) -> dict[str, str]:
+        """Auth headers of a POST of ``path`` signed for the live agent."""
+        return self.signer.headers("POST", path, doc, to=self.agent.name, to_instance=self.agent.instance)
+
     async def _session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession()
 
@@ -110,7 +114,7 @@ def requests(draw: st.DrawFn, live: LiveServer) -> tuple[str, bytes, dict[str, s
         if shape == "framed+payload":
             body += draw(st.binary(max_size=4096))
     signed_over = body if path == wire.PATH_NOTIF else doc
-    headers = live.signer.headers("POST", path, signed_over) if draw(st.booleans()) else {}
+    headers = live.signed(path, signed_over) if draw(st.booleans()) else {}
     return path, body, headers
 
 
@@ -131,7 +135,7 @@ def test_fuzz_request_handling(live: LiveServer) -> None:
 
     async def good_read() -> bytes:
         async with live.session.post(live.url + wire.PATH_READ, data=wire.DOC_LEN.pack(len(doc)) + doc,
-                                     headers=live.signer.headers("POST", wire.PATH_READ, doc)) as r:
+                                     headers=live.signed(wire.PATH_READ, doc)) as r:
             assert r.status == 200
             return await r.read()
 

@@ -72,6 +72,11 @@ class ReplayedRequest(AuthenticationFailed):
     """The request's nonce was already used, or its timestamp lies outside the replay window."""
 
 
+class WrongRecipient(AuthenticationFailed):
+    """The request was signed for another agent, or for an earlier incarnation of this one (the
+    sender's metadata of it is stale: fetch it again)."""
+
+
 class DescriptorOutOfRange(TransportError, ValueError):
     """A remote descriptor is not entirely inside memory registered (and, for WRITE, writable) there."""
 
@@ -113,6 +118,7 @@ class RemoteError(TransportError):
 ERROR_CODES: dict[str, type[TransportError]] = {
     "auth_failed": AuthenticationFailed,
     "replayed": ReplayedRequest,
+    "wrong_recipient": WrongRecipient,
     "desc_out_of_range": DescriptorOutOfRange,
     "malformed": MalformedRequest,
     "truncated": TruncatedBody,

@@ -10,8 +10,9 @@ purpose:
   under a deadline; ``post_xfer`` + ``check_xfer_state`` give NIXL-style polling;
 * one error channel: a failed transfer raises (``transport.errors``); status strings only say
   "INIT", "PROC" or "DONE";
-* every request is authenticated (HMAC, replay window; see ``auth``) unless the agent opted out
-  explicitly on loopback, and every descriptor is bounds-checked against registered memory.
+* every request is authenticated (HMAC, replay window, signed for its recipient's name and
+  instance; see ``auth``) unless the agent opted out explicitly on loopback, and every
+  descriptor is bounds-checked against registered memory.
 
 Data path. A READ is one POST per transfer: the body names the remote descriptors; the server
 (aiohttp) answers with their bytes, written straight from memoryviews of registered memory. Into
@@ -50,7 +51,7 @@ import orjson
 from aiohttp import web
 
 from tract_async.transport import wire
-from tract_async.transport.auth import Signer, Verifier, coerce_secret, key_id
+from tract_async.transport.auth import Signer, Verifier, coerce_secret, key_id, new_instance
 from tract_async.transport.conn import ReadPool
 from tract_async.transport.descs import MemoryRegistry, RegionInfo, StagingPool, XferDescList
 from tract_async.transport.errors import (
@@ -63,6 +64,7 @@ from tract_async.transport.errors import (
 from tract_async.transport.server import (
     AGENT_KEY,
     JsonHandler,
+    handle_identity,
     handle_metadata,
     handle_notif,
     handle_read,
@@ -117,11 +119,11 @@ class Agent:
         """``overrides`` replace fields of ``config`` (e.g. ``Agent("a", secret=s, port=0)``).
 
         Raises TransportConfigError: no secret without ``allow_unauthenticated``, unauthenticated
-        mode on a non-loopback host, a too-short secret, an empty name or bad limits.
+        mode on a non-loopback host, a too-short secret, an empty or unprintable name or bad limits.
         """
         cfg = dataclasses.replace(config or AgentConfig(), **overrides)
-        if not name or len(name) > 256:
-            raise TransportConfigError("agent name must be 1..256 characters")
+        if not name or len(name) > 256 or not name.isprintable():
+            raise TransportConfigError("agent name must be 1..256 printable characters (it travels in HTTP headers)")
         secret = coerce_secret(cfg.secret)
         if secret is None:
             if not cfg.allow_unauthenticated:
@@ -134,11 +136,12 @@ class Agent:
         if cfg.chunk_bytes < 4096 or cfg.max_request_bytes < 1 or cfg.max_descs < 1:
             raise TransportConfigError("chunk_bytes must be >= 4096, limits must be positive")
         self.name = name
+        self.instance = new_instance()   # this incarnation: requests signed for another are refused
         self.config = cfg
         self.registry = MemoryRegistry()
         self.staging = StagingPool(cfg.chunk_bytes, cfg.staging_buffers)
         self.signer = Signer(name, secret)
-        self.verifier = Verifier(secret, window_s=cfg.replay_window_s)
+        self.verifier = Verifier(secret, name=name, instance=self.instance, window_s=cfg.replay_window_s)
         self.stats: Counter[str] = Counter()
         self.closing = False
         self._key_id = key_id(secret)
@@ -167,6 +170,7 @@ class Agent:
         app.router.add_post(wire.PATH_WRITE, handle_write)
         app.router.add_post(wire.PATH_NOTIF, handle_notif)
         app.router.add_get(wire.PATH_METADATA, handle_metadata)
+        app.router.add_get(wire.PATH_IDENTITY, handle_identity)
         for path, handler in self._json_routes.items():
             app.router.add_post(path, json_route(handler))
         app.cleanup_ctx.append(self._client_ctx)
@@ -290,8 +294,8 @@ class Agent:
     def get_agent_metadata(self) -> bytes:
         """This agent's metadata (versioned orjson; see ``wire``). Raises AgentClosed before start()."""
         md = wire.AgentMetadata(
-            name=self.name, host=self.config.advertise_host or self.config.host, port=self.port,
-            auth="none" if self._key_id == "none" else "hmac", key_id=self._key_id,
+            name=self.name, instance=self.instance, host=self.config.advertise_host or self.config.host,
+            port=self.port, auth="none" if self._key_id == "none" else "hmac", key_id=self._key_id,
             regions=tuple(self.registry.infos()))
         return wire.encode_metadata(md)
 
@@ -333,9 +337,12 @@ class Agent:
         raise MemoryNotRegistered(f"remote agent {agent!r} registered no region named {region!r}")
 
     async def fetch_remote_metadata(self, base_url: str, *, timeout: float | None = None) -> str:
-        """GET a peer's metadata from its server, add it, return its name (signed like any request).
+        """GET a peer's metadata from its server, add it, return its name.
 
-        Raises PeerUnreachable, AuthenticationFailed, TransferTimeout, MetadataError, ...
+        Two requests: the unsigned identity route says whom to sign for (name and instance), then
+        the metadata GET is signed for that agent like any request (see ``auth``).
+        Raises PeerUnreachable, AuthenticationFailed, TransferTimeout, MetadataError,
+        MetadataVersionMismatch (the peer speaks another protocol version), ...
         """
         data = await fetch_metadata(self, base_url, timeout or self.config.transfer_timeout_s)
         return self.add_remote_agent(data)

@@ -2,9 +2,11 @@
 
 Every handler follows one order, so that bad input is refused before it can touch memory:
 
-1. cheap auth checks on the headers (signature headers present, timestamp inside the window);
+1. cheap auth checks on the headers (signature headers present, addressed to this agent,
+   timestamp inside the window);
 2. read the length-prefixed descriptor document, bounded by ``max_doc_bytes``;
-3. verify the HMAC over method, path and document, then the nonce (replay);
+3. verify the HMAC over method, path, sender, this agent's name and instance and the
+   document, then the nonce (replay);
 4. parse and type-check the document, check every descriptor against registered memory
    (and against ``writable`` for WRITE) and the body length against the descriptors;
 5. only then stream bytes, chunk by chunk, each chunk wait under ``io_timeout_s``.
@@ -50,7 +52,8 @@ STARTED_KEY = web.RequestKey("tract_started", bool)   # response bytes are on th
 COALESCE_BELOW = 64 << 10     # DRAM spans smaller than this are joined into larger response pieces
 _READ_HEADERS = {"Content-Type": "application/octet-stream"}
 
-_STATUS = {"auth_failed": 401, "replayed": 401, "too_large": 413, "closed": 503, "remote": 500}
+_STATUS = {"auth_failed": 401, "replayed": 401, "wrong_recipient": 401, "too_large": 413, "closed": 503,
+           "remote": 500}
 
 
 def error_response(exc: TransportError) -> web.Response:
@@ -287,6 +290,16 @@ async def handle_metadata(request: web.Request) -> web.StreamResponse:
     agent = request.app[AGENT_KEY]
     agent.verifier.verify(request.method, request.path, request.headers, b"")
     return web.Response(body=agent.get_agent_metadata(), content_type="application/octet-stream")
+
+
+@guarded
+async def handle_identity(request: web.Request) -> web.StreamResponse:
+    """Unsigned: the protocol, name and instance of this agent, so that a peer holding only a URL
+    can sign its metadata fetch for this agent (see ``auth``: what is bound on which route)."""
+    agent = request.app[AGENT_KEY]
+    if agent.closing:
+        raise AgentClosed(f"agent {agent.name!r} is closing")
+    return web.Response(body=wire.encode_identity(agent.name, agent.instance), content_type="application/json")
 
 
 async def _bounded_body(request: web.Request, limit: int) -> bytes:

@@ -5,11 +5,18 @@ Metadata (``get_agent_metadata``)::
     offset  size  field
     0       8     magic  b"TRACTMD\\0"
     8       2     format version, little-endian u16 (checked before anything else is decoded)
-    10      ...   orjson document {name, host, port, auth, key_id, regions: [{name, addr, nbytes,
-                  mem_type, dev_id, writable}]}
+    10      ...   orjson document {name, instance, host, port, auth, key_id, regions: [{name, addr,
+                  nbytes, mem_type, dev_id, writable}]}
+
+``instance`` is the random id of the agent's incarnation (``auth.new_instance``); every request
+to the agent is signed for its name and instance (see ``auth``).
 
 Format version history (increment whenever a field changes meaning or a required field appears):
     1  first version.
+    2  ``instance`` (required): requests are signed for their recipient (tract-http-v2).
+
+Identity (``GET /tract/v1/identity``, unsigned; how a sender that has only a URL learns whom to
+sign the metadata fetch for): orjson {"protocol": "tract-http-v2", "name": ..., "instance": ...}.
 
 Transfer request body (POST /tract/v1/read and /tract/v1/write)::
 
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from tract_async.transport.auth import PROTOCOL, is_instance
 from tract_async.transport.descs import MEM_TYPES, RegionInfo
 from tract_async.transport.errors import (
     MalformedRequest,
@@ -39,7 +47,7 @@ from tract_async.transport.errors import (
 )
 
 MD_MAGIC = b"TRACTMD\x00"
-MD_VERSION = 1
+MD_VERSION = 2
 _MD_HEAD = struct.Struct("<8sH")
 DOC_LEN = struct.Struct("<I")
 
@@ -47,6 +55,7 @@ PATH_READ = "/tract/v1/read"
 PATH_WRITE = "/tract/v1/write"
 PATH_NOTIF = "/tract/v1/notif"
 PATH_METADATA = "/tract/v1/metadata"
+PATH_IDENTITY = "/tract/v1/identity"
 H_ERROR = "X-Tract-Error"
 
 _U63 = (1 << 63) - 1
@@ -57,6 +66,7 @@ class AgentMetadata:
     """What one agent tells its peers: who it is, where it listens, what memory it exposes."""
 
     name: str
+    instance: str        # random id of this incarnation (auth.new_instance)
     host: str
     port: int
     auth: str            # "hmac" or "none"
@@ -76,7 +86,8 @@ class AgentMetadata:
 
 def encode_metadata(md: AgentMetadata) -> bytes:
     doc = {
-        "name": md.name, "host": md.host, "port": md.port, "auth": md.auth, "key_id": md.key_id,
+        "name": md.name, "instance": md.instance, "host": md.host, "port": md.port, "auth": md.auth,
+        "key_id": md.key_id,
         "regions": [{"name": r.name, "addr": r.addr, "nbytes": r.nbytes, "mem_type": r.mem_type,
                      "dev_id": r.dev_id, "writable": r.writable} for r in md.regions],
     }
@@ -117,6 +128,9 @@ def decode_metadata(data: bytes) -> AgentMetadata:
     auth = _field(doc, "auth", str)
     if not name or len(name) > 256 or not (0 < port < 65536) or auth not in ("hmac", "none"):
         raise MetadataError(f"agent metadata has an invalid name, port or auth ({name!r}, {port}, {auth!r})")
+    instance = _field(doc, "instance", str)
+    if not is_instance(instance):
+        raise MetadataError(f"agent metadata of {name!r} has an invalid instance id (32 hex digits expected)")
     regions = []
     for r in _field(doc, "regions", list):  # type: ignore[union-attr]
         if not isinstance(r, dict):
@@ -127,8 +141,32 @@ def decode_metadata(data: bytes) -> AgentMetadata:
         if info.mem_type not in MEM_TYPES or info.addr < 0 or info.nbytes <= 0 or info.dev_id < 0:
             raise MetadataError(f"metadata region {info.name!r} has invalid fields")
         regions.append(info)
-    return AgentMetadata(name=name, host=_field(doc, "host", str), port=port, auth=auth,  # type: ignore[arg-type]
+    return AgentMetadata(name=name, instance=instance, host=_field(doc, "host", str),  # type: ignore[arg-type]
+                         port=port, auth=auth,  # type: ignore[arg-type]
                          key_id=_field(doc, "key_id", str), regions=tuple(regions))  # type: ignore[arg-type]
+
+
+def encode_identity(name: str, instance: str) -> bytes:
+    return orjson.dumps({"protocol": PROTOCOL, "name": name, "instance": instance})
+
+
+def decode_identity(data: bytes, source: str) -> tuple[str, str]:
+    """The ``(name, instance)`` of an identity answer from ``source`` (a URL, for messages).
+
+    Raises MetadataVersionMismatch (another protocol), MetadataError (not an identity answer).
+    """
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise MetadataError(f"{source} answered its identity route with something other than a JSON object")
+    if doc.get("protocol") != PROTOCOL:
+        raise MetadataVersionMismatch(f"{source} speaks {str(doc.get('protocol'))[:40]!r}, this build {PROTOCOL!r}")
+    name, instance = doc.get("name"), doc.get("instance")
+    if not isinstance(name, str) or not name or len(name) > 256 or not is_instance(instance):
+        raise MetadataError(f"{source} answered its identity route with an invalid name or instance")
+    return name, instance  # type: ignore[return-value]
 
 
 def encode_doc(rows: list[list[int]], mem_type: str, notif: bytes) -> bytes:

@@ -16,6 +16,7 @@ from aiohttp import payload as aio_payload
 from aiohttp.abc import AbstractStreamWriter
 
 from tract_async.transport import wire
+from tract_async.transport.auth import PROTOCOL
 from tract_async.transport.conn import build_request, raise_for_error
 from tract_async.transport.descs import Span, XferDescList
 from tract_async.transport.errors import (
@@ -25,6 +26,7 @@ from tract_async.transport.errors import (
     InvalidDescriptors,
     InvalidOperation,
     MetadataError,
+    MetadataVersionMismatch,
     PeerDisconnected,
     PeerUnreachable,
     RemoteError,
@@ -267,7 +269,7 @@ async def run_xfer(agent: Agent, session: aiohttp.ClientSession, h: XferHandle) 
 
 async def _read_direct(agent: Agent, md: wire.AgentMetadata, h: XferHandle, head: bytes, doc: bytes) -> None:
     """A READ into DRAM: the response body lands straight in the local spans (see ``conn``)."""
-    headers = agent.signer.headers("POST", wire.PATH_READ, doc)
+    headers = agent.signer.headers("POST", wire.PATH_READ, doc, to=md.name, to_instance=md.instance)
     request = build_request(wire.PATH_READ, md.http_host, headers, head)
     resp, err = await agent.read_pool.read(md.host, md.port, md.name, request, h.local_spans, h.total_bytes,
                                            h, agent.config.io_timeout_s)
@@ -277,7 +279,7 @@ async def _read_direct(agent: Agent, md: wire.AgentMetadata, h: XferHandle, head
 
 async def _read(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
                 h: XferHandle, head: bytes, doc: bytes) -> None:
-    headers = agent.signer.headers("POST", wire.PATH_READ, doc)
+    headers = agent.signer.headers("POST", wire.PATH_READ, doc, to=md.name, to_instance=md.instance)
     async with session.post(md.base_url + wire.PATH_READ, data=head, headers=headers,
                             timeout=_client_timeout(agent)) as resp:
         if resp.status != 200:
@@ -297,7 +299,7 @@ async def _read(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMeta
 
 async def _write(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
                  h: XferHandle, head: bytes, doc: bytes) -> None:
-    headers = agent.signer.headers("POST", wire.PATH_WRITE, doc)
+    headers = agent.signer.headers("POST", wire.PATH_WRITE, doc, to=md.name, to_instance=md.instance)
     body = _SpansPayload(head, h.local_spans, agent, h)
     headers["Content-Length"] = str(body.size)
     async with session.post(md.base_url + wire.PATH_WRITE, data=body, headers=headers,
@@ -308,15 +310,20 @@ async def _write(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMet
 
 
 async def _small(agent: Agent, method: str, url: str, path: str, body: bytes, peer: str,
-                 timeout: float, session: aiohttp.ClientSession | None = None) -> bytes:
-    """A small signed request/response exchange (notification, metadata, application call)."""
+                 timeout: float, session: aiohttp.ClientSession | None = None, *,
+                 to: tuple[str, str] | None, not_found: str | None = None) -> bytes:
+    """A small request/response exchange (notification, metadata, application call), signed for
+    the agent ``to`` = (name, instance), or unsigned with ``to=None`` (identity). ``not_found``:
+    raise MetadataVersionMismatch with this message on a 404 (a route older peers lack)."""
     sess = session or agent.session
-    headers = agent.signer.headers(method, path, body)
+    headers = {} if to is None else agent.signer.headers(method, path, body, to=to[0], to_instance=to[1])
 
     async def go() -> bytes:
         async with asyncio.timeout(timeout):
             async with sess.request(method, url + path, data=body or None, headers=headers,
                                     timeout=_client_timeout(agent)) as resp:
+                if resp.status == 404 and not_found is not None:
+                    raise MetadataVersionMismatch(not_found)
                 if resp.status != 200:
                     await _raise_for_error(resp, peer)
                 return await resp.read()
@@ -326,11 +333,12 @@ async def _small(agent: Agent, method: str, url: str, path: str, body: bytes, pe
 
 async def send_notif(agent: Agent, md: wire.AgentMetadata, msg: bytes, timeout: float,
                      session: aiohttp.ClientSession | None = None) -> None:
-    await _small(agent, "POST", md.base_url, wire.PATH_NOTIF, msg, md.name, timeout, session)
+    await _small(agent, "POST", md.base_url, wire.PATH_NOTIF, msg, md.name, timeout, session,
+                 to=(md.name, md.instance))
 
 
 async def call_remote(agent: Agent, md: wire.AgentMetadata, path: str, body: bytes, timeout: float) -> Any:
-    reply = await _small(agent, "POST", md.base_url, path, body, md.name, timeout)
+    reply = await _small(agent, "POST", md.base_url, path, body, md.name, timeout, to=(md.name, md.instance))
     try:
         return orjson.loads(reply)
     except orjson.JSONDecodeError as e:
@@ -338,7 +346,21 @@ async def call_remote(agent: Agent, md: wire.AgentMetadata, path: str, body: byt
 
 
 async def fetch_metadata(agent: Agent, base_url: str, timeout: float) -> bytes:
-    data = await _small(agent, "GET", base_url.rstrip("/"), wire.PATH_METADATA, b"", base_url, timeout)
+    """The metadata of the agent serving at ``base_url``, under one deadline: its identity
+    (unsigned), then its metadata, signed for the name and instance the identity gave."""
+    url = base_url.rstrip("/")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    ident = await _small(agent, "GET", url, wire.PATH_IDENTITY, b"", base_url, timeout, to=None,
+                         not_found=f"{base_url} has no identity route: it runs a protocol older than {PROTOCOL} "
+                                   "(upgrade both sides)")
+    name, instance = wire.decode_identity(ident, base_url)
+    data = await _small(agent, "GET", url, wire.PATH_METADATA, b"", base_url, max(deadline - loop.time(), 0.0),
+                        to=(name, instance))
     if not data:
         raise MetadataError(f"{base_url} returned empty metadata")
+    md = wire.decode_metadata(data)
+    if (md.name, md.instance) != (name, instance):
+        raise MetadataError(f"{base_url} answered a metadata request signed for agent {name!r} with the "
+                            f"metadata of {md.name!r} or of another incarnation")
     return data
