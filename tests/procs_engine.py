@@ -150,5 +150,23 @@ def reader_worker(path: str, backend: str, node_id: int, universe: int, seed: in
         raise
 
 
+def blocking_manager(path: str, backend: str, q_in, q_out) -> None:  # noqa: ANN001
+    """Node 0: creates the region (and so manages the lock), then on "block" runs a blocking
+    call of ``seconds`` on its event loop, as a worker's model step would."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(path, 0, create=True, backend=backend)) as eng:
+            loop = asyncio.get_running_loop()
+            while not eng.stats().get("is_lock_manager"):
+                await asyncio.sleep(0.01)
+            q_out.put(("manager", 0, os.getpid()))
+            cmd, seconds = await loop.run_in_executor(None, q_in.get)
+            assert cmd == "block"
+            t0 = time.monotonic()
+            time.sleep(seconds)                       # the loop is blocked: nothing else runs
+            q_out.put(("unblocked", 0, time.monotonic() - t0))
+            await loop.run_in_executor(None, q_in.get)
+    tract.run(main())
+
+
 def _unused() -> torch.Tensor:  # keep torch import used for type checkers
     return torch.empty(0)

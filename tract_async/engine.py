@@ -54,7 +54,11 @@ class Engine(CudaEngineMixin):
         self._handle: Any = None
         self._lock: Any = None
         self._manager: Any = None
+        self._manager_thread: Any = None
         self._tg: asyncio.TaskGroup | None = None
+        self._tasks: list[asyncio.Task[Any]] = []    # the TaskGroup's tasks, cancelled at close
+        self._failed = asyncio.Event()                # set (thread-safely) with ``_failure``
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = True
         self._failure: BaseException | None = None
         self._opened_at = 0.0
@@ -105,9 +109,8 @@ class Engine(CudaEngineMixin):
             self._http = HttpStore(self.cfg, region_uuid=region_uuid)
             await self._http.open()
             self._store = self._xfer = self._http
-            self._tg = asyncio.TaskGroup()
-            await self._tg.__aenter__()
-            self._tg.create_task(self._maintenance(), name=f"tract-maintenance-{self.cfg.node_id}")
+            await self._enter_task_group()
+            self._spawn(self._maintenance(), f"tract-maintenance-{self.cfg.node_id}")
         except BaseException:
             await self._teardown(graceful=False)
             raise
@@ -123,6 +126,7 @@ class Engine(CudaEngineMixin):
         from .region_store import RegionStore
         from .sync.lock import GlobalLock
         from .sync.manager import LockManager, ManagerPolicy
+        from .sync.manager_thread import ManagerThread
         sim_seed = cfg.sim_seed if cfg.sim_seed is not None else 1000 + cfg.node_id
         opened: list[Any] = []
         try:
@@ -154,15 +158,18 @@ class Engine(CudaEngineMixin):
             self._store = self._xfer = RegionStore(cfg, self._region, self._lock, alloc,
                                                    PrefixIndex(self._region))
             store_box.append(self._store)
-            self._tg = asyncio.TaskGroup()
-            await self._tg.__aenter__()
+            await self._enter_task_group()
             self._hb_stop_word = np.zeros(1, dtype=np.uint64)
             self._hb_thread = threading.Thread(target=self._heartbeat_thread,
                                                name=f"tract-heartbeat-{cfg.node_id}", daemon=True)
             self._hb_thread.start()
-            self._tg.create_task(self._watch_failure(), name=f"tract-watch-{cfg.node_id}")
-            self._tg.create_task(self._manager.run(), name=f"tract-manager-{cfg.node_id}")
-            self._tg.create_task(self._maintenance(), name=f"tract-maintenance-{cfg.node_id}")
+            self._spawn(self._watch_failure(), f"tract-watch-{cfg.node_id}")
+            # the manager grants for the whole rack: on its own thread and loop, so that user
+            # code blocking this loop cannot stop other nodes' puts (sync/manager_thread.py)
+            self._manager_thread = ManagerThread(self._manager)
+            self._manager_thread.start()
+            self._spawn(self._manager_thread.supervise(), f"tract-manager-{cfg.node_id}")
+            self._spawn(self._maintenance(), f"tract-maintenance-{cfg.node_id}")
             await self._warm_up()
         except BaseException:
             await self._teardown(graceful=False)
@@ -190,15 +197,36 @@ class Engine(CudaEngineMixin):
             self._region.nodes.beat_until_stopped(self._handle, self.cfg.heartbeat_interval_s,
                                                   self._hb_stop_word)
         except NodeEvicted as e:
-            self._failure = e
+            self._fail(e)
         except Exception as e:  # a closed region at shutdown: stop quietly
             if not self._hb_stop_word[0]:
-                self._failure = e
+                self._fail(e)
+
+    async def _enter_task_group(self) -> None:
+        """Open the TaskGroup that owns the background tasks for the engine's lifetime (it
+        spans ``open`` to ``close``, so it is entered here and left in ``_teardown``)."""
+        self._loop = asyncio.get_running_loop()
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        assert self._tg is not None, "engine: a background task started outside open()"
+        self._tasks.append(self._tg.create_task(coro, name=name))
+
+    def _fail(self, error: BaseException) -> None:
+        """Record a failure seen on another thread and wake ``_watch_failure``."""
+        self._failure = error
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._failed.set)
+            except RuntimeError:     # the loop closed meanwhile
+                pass
 
     async def _watch_failure(self) -> None:
         """Surface a heartbeat failure (this node was taken over) into the TaskGroup."""
-        while self._failure is None:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+        await self._failed.wait()
+        assert self._failure is not None
         raise self._failure
 
     async def _maintenance(self) -> None:
@@ -241,7 +269,8 @@ class Engine(CudaEngineMixin):
             self._hb_thread = None
         if self._tg is not None:
             tg, self._tg = self._tg, None
-            for t in list(getattr(tg, "_tasks", ())):
+            tasks, self._tasks = self._tasks, []
+            for t in tasks:
                 t.cancel()
             try:
                 await tg.__aexit__(None, None, None)
@@ -261,6 +290,9 @@ class Engine(CudaEngineMixin):
             except Exception as e:
                 errors.append(e)
             self._manager = None
+            if self._manager_thread is not None:      # stopped by its supervisor; belt and braces
+                self._manager_thread.stop(timeout=5.0)
+                self._manager_thread = None
             region.close()
         self._store = self._xfer = None
         if errors:

@@ -290,8 +290,11 @@ MANAGER = Struct(name="manager", fields=_u8_fields(_MANAGER_NAMES, "election win
 # |   8 |    8 | u64  | number    | node   |  bakery ticket, 0 when not competing
 # |  16 |    8 | u64  | candidate | node   |  1 while a LockManager runs on the node
 # |  24 |    8 | u64  | epoch     | node   |  node epoch that wrote the line
-# |  32 |   32 | V32  | pad       | nobody |
-_CANDIDATE_NAMES = ("choosing", "number", "candidate", "epoch")
+# |  32 |    8 | u64  | scan_ns   | node   |  CLOCK_REALTIME of the node's last manager slice
+# |     |      |      |           |        |  while it manages: a manager whose stamp is older
+# |     |      |      |           |        |  than the liveness timeout has stopped granting
+# |  40 |   24 | V24  | pad       | nobody |
+_CANDIDATE_NAMES = ("choosing", "number", "candidate", "epoch", "scan_ns")
 MANAGER_CANDIDATE = Struct(name="manager_candidate", fields=_u8_fields(_CANDIDATE_NAMES, "node"),
                            dtype=_u8_dtype(_CANDIDATE_NAMES), itemsize=64)
 

@@ -2,6 +2,7 @@
 from .liveness import heartbeat_forever
 from .lock import GlobalLock, LockStatistics, PollPolicy
 from .manager import LockManager, ManagerInfo, ManagerPolicy, ManagerStatistics, read_manager
+from .manager_thread import ManagerThread
 
 __all__ = ["GlobalLock", "LockManager", "LockStatistics", "ManagerInfo", "ManagerPolicy",
-           "ManagerStatistics", "PollPolicy", "heartbeat_forever", "read_manager"]
+           "ManagerStatistics", "ManagerThread", "PollPolicy", "heartbeat_forever", "read_manager"]

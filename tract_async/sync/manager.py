@@ -19,8 +19,19 @@ still missing or invalid write ``manager = me, term + 1``, flush. Then ``number 
 Nodes judged dead are skipped by the bakery (a dead node's ticket would block it forever); that
 is safe for the same reason the lease below is.
 
-A live manager is never pre-empted: takeover happens only on death (or resignation, when
-``run()`` is cancelled), so terms do not flap.
+A live manager is pre-empted only when it stops granting: takeover happens on its death, its
+resignation (``run()`` cancelled), or its *stall*. While it manages, a node stamps ``scan_ns``
+in its own candidate line at the start of every scan slice (every ~10 ms, idle or busy). A
+manager whose stamp is older than ``liveness_timeout_s`` is invalid even though its node's
+heartbeat is fresh (the heartbeat beats from a GIL-free thread; the manager needs its thread to
+run Python between slices): a process that starves its manager thread cannot freeze the rack.
+
+Stall lease. A manager that finds its own last stamp older than ``liveness_timeout_s / 2`` when
+it resumes steps down without granting (its term may be being taken), and its fencing deadline
+is the earlier of heartbeat + half and stamp + half: it never grants once its stamp is half a
+timeout old, and others elect only once it is a whole timeout old -- the same margin as the
+heartbeat lease below. A stepped-down node follows like any candidate (and, as the lowest live
+one, may win the next term at once).
 
 Lease (why two managers never grant at once). Before *every* grant, release or revocation the
 manager (1) checks its own lease: its node's last heartbeat is younger than
@@ -53,8 +64,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -73,7 +86,7 @@ S_CAND_READ = K.site("lock.election.candidate.invalidate")
 S_MGR_FLUSH = K.site("lock.election.manager.flush")
 S_MGR_READ = K.site("lock.election.manager.invalidate")
 
-CHOOSING, NUMBER, CANDIDATE, CAND_EPOCH = 0, 8, 16, 24
+CHOOSING, NUMBER, CANDIDATE, CAND_EPOCH, SCAN_NS = 0, 8, 16, 24, 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +116,8 @@ class ManagerStatistics:
     slices: int
     step_downs: int
     self_fenced: int
+    stalls: int
+    """Terms given up because this manager's own scans had stalled (stall lease)."""
 
 
 def read_manager(region, geo: S.LockGeometry | None = None,  # noqa: ANN001
@@ -117,13 +132,27 @@ def read_manager(region, geo: S.LockGeometry | None = None,  # noqa: ANN001
                        epoch=int(rec["epoch"]), since_ns=int(rec["since_ns"]))
 
 
-def manager_valid(info: ManagerInfo, nodes: list[NodeInfo]) -> bool:
+def manager_valid(info: ManagerInfo, nodes: list[NodeInfo], *, scan_ns: int | None = None,
+                  timeout_s: float | None = None) -> bool:
     """True while the recorded manager's node is not dead (``NodeInfo.dead``) and has the
-    recorded epoch."""
+    recorded epoch; with ``scan_ns`` (the manager node's candidate stamp) and ``timeout_s``,
+    also only while that stamp is younger than ``timeout_s`` (not stalled)."""
     if info.node_id is None or info.node_id >= len(nodes):
         return False
     n = nodes[info.node_id]
-    return not n.dead and n.epoch == info.epoch
+    if n.dead or n.epoch != info.epoch:
+        return False
+    if scan_ns is not None and timeout_s is not None:
+        return time.time_ns() - scan_ns < timeout_s * 1e9
+    return True
+
+
+def read_scan_ns(region, node_id: int, geo: S.LockGeometry | None = None,  # noqa: ANN001
+                 mem: K.Mem | None = None) -> int:
+    """The ``scan_ns`` stamp of ``node_id``'s candidate line (fresh from memory)."""
+    geo = geo or S.geometry(region)
+    return int(K.load_fresh(mem if mem is not None else region.mem,
+                            geo.cand_off(node_id) + SCAN_NS, S_CAND_READ))
 
 
 class LockManager:
@@ -150,9 +179,15 @@ class LockManager:
         self._term: int | None = None
         self._idle_ns = 0
         self._terms_won = self._slices = self._step_downs = self._self_fenced = 0
+        self._stalls = 0
         self._revocations = 0
         self._grants_at_start = 0
-        self.elected = asyncio.Event()
+        self._last_scan_ns = 0
+        self.elected = threading.Event()
+        """Set while this node manages (a threading.Event: the manager may run on its own
+        thread and loop, ``ManagerThread``)."""
+        self.stall_hook: Callable[[], None] | None = None
+        """Test seam: called on the manager's thread before each slice (a test stalls it)."""
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -180,7 +215,7 @@ class LockManager:
             is_manager=self.is_manager, term=self._term, terms_won=self._terms_won,
             grants=int(self._st[:, S.M_GRANTS].sum()) - self._grants_at_start,
             revocations=self._revocations, slices=self._slices, step_downs=self._step_downs,
-            self_fenced=self._self_fenced)
+            self_fenced=self._self_fenced, stalls=self._stalls)
 
     # -- candidate lines ----------------------------------------------------------------------
     def _write_candidate(self, *, candidate: int, choosing: int, number: int) -> None:
@@ -197,8 +232,23 @@ class LockManager:
         choosing = int(K.load_fresh(m, off + CHOOSING, S_CAND_READ))
         return choosing, int(K.load(m, off + NUMBER)), int(K.load(m, off + CANDIDATE))
 
+    def _stamp_scan(self) -> int:
+        """Store now into this node's ``scan_ns`` (own candidate line), flush; returns it."""
+        now = time.time_ns()
+        K.store_flush(self._mem, self._geo.cand_off(self.node_id) + SCAN_NS, now, S_CAND_FLUSH)
+        self._last_scan_ns = now
+        return now
+
     def _nodes(self) -> list[NodeInfo]:
         return self._region.nodes.all(timeout_s=self.liveness_timeout_s)
+
+    def _valid(self, info: ManagerInfo, nodes: list[NodeInfo]) -> bool:
+        """``manager_valid`` including the manager's stall stamp."""
+        if info.node_id is None or info.node_id >= len(nodes):
+            return False
+        return manager_valid(info, nodes, scan_ns=read_scan_ns(self._region, info.node_id,
+                                                               self._geo, self._mem),
+                             timeout_s=self.liveness_timeout_s)
 
     # -- follower -----------------------------------------------------------------------------
     async def _follow(self) -> None:
@@ -207,7 +257,7 @@ class LockManager:
         while True:
             nodes = self._nodes()
             info = read_manager(self._region, self._geo, self._mem)
-            if manager_valid(info, nodes):
+            if self._valid(info, nodes):
                 missing_since = None
             else:
                 now = time.monotonic()
@@ -250,9 +300,10 @@ class LockManager:
             # critical section of the election
             nodes = self._nodes()
             info = read_manager(self._region, self._geo, self._mem)
-            if manager_valid(info, nodes) or not nodes[me].live:
+            if self._valid(info, nodes) or not nodes[me].live:
                 return False
             term = info.term + 1
+            self._stamp_scan()     # before the line that makes it manager: never seen stale
             m, off = self._mem, self._geo.manager_offset
             K.store(m, off + S.MGR_MANAGER, me + 1)
             K.store(m, off + S.MGR_TERM, term)
@@ -314,12 +365,25 @@ class LockManager:
         geo, pol = self._geo, self.policy
         half_ns = int(self.liveness_timeout_s / 2 * 1e9)
         while self._term is not None:
+            if self.stall_hook is not None:
+                self.stall_hook()
+            now = time.time_ns()
+            if now - self._last_scan_ns > half_ns:
+                # this thread stalled (a starved GIL, a stopped thread): others may be electing
+                # already, so give the term up without another grant (stall lease, docstring)
+                log.warning("lock manager node %d term %d: own scans stalled %.3f s (liveness "
+                            "timeout %.3f s): stepping down", self.node_id, self._term,
+                            (now - self._last_scan_ns) / 1e9, self.liveness_timeout_s)
+                self._stalls += 1
+                self._step_down()
+                return
+            stamp = self._stamp_scan()
             nodes = self._nodes()
             me = nodes[self.node_id]
             if me.owner_nonce != self._handle.owner_nonce:
                 self._step_down()
                 raise NodeEvicted(f"node {self.node_id} was taken over; its LockManager stops")
-            fence_deadline = me.heartbeat_ns + half_ns
+            fence_deadline = min(me.heartbeat_ns, stamp) + half_ns
             for j, n in enumerate(nodes):
                 self._live[j] = 0 if n.dead else 1
             self._revoke_dead(nodes, fence_deadline)
