@@ -10,7 +10,7 @@ import pytest
 
 from tract_async import errors as E
 from tract_async.region.alloc import Allocator, sections_for
-from tract_async.region.fsck import run_fsck
+from tract_async.fsck import run_fsck
 from tract_async.sync import GlobalLock, LockManager, heartbeat_forever
 from tests import procs_lock as P
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tract_async.region.fsck import run_fsck
+from tract_async.fsck import run_fsck
 from tests import procs_lock as P
 
 SPAWN = mp.get_context("spawn")

@@ -39,14 +39,12 @@ def _fmt_bytes(n: int) -> str:
 def cmd_region_init(args: argparse.Namespace) -> int:
     from .region import Region, default_path
     path = args.path or default_path(args.name)
-    sections = []
-    try:
-        from .engine_layout import region_sections  # provided once the engine exists
-        sections = region_sections(size_bytes=args.size, max_nodes=args.max_nodes)
-    except ImportError:
-        pass
+    from .engine_layout import initialize, region_sections
+    # the same sections, formatted the same way, as Engine.open(create=True) makes (the index
+    # header included: an unformatted index is a region no engine can attach)
+    sections = region_sections(size_bytes=args.size, max_nodes=args.max_nodes)
     with Region.create(path, args.size, max_nodes=args.max_nodes, sections=sections,
-                       overwrite=args.force, backend=args.backend) as r:
+                       overwrite=args.force, backend=args.backend, initialize=initialize) as r:
         print(f"created {path}: {_fmt_bytes(r.size_bytes)}, max_nodes={r.max_nodes}, uuid {r.uuid}")
     return 0
 
@@ -80,11 +78,8 @@ def inspect_text(path: str, *, backend: str | None = None) -> str:
                      f"{_fmt_bytes(h['rootdir_bytes']):>12}")
         for e in r.root.entries():
             lines.append(f"  {e.name:<24} {e.offset_bytes:>14} {_fmt_bytes(e.nbytes):>12}")
-        try:
-            from .region.usage import usage_lines  # section use, once the allocator exists
-            lines.extend(usage_lines(r))
-        except ImportError:
-            pass
+        from .fsck import usage_lines  # lock, allocator and index state
+        lines.extend(usage_lines(r))
     return "\n".join(lines)
 
 
@@ -108,7 +103,7 @@ def cmd_region_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_region_fsck(args: argparse.Namespace) -> int:
-    from .region.fsck import run_fsck
+    from .fsck import run_fsck
     report = run_fsck(args.path, repair=args.repair)
     print(report.text())
     return 0 if report.clean else 1

@@ -6,7 +6,7 @@ one writer at a time, handed over by the lock: a new holder invalidates before i
 old one flushed before it released (the lock's release order, ``sync/slots.py``). The global tier
 never touches the chunks themselves or the per-node heap records (``alloc.py``).
 
-Invariants (checked by ``fsck.py``):
+Invariants (checked by ``tract_async/fsck.py``):
 * bit ``c`` of the bitmap is set exactly when ``owners[c].owner != 0``;
 * ``counts[n].chunks`` is the number of chunks whose owner is ``n``;
 * every owned chunk's owner is a live node with the recorded epoch (otherwise recovery reclaims);
@@ -65,7 +65,6 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_MIN_SLOT_BYTES = 4096
 DEFAULT_NUM_LOCKS = 2
 DEFAULT_RING_ENTRIES = 128
-ALLOC_LOCK_INDEX = 0
 
 _J = {n: L.ALLOC_JOURNAL.dtype.fields[n][1] for n in L.ALLOC_JOURNAL.dtype.names if n != "pad"}
 _O = {n: L.CHUNK_OWNER.dtype.fields[n][1] for n in L.CHUNK_OWNER.dtype.names if n != "pad"}

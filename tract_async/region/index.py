@@ -14,7 +14,12 @@ the entry starts to mean something else (reserve, evict) and at no other time. A
    maybe reused) during the copy: the result is a miss, never wrong bytes (DESIGN.md invariant
    6). The key is compared again because a read of a line is not atomic: the first read can be
    torn against a re-reservation (old key words with the new version) -- the torn-read stress
-   test found exactly this when only the version was re-checked.
+   test found exactly this when only the version was re-checked;
+5. reads the payload slot's tag (``layout.SLOT_TAG``, written by the reservation before any
+   payload byte): it must name this entry and version. This catches what the entry alone
+   cannot -- an entry left pointing at a slot that was freed and handed to another block (a
+   reclaim that missed the index, any index/allocator disagreement): its key and version never
+   changed, but the slot's tag did.
 
 Readers therefore pin nothing: an evictor may free a block while a reader copies it, and the
 reader's step 4 notices. (What must never be reused under a transfer is memory a *write* may
@@ -70,8 +75,13 @@ S_IX_HDR = K.site("index.header.flush")
 S_IX_TAG_READ = K.site("index.slot_tag.invalidate")
 
 ENTRY_BYTES = L.INDEX_ENTRY.itemsize
+"""Every entry offset below is derived from the layout table (``layout.INDEX_ENTRY``), which the
+layout signature covers: the jitted code uses these names, never literal offsets."""
 _E = {n: L.INDEX_ENTRY.dtype.fields[n][1] for n in L.INDEX_ENTRY.dtype.names}
-E_KEY0, E_VERSION, E_STATE = _E["key0"], _E["version"], _E["state"]
+E_KEY0, E_KEY1, E_KEY2, E_KEY3 = _E["key0"], _E["key1"], _E["key2"], _E["key3"]
+E_VERSION, E_STATE = _E["version"], _E["state"]
+E_LINE1 = L.LINE_BYTES
+"""Line 1 of an entry (layer bits, allocation, LRU clock, ...): invalidated and flushed whole."""
 E_POFF, E_PNB = _E["payload_offset"], _E["payload_nbytes"]
 E_LLO, E_LHI, E_OWNER, E_TOKEN = _E["layers_lo"], _E["layers_hi"], _E["owner"], _E["alloc_token"]
 E_LAST, E_PRODUCER, E_FLAGS, E_DEADLINE = (_E["last_access_ns"], _E["producer"], _E["flags"],
@@ -84,6 +94,7 @@ FLAG_TRANSFER = 1
 DEFAULT_MAX_PROBE = 32
 
 TAG_VERSION_BITS = 40
+TAG_WORD_BYTES = L.SLOT_TAG.itemsize
 TAG_VERSION_MASK = (1 << TAG_VERSION_BITS) - 1
 TG_CHUNKS, TG_CHUNK_BYTES, TG_MIN_SLOT, TG_TAGS, TG_TAG_BYTES, TG_END = range(6)
 """Columns of the slot-tag geometry array the kernels take (``tag_geometry``); TG_TAGS < 0
@@ -121,7 +132,7 @@ def _tag_off(tgeo, poff):
     rel = poff - tgeo[TG_CHUNKS]
     chunk = rel // tgeo[TG_CHUNK_BYTES]
     return (tgeo[TG_TAGS] + chunk * tgeo[TG_TAG_BYTES]
-            + (rel % tgeo[TG_CHUNK_BYTES]) // tgeo[TG_MIN_SLOT] * 8)
+            + (rel % tgeo[TG_CHUNK_BYTES]) // tgeo[TG_MIN_SLOT] * TAG_WORD_BYTES)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -137,17 +148,17 @@ def _find_from(m, eoff, mask, max_probe, k0, k1, k2, k3, home_fresh):
     b = np.int64(k0 & np.uint64(mask))
     for p in range(max_probe):
         slot = (b + p) & mask
-        off = eoff + slot * 128
+        off = eoff + slot * ENTRY_BYTES
         if p > 0 or not home_fresh:
             K.invalidate(m, off, S_IX_READ)
             K.full_fence(m)
-        st = K.load(m, off + 40)
+        st = K.load(m, off + E_STATE)
         if st == EMPTY:
             return -1
         if st == TOMBSTONE:
             continue
-        if (K.load(m, off) == k0 and K.load(m, off + 8) == k1 and K.load(m, off + 16) == k2
-                and K.load(m, off + 24) == k3):
+        if (K.load(m, off) == k0 and K.load(m, off + E_KEY1) == k1 and K.load(m, off + E_KEY2) == k2
+                and K.load(m, off + E_KEY3) == k3):
             return slot
     return -1
 
@@ -167,7 +178,7 @@ def _invalidate_homes(m, eoff, mask, keys):
     pays one fence. Each key's first probe then reads
     its home line from memory; later probes (collisions) invalidate and fence one by one."""
     for i in range(keys.shape[0]):
-        K.invalidate(m, eoff + np.int64(keys[i, 0] & np.uint64(mask)) * 128, S_IX_READ)
+        K.invalidate(m, eoff + np.int64(keys[i, 0] & np.uint64(mask)) * ENTRY_BYTES, S_IX_READ)
     K.full_fence(m)
     _touch_lines(m, eoff, mask, keys)
 
@@ -178,7 +189,7 @@ def _touch_lines(m, eoff, mask, keys):
     (the probe loop that follows branches on each line and would take them one at a time)."""
     acc = np.uint64(0)
     for i in range(keys.shape[0]):
-        acc ^= K.load(m, eoff + np.int64(keys[i, 0] & np.uint64(mask)) * 128 + 40)
+        acc ^= K.load(m, eoff + np.int64(keys[i, 0] & np.uint64(mask)) * ENTRY_BYTES + E_STATE)
     return acc
 
 
@@ -192,7 +203,7 @@ def lookup_batch(m, eoff, mask, max_probe, keys):
                           keys[i, 3], True)
         if slot < 0:
             return i
-        if K.load(m, eoff + slot * 128 + 40) != READY:
+        if K.load(m, eoff + slot * ENTRY_BYTES + E_STATE) != READY:
             return i
     return n
 
@@ -213,41 +224,22 @@ def snapshot_batch(m, eoff, mask, max_probe, keys, out):
         out[i, 0] = slot
         if slot < 0:
             continue
-        off = eoff + slot * 128
-        out[i, 1] = np.int64(K.load(m, off + 32))
-        out[i, 2] = np.int64(K.load(m, off + 40))
-        out[i, 3] = np.int64(K.load(m, off + 48))
-        out[i, 4] = np.int64(K.load(m, off + 56))
+        off = eoff + slot * ENTRY_BYTES
+        out[i, 1] = np.int64(K.load(m, off + E_VERSION))
+        out[i, 2] = np.int64(K.load(m, off + E_STATE))
+        out[i, 3] = np.int64(K.load(m, off + E_POFF))
+        out[i, 4] = np.int64(K.load(m, off + E_PNB))
     for i in range(keys.shape[0]):
         if out[i, 0] >= 0:
-            K.invalidate(m, eoff + out[i, 0] * 128 + 64, S_IX_LINE1_READ)
+            K.invalidate(m, eoff + out[i, 0] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
     K.full_fence(m)
     for i in range(keys.shape[0]):
         if out[i, 0] < 0:
             continue
-        off = eoff + out[i, 0] * 128
-        out[i, 5] = np.int64(K.load(m, off + 64))
-        out[i, 6] = np.int64(K.load(m, off + 72))
-        out[i, 7] = np.int64(K.load(m, off + 112))
-
-
-@njit(cache=True, nogil=True)
-def layer_bits_batch(m, eoff, slots, out):
-    """Fresh (state, layers_lo, layers_hi, version) of known slots, for layer waits."""
-    for i in range(slots.shape[0]):
-        K.invalidate(m, eoff + slots[i] * 128, S_IX_READ)
-    K.full_fence(m)
-    for i in range(slots.shape[0]):
-        off = eoff + slots[i] * 128
-        out[i, 0] = np.int64(K.load(m, off + 40))
-        out[i, 3] = np.int64(K.load(m, off + 32))
-    for i in range(slots.shape[0]):     # line 1 after line 0 (snapshot_batch says why)
-        K.invalidate(m, eoff + slots[i] * 128 + 64, S_IX_LINE1_READ)
-    K.full_fence(m)
-    for i in range(slots.shape[0]):
-        off = eoff + slots[i] * 128
-        out[i, 1] = np.int64(K.load(m, off + 64))
-        out[i, 2] = np.int64(K.load(m, off + 72))
+        off = eoff + out[i, 0] * ENTRY_BYTES
+        out[i, 5] = np.int64(K.load(m, off + E_LLO))
+        out[i, 6] = np.int64(K.load(m, off + E_LHI))
+        out[i, 7] = np.int64(K.load(m, off + E_FLAGS))
 
 
 @njit(cache=True, nogil=True)
@@ -273,19 +265,19 @@ def revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok):
     bad = 0
     K.full_fence(m)
     for i in range(slots.shape[0]):
-        K.invalidate(m, eoff + slots[i] * 128, S_IX_REVALIDATE)
+        K.invalidate(m, eoff + slots[i] * ENTRY_BYTES, S_IX_REVALIDATE)
         t = _tag_off(tgeo, poffs[i])
         if t >= 0:
             K.invalidate(m, t, S_IX_TAG_READ)
     K.full_fence(m)
     for i in range(slots.shape[0]):
-        off = eoff + slots[i] * 128
-        st = K.load(m, off + 40)
+        off = eoff + slots[i] * ENTRY_BYTES
+        st = K.load(m, off + E_STATE)
         good = ((st == READY or st == RESERVED)
-                and K.load(m, off) == keys[i, 0] and K.load(m, off + 8) == keys[i, 1]
-                and K.load(m, off + 16) == keys[i, 2] and K.load(m, off + 24) == keys[i, 3]
-                and np.int64(K.load(m, off + 48)) == poffs[i]
-                and np.int64(K.load(m, off + 32)) == versions[i])
+                and K.load(m, off) == keys[i, 0] and K.load(m, off + E_KEY1) == keys[i, 1]
+                and K.load(m, off + E_KEY2) == keys[i, 2] and K.load(m, off + E_KEY3) == keys[i, 3]
+                and np.int64(K.load(m, off + E_POFF)) == poffs[i]
+                and np.int64(K.load(m, off + E_VERSION)) == versions[i])
         if good and tgeo[TG_TAGS] >= 0:
             t = _tag_off(tgeo, poffs[i])
             good = t >= 0 and K.load(m, t) == _tag_of(slots[i], versions[i])
@@ -357,17 +349,17 @@ def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi):
     n = slots.shape[0]
     done = np.zeros(n, dtype=np.bool_)
     for i in range(n):
-        off = eoff + slots[i] * 128
-        lo = K.load(m, off + 64) | np.uint64(lo_bits)
-        hi = K.load(m, off + 72) | np.uint64(hi_bits)
-        K.store_nt(m, off + 64, lo)
-        K.store_nt(m, off + 72, hi)
+        off = eoff + slots[i] * ENTRY_BYTES
+        lo = K.load(m, off + E_LLO) | np.uint64(lo_bits)
+        hi = K.load(m, off + E_LHI) | np.uint64(hi_bits)
+        K.store_nt(m, off + E_LLO, lo)
+        K.store_nt(m, off + E_LHI, hi)
         done[i] = lo == np.uint64(all_lo) and hi == np.uint64(all_hi)
     K.store_fence(m)           # every layer bit is in memory before any READY below
     became = 0
     for i in range(n):
         if done[i]:
-            K.store_nt(m, eoff + slots[i] * 128 + 40, READY)
+            K.store_nt(m, eoff + slots[i] * ENTRY_BYTES + E_STATE, READY)
             became += 1
     K.full_fence(m)
     return became
@@ -449,7 +441,7 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tok
             dup = np.int64(-1)
             for p in range(max_probe):
                 slot = (b + p) & mask
-                off = eoff + slot * 128
+                off = eoff + slot * ENTRY_BYTES
                 j = _claimed_find(claimed, slot)
                 if j >= 0:                  # its line 0 may not be written yet: compare keys here
                     if (keys[j, 0] == k0 and keys[j, 1] == k1 and keys[j, 2] == k2
@@ -460,7 +452,7 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tok
                 if p > 0:
                     K.invalidate(m, off, S_IX_READ)
                     K.full_fence(m)
-                st = K.load(m, off + 40)
+                st = K.load(m, off + E_STATE)
                 if st == EMPTY:
                     if free < 0:
                         free = slot
@@ -471,8 +463,8 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tok
                         free = slot
                         prev = st
                     continue
-                if (K.load(m, off) == k0 and K.load(m, off + 8) == k1
-                        and K.load(m, off + 16) == k2 and K.load(m, off + 24) == k3):
+                if (K.load(m, off) == k0 and K.load(m, off + E_KEY1) == k1
+                        and K.load(m, off + E_KEY2) == k2 and K.load(m, off + E_KEY3) == k3):
                     dup = slot
                     break
             if dup >= 0:
@@ -485,35 +477,35 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tok
                 out[i, 1] = 0
                 out[i, 2] = 0
                 continue
-            off = eoff + free * 128
+            off = eoff + free * ENTRY_BYTES
             # line 1, every word, non-temporal: no read-for-ownership, no flush
-            K.store_nt(m, off + 64, 0)
-            K.store_nt(m, off + 72, 0)
-            K.store_nt(m, off + 80, owners[i])
-            K.store_nt(m, off + 88, tokens[i])
-            K.store_nt(m, off + 96, now_ns)
-            K.store_nt(m, off + 104, producer)
-            K.store_nt(m, off + 112, flags)
-            K.store_nt(m, off + 120, deadline_ns)
+            K.store_nt(m, off + E_LLO, 0)
+            K.store_nt(m, off + E_LHI, 0)
+            K.store_nt(m, off + E_OWNER, owners[i])
+            K.store_nt(m, off + E_TOKEN, tokens[i])
+            K.store_nt(m, off + E_LAST, now_ns)
+            K.store_nt(m, off + E_PRODUCER, producer)
+            K.store_nt(m, off + E_FLAGS, flags)
+            K.store_nt(m, off + E_DEADLINE, deadline_ns)
             _claimed_add(claimed, free, i)
             out[i, 0] = free
             out[i, 1] = np.int64(prev)
-            out[i, 2] = np.int64(K.load(m, off + 32) + np.uint64(1))
+            out[i, 2] = np.int64(K.load(m, off + E_VERSION) + np.uint64(1))
             t = _tag_off(tgeo, np.int64(poffs[i]))
             if t >= 0:
                 K.store_nt(m, t, _tag_of(free, out[i, 2]))
         K.store_fence(m)           # the group's lines 1 are in memory before any RESERVED
         for i in range(g0, g1):
             if out[i, 0] >= 0:
-                off = eoff + out[i, 0] * 128
-                K.store(m, off + 32, np.uint64(out[i, 2]))
+                off = eoff + out[i, 0] * ENTRY_BYTES
+                K.store(m, off + E_VERSION, np.uint64(out[i, 2]))
                 K.store(m, off, keys[i, 0])
-                K.store(m, off + 8, keys[i, 1])
-                K.store(m, off + 16, keys[i, 2])
-                K.store(m, off + 24, keys[i, 3])
-                K.store(m, off + 48, poffs[i])
-                K.store(m, off + 56, pnbs[i])
-                K.store(m, off + 40, RESERVED)      # last (docstring)
+                K.store(m, off + E_KEY1, keys[i, 1])
+                K.store(m, off + E_KEY2, keys[i, 2])
+                K.store(m, off + E_KEY3, keys[i, 3])
+                K.store(m, off + E_POFF, poffs[i])
+                K.store(m, off + E_PNB, pnbs[i])
+                K.store(m, off + E_STATE, RESERVED)      # last (docstring)
                 K.flush(m, off, S_IX_RESERVE_FLUSH)
     K.full_fence(m)
 
@@ -550,16 +542,16 @@ def _sweep_tombstones(m, eoff, mask, slot):
     walks the whole window. Readers racing with it see TOMBSTONE or EMPTY there; either way a
     key that is not live is not found, and no live key lies in a run of tombstones that ends
     in an EMPTY entry. Returns how many entries were emptied."""
-    nxt = eoff + ((slot + 1) & mask) * 128
+    nxt = eoff + ((slot + 1) & mask) * ENTRY_BYTES
     if K.load_fresh(m, nxt + 40, S_IX_READ) != EMPTY:
         return 0
     n = 0
     t = slot
     while n <= mask:
-        off = eoff + t * 128
-        if K.load_fresh(m, off + 40, S_IX_READ) != TOMBSTONE:
+        off = eoff + t * ENTRY_BYTES
+        if K.load_fresh(m, off + E_STATE, S_IX_READ) != TOMBSTONE:
             break
-        K.store(m, off + 40, EMPTY)
+        K.store(m, off + E_STATE, EMPTY)
         K.flush(m, off, S_IX_EVICT_FLUSH)
         n += 1
         t = (t - 1) & mask
@@ -580,32 +572,32 @@ def evict_batch(m, eoff, tgeo, mask, slots, new_state, info):
     of the lock (no probe chain can run through it then); tombstones are swept
     (``_sweep_tombstones``)."""
     for i in range(slots.shape[0]):
-        off = eoff + slots[i] * 128
+        off = eoff + slots[i] * ENTRY_BYTES
         K.invalidate(m, off, S_IX_READ)
-        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+        K.invalidate(m, off + E_LINE1, S_IX_LINE1_READ)
     K.full_fence(m)
     for i in range(slots.shape[0]):       # the tag lines after the entries' (their payloads)
-        t = _tag_off(tgeo, np.int64(K.load(m, eoff + slots[i] * 128 + 48)))
+        t = _tag_off(tgeo, np.int64(K.load(m, eoff + slots[i] * ENTRY_BYTES + E_POFF)))
         if t >= 0:
             K.invalidate(m, t, S_IX_TAG_READ)
     K.full_fence(m)
     for i in range(slots.shape[0]):
-        off = eoff + slots[i] * 128
-        info[i, 0] = np.int64(K.load(m, off + 48))
-        info[i, 1] = np.int64(K.load(m, off + 56))
-        info[i, 2] = np.int64(K.load(m, off + 80))
-        info[i, 3] = np.int64(K.load(m, off + 88))
+        off = eoff + slots[i] * ENTRY_BYTES
+        info[i, 0] = np.int64(K.load(m, off + E_POFF))
+        info[i, 1] = np.int64(K.load(m, off + E_PNB))
+        info[i, 2] = np.int64(K.load(m, off + E_OWNER))
+        info[i, 3] = np.int64(K.load(m, off + E_TOKEN))
         info[i, 4] = 1
         if tgeo[TG_TAGS] >= 0:
             t = _tag_off(tgeo, info[i, 0])
-            if t < 0 or K.load(m, t) != _tag_of(slots[i], K.load(m, off + 32)):
+            if t < 0 or K.load(m, t) != _tag_of(slots[i], K.load(m, off + E_VERSION)):
                 info[i, 4] = 0
-        K.store(m, off + 40, new_state)
+        K.store(m, off + E_STATE, new_state)
         K.flush(m, off, S_IX_EVICT_FLUSH)
     K.full_fence(m)
     for i in range(slots.shape[0]):
-        off = eoff + slots[i] * 128
-        K.store(m, off + 32, K.load(m, off + 32) + np.uint64(1))
+        off = eoff + slots[i] * ENTRY_BYTES
+        K.store(m, off + E_VERSION, K.load(m, off + E_VERSION) + np.uint64(1))
         K.flush(m, off, S_IX_EVICT_FLUSH)
     K.full_fence(m)
     if new_state == TOMBSTONE:
@@ -621,27 +613,27 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, info):
     victims): ``sample`` entries looked at per victim, in one pass.
     info[j] = (slot, payload_offset, nbytes, owner, token, slot is the entry's: see
     ``evict_batch``). Returns how many were evicted."""
-    hand = np.int64(K.load_fresh(m, hoff + 64, S_IX_READ))
+    hand = np.int64(K.load_fresh(m, hoff + H_CLOCK, S_IX_READ))
     window = min(cap, max(sample, sample * k))
     for s in range(window):
-        off = eoff + ((hand + s) % cap) * 128
+        off = eoff + ((hand + s) % cap) * ENTRY_BYTES
         K.invalidate(m, off, S_IX_READ)
-        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+        K.invalidate(m, off + E_LINE1, S_IX_LINE1_READ)
     K.full_fence(m)
     cand_t = np.empty(window, dtype=np.uint64)
     cand_s = np.empty(window, dtype=np.int64)
     nc = 0
     for s in range(window):
         slot = (hand + s) % cap
-        off = eoff + slot * 128
-        if K.load(m, off + 40) != READY:
+        off = eoff + slot * ENTRY_BYTES
+        if K.load(m, off + E_STATE) != READY:
             continue
-        if K.load(m, off + 112) & np.uint64(FLAG_TRANSFER):
-            if np.int64(K.load(m, off + 120)) > now_ns:
+        if K.load(m, off + E_FLAGS) & np.uint64(FLAG_TRANSFER):
+            if np.int64(K.load(m, off + E_DEADLINE)) > now_ns:
                 continue
             t = np.uint64(0)
         else:
-            t = K.load(m, off + 96) | np.uint64(1)
+            t = K.load(m, off + E_LAST) | np.uint64(1)
         cand_t[nc] = t
         cand_s[nc] = slot
         nc += 1
@@ -656,8 +648,8 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, info):
     for j in range(n):
         for c in range(5):
             info[j, 1 + c] = tmp[j, c]
-    K.store(m, hoff + 64, np.uint64((hand + window) % cap))
-    K.flush(m, hoff + 64, S_IX_HDR)
+    K.store(m, hoff + H_CLOCK, np.uint64((hand + window) % cap))
+    K.flush(m, hoff + H_CLOCK, S_IX_HDR)
     K.full_fence(m)
     return n
 
@@ -670,23 +662,23 @@ def touch_batch(m, eoff, slots, versions, now_ns):
     their line 0 said READY: we write the whole line back, so it must hold the final layer
     bits), one fence, stamp and flush each, one fence."""
     for i in range(slots.shape[0]):
-        K.invalidate(m, eoff + slots[i] * 128, S_IX_READ)
+        K.invalidate(m, eoff + slots[i] * ENTRY_BYTES, S_IX_READ)
     K.full_fence(m)
     stamp = np.zeros(slots.shape[0], dtype=np.bool_)
     for i in range(slots.shape[0]):
-        off = eoff + slots[i] * 128
-        stamp[i] = (K.load(m, off + 40) == READY
-                    and np.int64(K.load(m, off + 32)) == versions[i])
+        off = eoff + slots[i] * ENTRY_BYTES
+        stamp[i] = (K.load(m, off + E_STATE) == READY
+                    and np.int64(K.load(m, off + E_VERSION)) == versions[i])
     for i in range(slots.shape[0]):
         if stamp[i]:
-            K.invalidate(m, eoff + slots[i] * 128 + 64, S_IX_LINE1_READ)  # ours may be stale
+            K.invalidate(m, eoff + slots[i] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)  # ours may be stale
     K.full_fence(m)
     n = 0
     for i in range(slots.shape[0]):
         if stamp[i]:
-            off = eoff + slots[i] * 128
-            K.store(m, off + 96, now_ns)
-            K.flush(m, off + 64, S_IX_TOUCH_FLUSH)
+            off = eoff + slots[i] * ENTRY_BYTES
+            K.store(m, off + E_LAST, now_ns)
+            K.flush(m, off + E_LINE1, S_IX_TOUCH_FLUSH)
             n += 1
     K.full_fence(m)
     return n
@@ -697,19 +689,19 @@ def scan_entries(m, eoff, cap, out):
     """Fresh (state, payload_offset, nbytes, producer, flags, deadline, owner, token, version)
     of every entry, for recovery, reaping and fsck."""
     for slot in range(cap):
-        off = eoff + slot * 128
+        off = eoff + slot * ENTRY_BYTES
         K.invalidate(m, off, S_IX_READ)
-        K.invalidate(m, off + 64, S_IX_LINE1_READ)
+        K.invalidate(m, off + E_LINE1, S_IX_LINE1_READ)
         K.full_fence(m)
-        out[slot, 0] = np.int64(K.load(m, off + 40))
-        out[slot, 1] = np.int64(K.load(m, off + 48))
-        out[slot, 2] = np.int64(K.load(m, off + 56))
-        out[slot, 3] = np.int64(K.load(m, off + 104))
-        out[slot, 4] = np.int64(K.load(m, off + 112))
-        out[slot, 5] = np.int64(K.load(m, off + 120))
-        out[slot, 6] = np.int64(K.load(m, off + 80))
-        out[slot, 7] = np.int64(K.load(m, off + 88))
-        out[slot, 8] = np.int64(K.load(m, off + 32))
+        out[slot, 0] = np.int64(K.load(m, off + E_STATE))
+        out[slot, 1] = np.int64(K.load(m, off + E_POFF))
+        out[slot, 2] = np.int64(K.load(m, off + E_PNB))
+        out[slot, 3] = np.int64(K.load(m, off + E_PRODUCER))
+        out[slot, 4] = np.int64(K.load(m, off + E_FLAGS))
+        out[slot, 5] = np.int64(K.load(m, off + E_DEADLINE))
+        out[slot, 6] = np.int64(K.load(m, off + E_OWNER))
+        out[slot, 7] = np.int64(K.load(m, off + E_TOKEN))
+        out[slot, 8] = np.int64(K.load(m, off + E_VERSION))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""fsck: check every invariant of the lock and allocator structures; optionally repair.
+"""fsck: check every invariant of the lock, allocator and index structures; optionally repair.
+
+It sits above both the region substrate and the lock protocol (it reads the lock's lines and,
+online, takes the lock through a LockManager of its own), so it lives beside the engine, not in
+``region/``, which imports neither asyncio nor ``sync/``.
 
 ``tract region fsck PATH [--repair]``. Reads everything fresh from memory (invalidating first),
 takes no lock, and reports:
@@ -44,13 +48,15 @@ import numpy as np
 
 import tract_kernels as K
 
-from ..errors import RootNameNotFound
-from . import layout as L
-from .alloc import GEN_MASK, decode_entry, heap_record, ring_state
-from .chunks import J_PENDING, OP_NAMES, ChunkTable
-from .index import READY, RESERVED, TOMBSTONE, PrefixIndex, evict_batch, tag_value
-from .nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
-from .region import Region
+from .errors import RootNameNotFound
+from .region import layout as L
+from .region.alloc import GEN_MASK, decode_entry, heap_record, ring_state
+from .region.chunks import J_PENDING, OP_NAMES, ChunkTable
+from .region.index import READY, RESERVED, TOMBSTONE, PrefixIndex, evict_batch, tag_value
+from .region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
+from .region.region import Region
+from .sync import slots as S
+from .sync.manager import manager_valid, read_manager
 
 S_FSCK_READ = K.site("fsck.read.invalidate")
 S_FSCK_FLUSH = K.site("fsck.repair.flush")
@@ -86,8 +92,6 @@ def _u64(raw: np.ndarray, off: int) -> int:
 def check(region: Region, *, liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
           report: FsckReport | None = None) -> FsckReport:
     """Check ``region`` (read-only). Returns the report."""
-    from ..sync import slots as S  # the lock's geometry; fsck sits above both layers
-    from ..sync.manager import manager_valid, read_manager
     rep = report or FsckReport(path=region.path)
     rep.problems.clear()
     rep.summary.clear()
@@ -169,6 +173,9 @@ def index_findings(region: Region, table: ChunkTable, nodes: list[NodeInfo]
         idx = PrefixIndex(region)
     except RootNameNotFound:
         return []
+    except AssertionError as e:    # a section without its header: nothing can be read in it
+        return [IndexFinding(entry=-1, version=0, state=READY, producer=-1, key0=0,
+                             reason=f"unreadable: {e}")]
     g = table.geo
     first = idx.scan()
     live = np.flatnonzero((first[:, 0] == READY) | (first[:, 0] == RESERVED))
@@ -343,7 +350,7 @@ def _repair_locked(region: Region, table: ChunkTable, lock, nodes: list[NodeInfo
         rep.repairs.append(f"bitmap bit of chunk {int(c)} set from its owner record")
     try:
         idx: PrefixIndex | None = PrefixIndex(region)
-    except RootNameNotFound:
+    except (RootNameNotFound, AssertionError):   # no index, or one fsck cannot repair
         idx = None
     dropped: dict[int, int] = {}
 
@@ -373,7 +380,6 @@ def _repair_locked(region: Region, table: ChunkTable, lock, nodes: list[NodeInfo
 
 
 def _repair_offline(region: Region, rep: FsckReport, liveness_timeout_s: float) -> None:
-    from ..sync import slots as S
     nodes = region.nodes.all(timeout_s=liveness_timeout_s)
     m = region.mem
     geo = S.geometry(region)
@@ -407,7 +413,7 @@ def _repair_offline(region: Region, rep: FsckReport, liveness_timeout_s: float) 
 
 
 async def _repair_online(region: Region, rep: FsckReport, liveness_timeout_s: float) -> None:
-    from ..sync import GlobalLock, LockManager, heartbeat_forever
+    from .sync import GlobalLock, LockManager, heartbeat_forever
     nodes = region.nodes.all(timeout_s=liveness_timeout_s)
     free_ids = [n.node_id for n in nodes if not n.live]
     for nid in free_ids:
@@ -460,3 +466,16 @@ def run_fsck(path: str, repair: bool = False, *, backend: str | None = None,
             check(region, liveness_timeout_s=liveness_timeout_s, report=rep)
             rep.notes[:0] = [f"found before repair: {p}" for p in first]
         return rep
+
+
+def usage_lines(region: Region) -> list[str]:
+    """Human lines describing the lock and allocator state for ``tract region inspect`` (the
+    same fresh reads fsck does; summaries only). Empty without those sections."""
+    try:
+        rep = check(region)
+    except RootNameNotFound:
+        return []
+    lines = ["locks and allocator:"] + [f"  {s}" for s in rep.summary]
+    if rep.problems:
+        lines.append(f"  ({len(rep.problems)} fsck problem(s): run `tract region fsck`)")
+    return lines
