@@ -90,7 +90,7 @@ import _nixl  # noqa: E402
 
 import tract_async as tract  # noqa: E402
 import tract_kernels as K  # noqa: E402
-from tract_async import kvplan  # noqa: E402
+from tract_async.stores import plan as kvplan  # noqa: E402
 from tract_async.keys import keys_to_words  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -181,65 +181,22 @@ async def atimeit(fn, reps: int) -> list[float]:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------------------------------------
-# instrumentation (bench-side wrappers on one store instance; the engine code is not changed)
+# instrumentation: the store's own phase timer (``Engine.time_phases``, stores/phases.py)
 
 
 class Phases:
-    """Wraps a RegionStore's ``_copy``, ``_reserve``, ``index.snapshot`` of one Engine to add up
-    where a put or get spends its time. ``lock_wait`` comes from the store's own stats."""
+    """Phase times of the calls made between construction and ``restore()``, from the region
+    store's public timer (no wrapping of its internals). ``lock_wait`` comes from the store's
+    own stats."""
 
     def __init__(self, eng: tract.Engine) -> None:
-        self.st = st = eng._store
+        self.eng = eng
+        self.timer = eng.time_phases(True)
         self.acc: dict[str, float] = {}
-        self._orig = (st._copy, st._reserve, st.index.snapshot, st._copy_out_split)
-        o_copy, o_reserve, o_snap, o_split = self._orig
-        in_reserve = [False]
-
-        def add(k: str, ns: int) -> None:
-            self.acc[k] = self.acc.get(k, 0.0) + ns / 1e9
-
-        async def copy(fn, plan, base, nbytes):  # noqa: ANN001, ANN202
-            t0 = time.perf_counter_ns()
-            kern = [0]
-
-            def timed(*a):  # noqa: ANN002, ANN202
-                t = time.perf_counter_ns()
-                fn(*a)
-                kern[0] += time.perf_counter_ns() - t
-            await o_copy(timed, plan, base, nbytes)
-            add("copy_call", time.perf_counter_ns() - t0)
-            add("copy_kernel", kern[0])
-
-        async def split(plan, dst):  # noqa: ANN001, ANN202
-            # a two-thread read (one drops lines ahead, one copies): its wall time is the kernel
-            t0 = time.perf_counter_ns()
-            await o_split(plan, dst)
-            dt = time.perf_counter_ns() - t0
-            add("copy_call", dt)
-            add("copy_kernel", dt)
-
-        async def reserve(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter_ns()
-            in_reserve[0] = True
-            try:
-                await o_reserve(*a, **kw)
-            finally:
-                in_reserve[0] = False
-                add("reserve_incl_lock", time.perf_counter_ns() - t0)
-
-        def snapshot(words):  # noqa: ANN001, ANN202
-            t0 = time.perf_counter_ns()
-            r = o_snap(words)
-            add("snapshot_in_reserve" if in_reserve[0] else "snapshot", time.perf_counter_ns() - t0)
-            return r
-
-        st._copy, st._reserve, st.index.snapshot = copy, reserve, snapshot
-        st._copy_out_split = split
 
     def restore(self) -> None:
-        del self.st.__dict__["_copy"], self.st.__dict__["_reserve"]
-        del self.st.__dict__["_copy_out_split"]
-        del self.st.index.__dict__["snapshot"]
+        self.acc.update(self.timer.take())
+        self.eng.time_phases(False)
 
 
 def med_phases(calls: list[dict[str, float]]) -> dict[str, float]:
@@ -403,6 +360,7 @@ async def part_putget(sizes: list[int], quick: bool) -> dict[str, Any]:
                   "lock_wait_us": us(put_phase, "lock_wait"),
                   "reserve_held_us": us(put_phase, "reserve_incl_lock") - us(put_phase, "lock_wait"),
                   "snapshot_us": us(put_phase, "snapshot"),
+                  "publish_us": us(put_phase, "publish"),
                   "copy_kernel_us": us(put_phase, "copy_kernel"),
                   "copy_hop_us": us(put_phase, "copy_call") - us(put_phase, "copy_kernel")}
             pp["other_us"] = pp["total_us"] - sum(pp[k] for k in ("lock_wait_us", "reserve_held_us",
@@ -411,7 +369,8 @@ async def part_putget(sizes: list[int], quick: bool) -> dict[str, Any]:
             pp["copy_only_GBps"] = s / max(put_phase.get("copy_kernel", 0), 1e-12) / 1e9
             pp["lock_wait_p50_us"] = (lock.get("wait_p50_s") or 0) * 1e6
             gp = {"size": fmt_size(s), "op": "get", "total_us": us(get_phase, "total"),
-                  "snapshot_us": us(get_phase, "snapshot"),
+                  "snapshot_us": us(get_phase, "prepare_read"),
+                  "validate_us": us(get_phase, "validate"),
                   "copy_kernel_us": us(get_phase, "copy_kernel"),
                   "copy_hop_us": us(get_phase, "copy_call") - us(get_phase, "copy_kernel")}
             gp["other_us"] = gp["total_us"] - gp["snapshot_us"] - gp["copy_kernel_us"] - gp["copy_hop_us"]

@@ -48,7 +48,7 @@ def stress_worker(path: str, backend: str, node_id: int, seconds: float, univers
         rnd = random.Random(seed)
         c = cfg(path, node_id, backend=backend, liveness_timeout_s=2.0)
         async with tract.Engine.open(c) as eng:
-            eng._store.validate_reads = validate
+            eng._store.blocks.validate_reads = validate
             prompts = [eng.block_keys([p * 1000 + t for t in range(16 * (1 + p % 8))])
                        for p in range(universe)]
             res = {"puts": 0, "gets_ok": 0, "misses": 0, "wrong_blocks": 0, "full": 0}
@@ -111,7 +111,7 @@ def put_then_hang(path: str, backend: str, node_id: int, token_ids: list[int], c
 
 
 def reader_worker(path: str, backend: str, node_id: int, universe: int, seed: int, q_out,
-                  stop) -> None:  # noqa: ANN001
+                  stop, stale) -> None:  # noqa: ANN001
     """Gets random prompts of the disagreement stress until ``stop``; counts wrong bytes, and
     the misses that only the slot-tag check caught (entry intact, tag changed)."""
     async def main() -> dict:
@@ -122,7 +122,8 @@ def reader_worker(path: str, backend: str, node_id: int, universe: int, seed: in
             res = {"gets_ok": 0, "misses": 0, "wrong_blocks": 0, "tag_misses": 0}
             q_out.put(("ready", node_id, None))
             while not stop.is_set():
-                keys = prompts[rnd.randrange(universe)]
+                aim = stale.value
+                keys = prompts[aim if aim >= 0 and rnd.random() < 0.5 else rnd.randrange(universe)]
                 words = keys_to_words(keys)
                 snap0 = eng._store.index.snapshot(words)
                 try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tract_async as tract
-from tract_async import kvplan
+from tract_async.stores import plan as kvplan
 from tract_async.cuda import copy as ccopy
 from tract_async.cuda import paged, tables
 from tract_async.errors import TensorMismatch

@@ -337,17 +337,13 @@ async def test_revalidation_is_what_stops_a_torn_read(region_path: str, validate
         async def pause() -> None:
             at_copy.set()
             await resume.wait()
-        b._store._pause_after_snapshot = pause
-        b._store.validate_reads = validate
+        b._store.blocks.pause_after_snapshot = pause
+        b._store.blocks.validate_reads = validate
         reader = asyncio.create_task(b.get_kv(x))
         await asyncio.wait_for(at_copy.wait(), 30)
         # A evicts X under the lock; its slot goes back to A's free list and is reused at once
         st = a._store
-        await st._locked(10)
-        try:
-            st._evict_locked(slot)
-        finally:
-            st.lock.release()
+        assert await st.blocks.evict(x, timeout=10) == 1
         y = a.block_keys(range(5000, 5016))
         await a.put_kv(y, kv_for_keys(y))
         assert int(st.index.snapshot(keys_to_words(y))[0, 3]) == x_payload, \

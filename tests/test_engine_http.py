@@ -11,7 +11,7 @@ import torch
 
 import tract_async as tract
 from tract_async import errors as E
-from tract_async.http_store import ROUTE_ANNOUNCE, ROUTE_CHECK, ROUTE_HELLO
+from tract_async.stores.http import ROUTE_ANNOUNCE, ROUTE_CHECK, ROUTE_HELLO
 from tract_async.transport import errors as TE
 from tract_async.transport.http import Agent
 from tests.engine_http_util import SECRET, http_cfg, http_pair

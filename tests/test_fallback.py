@@ -114,3 +114,37 @@ async def test_peer_of_another_rack_is_read_over_http(region_path: str) -> None:
         await b.close()
         await c.close()
         await a.close()
+
+
+def test_every_store_implements_the_store_protocol() -> None:
+    """One typed interface (``stores/protocol.py``) for the region, network and fallback
+    stores: the Engine dispatches CPU and CUDA transfers through it alike."""
+    from tract_async.stores.fallback import FallbackStore
+    from tract_async.stores.http import HttpStore
+    from tract_async.stores.protocol import Store
+    from tract_async.stores.region import RegionStore
+    for cls in (RegionStore, HttpStore, FallbackStore):
+        for name in ("lookup", "put", "get", "maintain"):
+            assert callable(getattr(cls, name, None)), f"{cls.__name__}.{name}"
+            assert asyncio.iscoroutinefunction(getattr(cls, name)) == \
+                asyncio.iscoroutinefunction(getattr(Store, name)), f"{cls.__name__}.{name}"
+
+
+@pytest.mark.gpu
+async def test_region_full_spills_cuda_puts_to_http(region_path: str) -> None:
+    """A CUDA put that hits RegionFull takes the same fallback as a CPU put (it used to raise:
+    the CUDA path bypassed the store dispatch), and a CUDA get reads the spilled blocks back."""
+    kw = dict(region_bytes=4 << 20, mode="transfer", http_pool_bytes=16 << 20)
+    a = await tract.Engine.open(http_cfg(0, region=region_path, create=True, **kw))
+    b = await tract.Engine.open(http_cfg(1, region=region_path, peers=[a.url], **kw))
+    try:
+        keys = a.block_keys(range(16 * 200))
+        kv = kv_for_keys(keys)
+        assert await a.put_kv(keys, kv.cuda()) == 200
+        sa = a.stats()
+        assert sa["fallbacks"] == {"region_full": 1} and sa["http"]["blocks_stored"] == 200
+        got = await b.get_kv(keys, device="cuda")
+        assert got.is_cuda and torch.equal(got.cpu(), kv)
+    finally:
+        await b.close()
+        await a.close()

@@ -27,7 +27,7 @@ import tract_async as tract
 from tract_async import errors as E
 from tract_async.keys import keys_to_words
 from tract_async.region import index as ix
-from tract_async.region.fsck import run_fsck
+from tract_async.fsck import run_fsck
 from tests import procs_engine as P
 from tests.engine_util import TINY, block_matches, cfg, kv_for_keys
 
@@ -116,8 +116,8 @@ def _free_behind_the_index(eng: tract.Engine, keys: list[bytes]) -> None:
     st = eng._store
     snap = st.index.snapshot(keys_to_words(keys))
     table = st.index.scan()
-    allocs = [st._allocation_of(int(table[s, 1]), int(table[s, 2]), int(table[s, 6]),
-                                int(table[s, 7])) for s in snap[:, 0].tolist()]
+    allocs = [st.blocks.allocation_of(int(table[s, 1]), int(table[s, 2]), int(table[s, 6]),
+                                      int(table[s, 7])) for s in snap[:, 0].tolist()]
     st.alloc.free_many(allocs)
 
 
@@ -181,8 +181,9 @@ async def test_disagreement_stress_zero_wrong_bytes(region_path: str) -> None:
     async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim",
                                      region_bytes=8 << 20, chunk_bytes=256 << 10)) as eng:
         q, stop = SPAWN.Queue(), SPAWN.Event()
+        stale = SPAWN.Value("i", -1)          # the prompt made stale last: readers aim at it
         readers = [SPAWN.Process(target=P.reader_worker,
-                                 args=(region_path, "sim", n, universe, 200 + n, q, stop))
+                                 args=(region_path, "sim", n, universe, 200 + n, q, stop, stale))
                    for n in (1, 2)]
         for r in readers:
             r.start()
@@ -195,7 +196,8 @@ async def test_disagreement_stress_zero_wrong_bytes(region_path: str) -> None:
                 assert (await _qget(q))[0] == "ready"
             t_end = time.monotonic() + STRESS_S
             while time.monotonic() < t_end:
-                a, b = rnd.sample(prompts, 2)
+                ia, ib = rnd.sample(range(universe), 2)
+                a, b = prompts[ia], prompts[ib]
                 try:
                     if eng.lookup(a) < len(a):
                         await eng.put_kv(a, kv_for_keys(a))
@@ -203,6 +205,8 @@ async def test_disagreement_stress_zero_wrong_bytes(region_path: str) -> None:
                         _free_behind_the_index(eng, a)
                         await eng.put_kv(b, kv_for_keys(b))
                         made_stale += len(a)
+                        stale.value = ia
+                        await asyncio.sleep(0.05)     # let the readers meet it
                 except (E.RegionFull, E.TransferTimeout):
                     pass
                 if rnd.random() < 0.03:       # clean up some stale entries the honest way

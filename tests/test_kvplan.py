@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tract_async as tract
-from tract_async import kvplan
+from tract_async.stores import plan as kvplan
 
 LAYOUTS = [tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=4, head_dim=64),
            tract.KVLayout(num_layers=70, block_tokens=8, kv_heads=2, head_dim=32,

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import tract_async as tract
-from tract_async.http_store import ROUTE_ANNOUNCE, ROUTE_CHECK, ROUTE_HELLO
+from tract_async.stores.http import ROUTE_ANNOUNCE, ROUTE_CHECK, ROUTE_HELLO
 from tract_async.transport import auth, wire
 from tract_async.transport import errors as E
 from tract_async.transport.http import Agent

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import kvplan
+from .stores import plan as kvplan
 from .config import EngineConfig
 from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
 from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionTooSmall,
@@ -93,8 +93,8 @@ class Engine(CudaEngineMixin):
             self.fallback_reason = f"{type(e).__name__}: {e}"
             return await self._start_http(region_uuid=None)
         if want_http:
-            from .fallback_store import FallbackStore
-            from .http_store import HttpStore
+            from .stores.fallback import FallbackStore
+            from .stores.http import HttpStore
             try:
                 self._http = HttpStore(cfg, region_uuid=str(self._region.uuid))
                 await self._http.open()
@@ -104,7 +104,7 @@ class Engine(CudaEngineMixin):
                 raise
 
     async def _start_http(self, *, region_uuid: str | None) -> None:
-        from .http_store import HttpStore
+        from .stores.http import HttpStore
         try:
             self._http = HttpStore(self.cfg, region_uuid=region_uuid)
             await self._http.open()
@@ -123,7 +123,7 @@ class Engine(CudaEngineMixin):
         from .region import Region
         from .region.alloc import Allocator
         from .region.index import PrefixIndex
-        from .region_store import RegionStore
+        from .stores.region import RegionStore
         from .sync.lock import GlobalLock
         from .sync.manager import LockManager, ManagerPolicy
         from .sync.manager_thread import ManagerThread
@@ -151,13 +151,12 @@ class Engine(CudaEngineMixin):
             self._manager = LockManager(self._region, self._handle,
                                         liveness_timeout_s=cfg.liveness_timeout_s,
                                         policy=ManagerPolicy(sleep_us_max=100))
-            store_box: list[RegionStore] = []
+            index = PrefixIndex(self._region)
+            # a dead node's chunks leave with their index entries (``drop_spans_locked``)
             alloc = Allocator(self._region, self._handle, liveness_timeout_s=cfg.liveness_timeout_s,
-                              on_reclaim=lambda node, spans: store_box[0].on_reclaim(node, spans)
-                              if store_box else None)
-            self._store = self._xfer = RegionStore(cfg, self._region, self._lock, alloc,
-                                                   PrefixIndex(self._region))
-            store_box.append(self._store)
+                              on_reclaim=lambda node, spans: self._on_reclaim(node, spans))
+            self._store = self._xfer = RegionStore(cfg, self._region, self._lock, alloc, index,
+                                                   cuda_path=self._cuda_path)
             await self._enter_task_group()
             self._hb_stop_word = np.zeros(1, dtype=np.uint64)
             self._hb_thread = threading.Thread(target=self._heartbeat_thread,
@@ -201,6 +200,10 @@ class Engine(CudaEngineMixin):
         except Exception as e:  # a closed region at shutdown: stop quietly
             if not self._hb_stop_word[0]:
                 self._fail(e)
+
+    def _on_reclaim(self, node_id: int, spans: list[tuple[int, int]]) -> None:
+        if self._store is not None:
+            self._store.on_reclaim(node_id, spans)
 
     async def _enter_task_group(self) -> None:
         """Open the TaskGroup that owns the background tasks for the engine's lifetime (it
@@ -330,7 +333,6 @@ class Engine(CudaEngineMixin):
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
         if isinstance(kv, torch.Tensor) and kv.is_cuda:  # CUDA hook (tract_async.cuda.api)
-            self._check_cuda_transport()
             return await self._put_kv_cuda(ks, kv, layer, timeout)
         kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv")
         if not ks:
@@ -352,7 +354,6 @@ class Engine(CudaEngineMixin):
         kvplan.check_layer(layer, self.layout)
         if (out.is_cuda if isinstance(out, torch.Tensor) else  # CUDA hook (tract_async.cuda.api)
                 device is not None and torch.device(device).type == "cuda"):
-            self._check_cuda_transport()
             return await self._get_kv_cuda(ks, out, layer, timeout, device)
         if device is not None and torch.device(device).type != "cpu":
             raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
@@ -365,11 +366,6 @@ class Engine(CudaEngineMixin):
         if not ks:
             return out
         return await self._xfer.get(ks, out, layer, timeout)
-
-    def _check_cuda_transport(self) -> None:
-        if self._region is None:
-            raise TensorMismatch("this engine runs on the HTTP transport, which takes CPU tensors; "
-                                 "copy to the CPU (or use a region)")
 
     def stats(self) -> dict[str, Any]:
         """Counters: hits, misses, bytes, evictions, lock waits, ... (a fresh dict)."""
@@ -386,7 +382,7 @@ class Engine(CudaEngineMixin):
                 out["http"] = h
         if self._store is not None and self._region is not None:
             out.update(dataclasses.asdict(self._store.stats))
-            out["reserved_in_flight"] = len(self._store._reserved)
+            out["reserved_in_flight"] = self._store.blocks.in_flight
             out["index"] = self._store.index.counters()
             a = self._store.alloc.statistics()
             out["alloc"] = {"chunks": a.chunks, "slots_used": a.slots_used, "bytes_used": a.bytes_used}
@@ -397,6 +393,17 @@ class Engine(CudaEngineMixin):
             out["is_lock_manager"] = self._manager.is_manager
         out["cuda"] = self._cuda_stats()  # CUDA hook: None until a CUDA transfer or cuda_setup()
         return out
+
+    def time_phases(self, on: bool = True) -> Any:
+        """Measure where the region store's puts and gets spend their time (for benchmarks;
+        ``stores/phases.py``): returns the PhaseTimes to ``take()`` from, or None when switched
+        off or when this engine has no region store."""
+        from .stores.phases import PhaseTimes
+        st = self._store if self._region is not None else None
+        if st is None:
+            return None
+        st.phases = PhaseTimes() if on else None
+        return st.phases
 
     @property
     def url(self) -> str | None:

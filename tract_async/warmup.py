@@ -21,7 +21,7 @@ import torch
 
 async def _scenario(path: str, backend: str) -> None:
     import tract_async as tract
-    from tract_async import waits
+    from tract_async.stores import waits
     from tract_async.region import index as ix
     layout = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=1, head_dim=32,
                             dtype=torch.float32)
@@ -58,7 +58,7 @@ async def _scenario(path: str, backend: str) -> None:
     finally:
         await b.close()
         await a.close()
-    from tract_async.region.fsck import run_fsck
+    from tract_async.fsck import run_fsck
     run_fsck(path, backend=backend)
 
 

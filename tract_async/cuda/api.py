@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Sequence
 
-from .. import kvplan
+from ..stores import plan as kvplan
 from ..errors import TensorMismatch
 
 DRAIN_TIMEOUT_S = 30.0
@@ -97,13 +97,15 @@ class CudaEngineMixin:
 
     async def _put_kv_cuda(self, ks: list[bytes], kv: Any, layer: int | None,
                            timeout: float | None) -> int:
-        """``put_kv`` with a CUDA tensor (hook target)."""
-        from . import store as cs
+        """``put_kv`` with a CUDA tensor (hook target): through the engine's store dispatch like
+        a CPU tensor (``stores/protocol.py``), so that a full region falls back to the network
+        transport the same way (``FallbackStore``); the region store DMAs it."""
+        kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv",  # type: ignore[attr-defined]
+                            allow_cuda=True)
         if not ks:
-            kvplan.check_tensor(kv, self.layout, 0, layer, what="kv", allow_cuda=True)  # type: ignore[attr-defined]
             return 0
-        fut = await self.start_put_kv(ks, kv, layer=layer, timeout=timeout)
-        return await cs.finish_put(self._store, self._cuda, ks, fut)  # type: ignore[attr-defined]
+        return await self._xfer.put(ks, _contiguous(kv), layer,  # type: ignore[attr-defined]
+                                    self._put_timeout(timeout))
 
     async def start_get_kv(self, keys: Sequence[bytes], *, out: Any = None,
                            layer: int | None = None, timeout: float | None = None,
@@ -144,10 +146,25 @@ class CudaEngineMixin:
 
     async def _get_kv_cuda(self, ks: list[bytes], out: Any, layer: int | None,
                            timeout: float | None, device: Any) -> Any:
-        """``get_kv`` into CUDA memory (hook target)."""
+        """``get_kv`` into CUDA memory (hook target). On a region-only engine: the region's
+        DMA, with the output allocated on the copy stream (``start_get_kv``). With a network
+        transport: through the store dispatch, which reads each block from wherever it is."""
         from . import store as cs
-        fut = await self.start_get_kv(ks, out=out, layer=layer, timeout=timeout, device=device)
-        return await cs.finish_get(self._store, self._cuda, ks, fut, layer)  # type: ignore[attr-defined]
+        if self._region is not None and self._xfer is self._store:  # type: ignore[attr-defined]
+            fut = await self.start_get_kv(ks, out=out, layer=layer, timeout=timeout,
+                                          device=device)
+            return await cs.finish_get(self._store, self._cuda, ks, fut, layer)  # type: ignore[attr-defined]
+        import torch
+        if out is None:
+            out = torch.empty(self.layout.kv_shape(len(ks), layer),  # type: ignore[attr-defined]
+                              dtype=self.layout.dtype,  # type: ignore[attr-defined]
+                              device=torch.device(device if device is not None else "cuda"))
+        else:
+            kvplan.check_tensor(out, self.layout, len(ks), layer, what="out",  # type: ignore[attr-defined]
+                                allow_cuda=True)
+        if not ks:
+            return out
+        return await self._xfer.get(ks, out, layer, timeout)  # type: ignore[attr-defined]
 
     # -- paged --------------------------------------------------------------------------------
     async def start_put_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,

@@ -1,4 +1,4 @@
-"""The CUDA path of put / get: the region protocol of ``region_store`` with device transfers.
+"""The CUDA DMA back-end of put / get: the block lifecycle of ``stores/blocks.py`` with device transfers.
 
 Same protocol, same order, as ``RegionStore.put`` / ``RegionStore.get`` (read those first); what
 changes is the copy and *when* the metadata steps run:
@@ -26,7 +26,7 @@ import numpy as np
 
 import tract_kernels as K
 
-from .. import kvplan
+from ..stores import plan as kvplan
 from ..gcpause import gc_paused
 from ..errors import BlockEvicted
 from ..keys import keys_to_words
@@ -155,35 +155,21 @@ async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
 async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
                      make_plan: PlanFn, layer: int | None, timeout: float | None, *,
                      ready: Any = None, method: str | None = None) -> StreamFuture:
+    b = store.blocks
     words = keys_to_words(keys)
-    snap = store.index.snapshot(words)
-    todo = await store.reserve_missing(keys, words, snap, timeout)
+    todo = await b.reserve(keys, words, b.snapshot(words), timeout)
     if not todo:
-        store.stats.puts += 1
+        b.stats.puts += 1
         return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
-    res = [store._reserved[keys[i]] for i in todo]
+    res = b.reservations(keys, todo)
     poffs = np.array([r.allocation.offset_bytes for r in res], dtype=np.int64)
     plan = make_plan(poffs, np.array(todo, dtype=np.int64))
     nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)
-    layout = store.layout
 
     def publish() -> int:
-        lo, hi = kvplan.layer_mask(layout, layer)
-        live = [(i, r) for i, r in zip(todo, res) if store._reserved.get(keys[i]) is r]
-        if live:
-            slots = np.array([r.slot for _, r in live], dtype=np.int64)
-            ix.publish_layers(store.mem, store.geo.entries_offset, slots, lo, hi, store._all_lo,
-                              store._all_hi)
-        for i, r in live:
-            r.layers_lo |= lo
-            r.layers_hi |= hi
-            if r.layers_lo == store._all_lo and r.layers_hi == store._all_hi:
-                del store._reserved[keys[i]]
-                store.stats.blocks_stored += 1
-        store.stats.puts += 1
-        store.stats.bytes_put += nbytes
-        return len(live)
+        # once the DMA has landed (the future's completion): the lifecycle's step 3
+        return b.publish(keys, todo, res, layer, nbytes)
 
     try:
         copier = cpath.copier(tensors[0].device)
@@ -198,11 +184,11 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         await landed.wait_landed()
         rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
                          np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
-        await store._copy(ix.copy_in, rows, pinned.data_ptr(), nbytes)
+        await store.copy_in(rows, pinned.data_ptr(), nbytes)
         value = publish()
         return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="put/pinned"))
     except BaseException:
-        await store._abandon([keys[i] for i in todo])
+        await b.abandon([keys[i] for i in todo])
         raise
 
 
@@ -217,13 +203,13 @@ async def finish_put(store: Any, cpath: CudaPath, keys: list[bytes], fut: Stream
         raise
     except BaseException:
         await fut.wait_landed()
-        await store._abandon(keys)
+        await store.blocks.abandon(keys)
         raise
 
 
 async def _abandon_after_landing(store: Any, keys: list[bytes], fut: StreamFuture) -> None:
     await fut.wait_landed()
-    await store._abandon(keys)
+    await store.blocks.abandon(keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,9 +229,8 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                      make_plan: PlanFn, layer: int | None, timeout: float | None, *,
                      result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
     n = len(keys)
-    words, snap = await store.prepare_read(keys, layer, timeout)
-    slots = snap[:, 0].copy()
-    versions = snap[:, 1].copy()
+    b = store.blocks
+    words, snap = await b.prepare_read(keys, layer, timeout)
     plan = make_plan(snap[:, 3].copy(), np.arange(n, dtype=np.int64))
     nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)
@@ -256,22 +241,12 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     await drop_cached_payloads(store.mem, poffs, rel, span)
 
     def validate() -> Any:
-        ok = np.zeros(n, dtype=np.bool_)
-        bad = store.index.revalidate(slots, versions, poffs, words, ok)
-        store.stats.gets += 1
-        if bad:
-            store.stats.validation_failures += 1
-            store.stats.misses += int(bad)
+        # once the DMA has landed (the future's completion): the lifecycle's step 4
+        try:
+            b.validate_read(keys, words, snap, nbytes)
+        except BlockEvicted:
             cpath.validation_failures += 1
-            first = int(np.flatnonzero(~ok)[0])
-            raise BlockEvicted(f"{bad} of {n} blocks were evicted while being read (first: "
-                               f"block {first}, {keys[first][:8].hex()}…); the output is not "
-                               f"trusted: treat as a miss")
-        store.stats.hits += n
-        store.stats.blocks_read += n
-        store.stats.bytes_got += nbytes
-        for s, v in zip(slots.tolist(), versions.tolist()):
-            store._touches[s] = v
+            raise
         return result
 
     copier = cpath.copier(tensors[0].device)
@@ -284,10 +259,10 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
                          np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
-        await store._copy(ix.copy_out, rows, pinned.data_ptr(), nbytes)
+        await store.copy_out(rows, pinned.data_ptr(), nbytes)
         ev, keep = copier.h2d_pinned(plan, tensors, pinned, planes=planes)
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes, label="get/pinned")
-    fut.transfer_mode_info = (words, slots, versions, poffs, bool(snap[:, 7].any()))  # type: ignore[attr-defined]
+    fut.transfer_mode_info = (words, snap)  # type: ignore[attr-defined]
     return cpath.track(fut)
 
 
@@ -340,9 +315,7 @@ async def finish_get(store: Any, cpath: CudaPath, keys: list[bytes], fut: Stream
             cpath.cancelled += 1
         await asyncio.shield(fut.wait_landed())
         raise
-    if store.cfg.mode == "transfer":
-        words, slots, versions, poffs, flagged = fut.transfer_mode_info  # type: ignore[attr-defined]
-        if flagged:
-            await store._consume(keys, words, slots, versions, poffs, layer)
+    words, snap = fut.transfer_mode_info  # type: ignore[attr-defined]
+    await store.blocks.consume(keys, words, snap, layer)
     return out
 

@@ -27,8 +27,8 @@ from numba import njit
 
 from tract_kernels.intrinsics import monotonic_ns, sched_yield, usleep
 
-from .region import index as ix
-from .timerslack import call_tight
+from ..region import index as ix
+from ..timerslack import call_tight
 
 SPIN_NS = 300_000
 FAST_NS = 2_000_000

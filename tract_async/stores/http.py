@@ -1,7 +1,7 @@
 """The HTTP path of the Engine: put, get and lookup of KV blocks over NIXL-style agents.
 
 Where no shared region reaches, each engine runs an ``Agent`` (``transport.http``) and keeps
-the blocks it produces in a local pool (``http_pool.BlockPool``: one CPU tensor registered with
+the blocks it produces in a local pool (``stores/pool.BlockPool``: one CPU tensor registered with
 the agent, carved into block slots). Peers read them by descriptor. Same interface as
 ``RegionStore``: ``put``, ``get``, ``lookup``, ``maintain``, ``close``, ``stats``.
 
@@ -40,15 +40,15 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig
-from .errors import BlockEvicted, BlockNotFound, LayerNotReady, TractError, TransferTimeout
-from .http_directory import (Directory, Held, evict_op, ops_list, parse_key, parse_ops,
+from ..config import EngineConfig
+from ..errors import BlockEvicted, BlockNotFound, LayerNotReady, TractError, TransferTimeout
+from .directory import (Directory, Held, evict_op, ops_list, parse_key, parse_ops,
                              parse_uint, put_op)
-from .http_pool import BlockPool
-from .store_stats import TransferStats
-from .transport import errors as TE
-from .transport.descs import XferDescList
-from .transport.http import Agent
+from .pool import BlockPool
+from .stats import TransferStats
+from ..transport import errors as TE
+from ..transport.descs import XferDescList
+from ..transport.http import Agent
 
 POOL_NAME = "tract-kv-pool"
 ROUTE_HELLO = "/tract-kv/v1/hello"
@@ -240,7 +240,7 @@ class HttpStore:
             md = base64.b64decode(payload["md"], validate=True)
         except ValueError:
             raise TE.MalformedRequest("hello: md is not base64") from None
-        from .transport import wire
+        from ..transport import wire
         if wire.decode_metadata(md).name != sender:
             raise TE.MalformedRequest(f"hello: metadata names another agent than the sender {sender!r}")
         self.agent.add_remote_agent(md)
@@ -332,8 +332,10 @@ class HttpStore:
     async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
                   timeout: float | None) -> int:
         """Store blocks not yet held by this node or announced by a peer; returns how many this
-        call stored (or filled). Raises RegionFull (the pool is full)."""
-        kv = kv.contiguous()
+        call stored (or filled). A CUDA ``kv`` is staged through host memory (the pool is host
+        memory; this is the network path, where a device-to-host copy is not what costs).
+        Raises RegionFull (the pool is full)."""
+        kv = kv.cpu() if kv.is_cuda else kv.contiguous()
         todo: list[int] = []
         new: list[int] = []
         seen: set[bytes] = set()
@@ -408,6 +410,12 @@ class HttpStore:
 
     async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
                   timeout: float | None) -> torch.Tensor:
+        """Read ``keys`` into ``out``; a CUDA ``out`` is filled from host staging."""
+        if out.is_cuda:
+            host = torch.empty(out.shape, dtype=out.dtype)
+            await self.get(keys, host, layer, timeout)
+            out.copy_(host)
+            return out
         n = len(keys)
         if timeout is not None and timeout > 0:
             await self.wait_ready(keys, layer, timeout)

@@ -1,5 +1,5 @@
 """The directory of the HTTP transport: which peer announced which block, and the wire form of
-announcements (see ``http_store`` for the protocol).
+announcements (see ``stores/http.py`` for the protocol).
 
 An entry ``key -> {peer: Held(slot, version, layer mask, complete)}`` is a *hint*: readers check
 it with the holder after their READ, so a stale entry costs a miss, never wrong bytes. Changes
@@ -18,8 +18,8 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from .http_pool import LocalBlock
-from .transport.errors import MalformedRequest
+from .pool import LocalBlock
+from ..transport.errors import MalformedRequest
 
 MAX_OPS = 1 << 16        # entries of one announce or check request
 

@@ -15,9 +15,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .config import KVLayout
-from .errors import KeyMismatch, TensorMismatch
-from .keys import KEY_BYTES
+from ..config import KVLayout
+from ..errors import KeyMismatch, TensorMismatch
+from ..keys import KEY_BYTES
 
 
 _KEY_TYPES = {bytes, bytearray}

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from . import waits
-from .errors import RegionFull, TransferTimeout
-from .http_store import HttpStore
-from .keys import keys_to_words
-from .region_store import RegionStore
+from ..errors import RegionFull, TransferTimeout
+from .http import HttpStore
+from ..keys import keys_to_words
+from .region import RegionStore
 
 
 class FallbackStore:

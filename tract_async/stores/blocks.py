@@ -1,43 +1,57 @@
-"""The region path of the Engine: put, get and lookup of KV blocks through the prefix index.
+"""The one owner of a block's lifecycle in the region: reserve, fill, publish, read, touch, abandon.
 
-This is the asyncio layer over the lock-free substrate (``region.index``, ``region.alloc``,
-``sync.lock``): it decides *when* to take the global lock (once per put batch, and for
-maintenance), *where* copies run (inline when small, in a worker thread when large), and how
-waits for layers still being produced are done (``waits``). The byte-level protocol lives in
-``region/index.py``; read its docstring first.
+Every KV byte that enters or leaves the region goes through this module's steps; the copy
+back-ends (the CPU copy of ``stores/region.py``, the CUDA DMA of ``cuda/store.py``) only move
+bytes between the addresses it hands out and the caller's tensors. The byte-level protocol is
+the essay of ``region/index.py``; this is its asyncio face, deciding *when* to take the global
+lock (once per reservation batch, and for maintenance) and keeping this node's bookkeeping.
+
+A put::
+
+    words = keys_to_words(keys); snap = blocks.snapshot(words)
+    todo = await blocks.reserve(keys, words, snap, timeout)     # positions this put writes
+    res = blocks.reservations(keys, todo)                        # their payload offsets
+    ... copy layer(s) into [r.allocation.offset_bytes, +block_bytes) ...
+    blocks.publish(keys, todo, res, layer)                       # layer bits, READY when whole
+    # on any failure or cancellation, once no copy can still land: await blocks.abandon(keys)
+
+A get::
+
+    words, snap = await blocks.prepare_read(keys, layer, timeout)   # waits, checks bounds
+    ... copy from snap[:, 3] (payload offsets) ...
+    blocks.validate_read(keys, words, snap, nbytes)   # after the copy (or its DMA): else a miss
+    await blocks.consume(keys, words, snap, layer)     # transfer-only mode
 
 Block lifetime. A block lives in a slot of its producer's heap. It is READY until evicted (LRU
 under memory pressure), consumed (transfer-only mode), expired (transfer-only deadline), or
 reclaimed with its owner's chunks when the owner node dies or leaves. A put that fails or is
 cancelled after reserving evicts its own entries (after its copies have finished: no write ever
-lands in a slot that was handed out again).
+lands in a slot that was handed out again, DESIGN.md invariant 7).
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import dataclasses
+import itertools
 import time
 from typing import Any
 
 import numpy as np
-import torch
 
 import tract_kernels as K
 
-from . import kvplan, waits
-from .gcpause import PAUSE_MIN_BLOCKS, gc_paused
-from .config import EngineConfig
-from .errors import (BlockEvicted, BlockNotFound, LayerNotReady, RegionFull, TransferTimeout)
-from .keys import keys_to_words
-from .region import Region
-from .region import index as ix
-from .region.alloc import Allocation, Allocator
-from .region.chunks import alloc_geometry
-from .store_stats import TransferStats
-
-INLINE_COPY_BYTES = 1 << 20
-"""Copies up to this size run on the event loop (a thread hop costs ~50-100 µs here)."""
+from ..config import EngineConfig
+from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, RegionFull,
+                      TransferTimeout)
+from ..keys import keys_to_words
+from ..region import Region
+from ..region import index as ix
+from ..region.alloc import Allocation, Allocator
+from ..region.chunks import alloc_geometry
+from ..sync.lock import GlobalLock
+from . import plan as kvplan
+from . import waits
+from .stats import TransferStats
 
 VICTIM_SAMPLE = 16
 
@@ -46,10 +60,6 @@ SMALL_READ = 8
 after ``tolist``, a put splits its snapshot and builds its allocation rows in plain loops):
 each numpy operation costs ~1 µs whatever its size, more than the loop for a few blocks."""
 
-NT_READ_BYTES = 8 << 20
-"""Gets at least this large write their output with non-temporal stores (``read_rows``)."""
-
-
 _A_OFFSET, _A_NBYTES, _A_OWNER, _A_GEN, _A_TOKEN = (
     Allocation._fields.index(f) for f in ("offset_bytes", "nbytes", "owner_node", "generation",
                                           "token"))
@@ -57,9 +67,10 @@ _A_OFFSET, _A_NBYTES, _A_OWNER, _A_GEN, _A_TOKEN = (
 the chained tuples: 0.5 ms for 4096 of them, ``np.array`` 1.2 ms, a tuple per row 2 ms)."""
 
 
-class _Reservation:
-    """A block this node reserved and is filling, layer by layer. (A slotted class: one is made
-    per block of every put, under the global lock.)"""
+class Reservation:
+    """A block this node reserved and is filling, layer by layer: its index entry (``slot``,
+    ``version``), its payload (``allocation``), and the layers published so far. (A slotted
+    class: one is made per block of every put, under the global lock.)"""
     __slots__ = ("slot", "version", "allocation", "layers_lo", "layers_hi")
 
     def __init__(self, slot: int, version: int, allocation: Allocation) -> None:
@@ -83,10 +94,11 @@ class StoreStats(TransferStats):
     lock_wait_s: float = 0.0
 
 
-class RegionStore:
-    """put / get / lookup over one region for one node. Created and owned by the Engine."""
+class BlockLifecycle:
+    """Reserve -> fill layers -> publish -> validate a read -> touch -> abandon, for one node
+    over one region (module docstring). Created and owned by the RegionStore."""
 
-    def __init__(self, cfg: EngineConfig, region: Region, lock: Any, allocator: Allocator,
+    def __init__(self, cfg: EngineConfig, region: Region, lock: GlobalLock, allocator: Allocator,
                  index: ix.PrefixIndex) -> None:
         self.cfg = cfg
         self.layout = cfg.layout
@@ -98,12 +110,13 @@ class RegionStore:
         self.ageo = alloc_geometry(region)
         self.node_id = cfg.node_id
         self.stats = StoreStats()
-        self._reserved: dict[bytes, _Reservation] = {}
+        self._reserved: dict[bytes, Reservation] = {}
         self._touches: dict[int, int] = {}            # slot -> version, flushed under the lock
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
-        self._pause_after_snapshot: Any = None
-        """Test seam: an awaitable factory run between a read's snapshot and its copy, so a
-        test can evict and rewrite the block exactly there (deterministic torn-read control)."""
+        self.pause_after_snapshot: Any = None
+        """Test seam: an awaitable factory a copy back-end runs between a read's snapshot and
+        its copy, so a test can evict and rewrite the block exactly there (deterministic
+        torn-read control)."""
         self.validate_reads = True
         """Re-validate versions after each copy (invariant 6). Only the torn-read stress test's
         negative control turns this off, to show that without it wrong bytes get through."""
@@ -115,7 +128,14 @@ class RegionStore:
     def mem(self) -> K.Mem:
         return self.region.mem
 
-    def _allocation_of(self, poff: int, pnb: int, owner_word: int, token: int) -> Allocation:
+    @property
+    def in_flight(self) -> int:
+        """Blocks this node has reserved and not yet published whole."""
+        return len(self._reserved)
+
+    def allocation_of(self, poff: int, pnb: int, owner_word: int, token: int) -> Allocation:
+        """The allocator's record of an index entry's payload (offset, nbytes, owner word, token
+        as the entry holds them): what a free of that payload takes."""
         g = self.ageo
         chunk = (poff - g.chunks_offset) // g.chunk_bytes
         slot_bytes = self.alloc.class_for(pnb)
@@ -129,112 +149,36 @@ class RegionStore:
         end = g.chunks_offset + g.nchunks * g.chunk_bytes
         return pnb == self.layout.block_bytes and g.chunks_offset <= poff and poff + pnb <= end
 
-    async def _locked(self, timeout: float | None):  # noqa: ANN202
+    async def _locked(self, timeout: float | None) -> None:
+        """Take the global lock; its LockTimeout becomes the store's TransferTimeout."""
         t0 = time.perf_counter()
         try:
             await self.lock.acquire(timeout=timeout)
-        except Exception as e:
-            if type(e).__name__ == "LockTimeout":
-                raise TransferTimeout(f"global lock not granted within {timeout} s "
-                                      f"({self.lock.statistics()})") from e
-            raise
+        except LockTimeout as e:
+            raise TransferTimeout(f"global lock not granted within {timeout} s "
+                                  f"({self.lock.statistics()})") from e
         self.stats.lock_acquisitions += 1
         self.stats.lock_wait_s += time.perf_counter() - t0
 
-    async def _copy(self, fn, plan: np.ndarray, base: int, nbytes: int) -> None:  # noqa: ANN001
-        if nbytes <= INLINE_COPY_BYTES:
-            fn(self.mem, plan, base)
-            return
-        # A copy in a thread cannot be interrupted: shield it so that a cancelled caller still
-        # waits for the last byte before anything is freed (DESIGN.md invariant 7).
-        # the worker thread's own view (``Region.mem``; the sim's caches are per thread)
-        fut = asyncio.get_running_loop().run_in_executor(
-            None, waits.resolve_thread_mem, fn, waits.ThreadMem(self.region), plan, base)
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
-
-    async def _copy_out_split(self, plan: np.ndarray, dst: int) -> None:
-        """A large read on two threads: one drops the payload lines ahead, the other copies
-        behind it (``K.drop_rows_ahead``; 256 MiB: 13.0-13.8 -> 11.5-11.8 ms on this VM).
-        Returns once both threads are done, also when cancelled or when one of them raised."""
-        ctl = np.zeros(2, dtype=np.uint64)            # progress, abort: alive until both end
-        loop = asyncio.get_running_loop()
-        tm = waits.ThreadMem(self.region)    # each thread its own view (``Region.mem``)
-        ahead = loop.run_in_executor(None, waits.resolve_thread_mem, ix.drop_payload_rows_ahead,
-                                     tm, plan, ctl.ctypes.data)
-        behind = loop.run_in_executor(None, waits.resolve_thread_mem, ix.copy_out_behind, tm,
-                                      plan, np.uint64(dst), ctl.ctypes.data, True)
-        try:
-            await asyncio.shield(asyncio.wait([ahead, behind]))
-        except asyncio.CancelledError:
-            await asyncio.wait([ahead, behind])
-            raise
-        ahead.result()                                # IndexError of a bad row, if any
-        if behind.result():
-            raise AssertionError("region store: the copying thread stopped before its rows")
-
     # -- lookup -------------------------------------------------------------------------------
     def lookup(self, keys: list[bytes]) -> int:
+        """Leading keys resident and complete (lock-free)."""
         if not keys:
             return 0
         return self.index.lookup(keys_to_words(keys))
 
+    def snapshot(self, words: np.ndarray) -> np.ndarray:
+        """The index rows of ``words`` (``PrefixIndex.snapshot``), lock-free."""
+        return self.index.snapshot(words)
+
     # -- put ----------------------------------------------------------------------------------
-    async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
-                  timeout: float | None) -> int:
-        """Store blocks not yet present; returns how many this call stored (or filled)."""
-        if len(keys) < PAUSE_MIN_BLOCKS:     # skip the context manager (~1 µs) when it is a no-op
-            return await self._put(keys, kv, layer, timeout)
-        with gc_paused(len(keys)):
-            return await self._put(keys, kv, layer, timeout)
-
-    async def _put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
-                   timeout: float | None) -> int:
-        n = len(keys)
-        kv = kv.contiguous()
-        words = keys_to_words(keys)
-        snap = self.index.snapshot(words)
-        todo = await self.reserve_missing(keys, words, snap, timeout)
-        if not todo:
-            self.stats.puts += 1
-            return 0
-        res = [self._reserved[keys[i]] for i in todo]
-        poffs = np.array([r.allocation.offset_bytes for r in res], dtype=np.int64)
-        plan = kvplan.plan(self.layout, poffs, np.array(todo), n, layer)
-        nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
-        try:
-            await self._copy(ix.copy_in, plan, kv.data_ptr(), nbytes)
-        except BaseException:
-            await self._abandon([keys[i] for i in todo])
-            raise
-        lo, hi = kvplan.layer_mask(self.layout, layer)
-        slots = np.array([r.slot for r in res], dtype=np.int64)
-        ix.publish_layers(self.mem, self.geo.entries_offset, slots, lo, hi, self._all_lo,
-                          self._all_hi)
-        reserved = self._reserved
-        if layer is None:             # every layer written: all of them are READY now
-            for i in todo:
-                del reserved[keys[i]]
-            self.stats.blocks_stored += len(todo)
-        else:
-            for i, r in zip(todo, res):
-                r.layers_lo |= lo
-                r.layers_hi |= hi
-                if r.layers_lo == self._all_lo and r.layers_hi == self._all_hi:
-                    del reserved[keys[i]]
-                    self.stats.blocks_stored += 1
-        self.stats.puts += 1
-        self.stats.bytes_put += nbytes
-        return len(todo)
-
-    async def reserve_missing(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
+    async def reserve(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
                               timeout: float | None) -> list[int]:
-        """The positions of ``keys`` a put writes, ascending: blocks this node is already
-        filling (an earlier layer's put), plus those absent from the index, reserved now under
-        one hold of the global lock. Present blocks (anyone's) are skipped and counted."""
+        """Step 1 of a put: the positions of ``keys`` it writes, ascending -- blocks this node
+        is already filling (an earlier layer's put), plus those absent from the index (``snap``
+        from ``snapshot``), reserved now under one hold of the global lock. Present blocks
+        (anyone's) are skipped and counted. Raises RegionFull (nothing reserved: all or
+        nothing), TransferTimeout (lock), NodeEvicted."""
         todo: list[int] = []          # positions in keys this call writes
         new: list[int] = []           # positions that need a reservation
         reserved = self._reserved
@@ -299,13 +243,13 @@ class RegionStore:
             reserved = self._reserved
             if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: C loops
                 ks = [keys[i] for i in positions]
-                reserved.update(zip(ks, map(_Reservation, res[:, 0].tolist(),
+                reserved.update(zip(ks, map(Reservation, res[:, 0].tolist(),
                                             res[:, 2].tolist(), allocs)))
                 mine = list(zip(ks, res[:, 1].tolist()))
             for j, (slot, prev, version) in enumerate(res.tolist() if not mine else ()):
                 i = positions[j]
                 if slot >= 0:
-                    reserved[keys[i]] = _Reservation(slot, version, allocs[j])
+                    reserved[keys[i]] = Reservation(slot, version, allocs[j])
                     mine.append((keys[i], prev))
                     continue
                 unused.append(allocs[j])
@@ -330,6 +274,39 @@ class RegionStore:
             raise
         finally:
             self.lock.release()
+
+    def reservations(self, keys: list[bytes], positions: list[int]) -> list[Reservation]:
+        """This node's reservations of ``keys[i]`` for ``i`` in ``positions`` (from ``reserve``)."""
+        reserved = self._reserved
+        return [reserved[keys[i]] for i in positions]
+
+    def publish(self, keys: list[bytes], positions: list[int], res: list[Reservation],
+                layer: int | None, nbytes: int) -> int:
+        """Step 3 of a put, once the bytes of ``layer`` (all layers: None) of these
+        reservations are in the region: set their layer bits; a block whose every layer is in
+        becomes READY and leaves this node's bookkeeping. A reservation no longer ours (the
+        put was abandoned meanwhile) is skipped. Returns how many blocks were published."""
+        lo, hi = kvplan.layer_mask(self.layout, layer)
+        reserved = self._reserved
+        live = [(i, r) for i, r in zip(positions, res) if reserved.get(keys[i]) is r]
+        if live:
+            slots = np.fromiter((r.slot for _, r in live), dtype=np.int64, count=len(live))
+            ix.publish_layers(self.mem, self.geo.entries_offset, slots, lo, hi, self._all_lo,
+                              self._all_hi)
+        if layer is None:             # every layer written: all of them are READY now
+            for i, _ in live:
+                del reserved[keys[i]]
+            self.stats.blocks_stored += len(live)
+        else:
+            for i, r in live:
+                r.layers_lo |= lo
+                r.layers_hi |= hi
+                if r.layers_lo == self._all_lo and r.layers_hi == self._all_hi:
+                    del reserved[keys[i]]
+                    self.stats.blocks_stored += 1
+        self.stats.puts += 1
+        self.stats.bytes_put += nbytes
+        return len(live)
 
     def _alloc_many_locked(self, count: int) -> list[Allocation]:
         """``count`` block slots, evicting LRU blocks while the region is full. Raises RegionFull."""
@@ -378,9 +355,6 @@ class RegionStore:
             self.stats.evictions_for_space += n
         return n
 
-    def _evict_locked(self, slot: int, *, count: bool = True, new_state: int = ix.TOMBSTONE) -> None:
-        self._evict_many_locked([slot], count=count, new_state=new_state)
-
     def _evict_many_locked(self, slots: list[int], *, count: bool = True,
                            new_state: int = ix.TOMBSTONE) -> None:
         """Tombstone entries (``new_state``), then free their payloads, as one batch."""
@@ -403,29 +377,46 @@ class RegionStore:
             if not mine:
                 self.stats.stale_entries_dropped += 1
             elif self._payload_ok(poff, pnb):
-                allocs.append(self._allocation_of(poff, pnb, owner, token))
+                allocs.append(self.allocation_of(poff, pnb, owner, token))
         self.alloc.free_many(allocs)
 
-    async def _abandon(self, keys: list[bytes]) -> None:
-        """Evict this node's unfinished reservations (after a failed or cancelled put)."""
+    async def abandon(self, keys: list[bytes]) -> None:
+        """Evict this node's unfinished reservations of ``keys`` (after a failed or cancelled
+        put, once none of its copies can still land). Shielded: it completes when cancelled."""
         mine = [(k, self._reserved.pop(k)) for k in keys if k in self._reserved]
         if not mine:
             return
         await asyncio.shield(self._abandon_locked(mine))
 
-    async def _abandon_locked(self, mine: list[tuple[bytes, _Reservation]]) -> None:
+    async def _abandon_locked(self, mine: list[tuple[bytes, Reservation]]) -> None:
         await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
             self._evict_many_locked([r.slot for _, r in mine])
         finally:
             self.lock.release()
 
+    async def evict(self, keys: list[bytes], *, timeout: float | None = None) -> int:
+        """Evict the entries of ``keys`` that are present (anyone's, READY or not: an operator
+        or test tool; a producer still filling one loses it) and free their payloads; returns
+        how many. Takes the global lock."""
+        snap = self.index.snapshot(keys_to_words(keys))
+        slots = [int(s) for s in snap[:, 0] if s >= 0]
+        if not slots:
+            return 0
+        await self._locked(timeout)
+        try:
+            self._evict_many_locked(slots)
+        finally:
+            self.lock.release()
+        return len(slots)
+
     # -- get ----------------------------------------------------------------------------------
     async def prepare_read(self, keys: list[bytes], layer: int | None,
                            timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
         """Steps 1-2 of a lock-free read (index.py): snapshot the entries (waiting up to
         ``timeout`` for blocks or the layer), check state and payload bounds. Returns the key
-        words and the snapshot. Shared by the CPU and CUDA gets. Raises BlockNotFound,
+        words and the snapshot (rows: slot, version, state, payload offset, nbytes, layer bits,
+        flags), which ``validate_read`` takes after the copy. Raises BlockNotFound,
         LayerNotReady, TransferTimeout, BlockEvicted."""
         words = keys_to_words(keys)
         snap = self.index.snapshot(words)
@@ -456,29 +447,14 @@ class RegionStore:
                                f"changed during the read; treat as a miss")
         return words, snap
 
-    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                  timeout: float | None) -> torch.Tensor:
-        if len(keys) < PAUSE_MIN_BLOCKS:     # as in put
-            return await self._get(keys, out, layer, timeout)
-        with gc_paused(len(keys)):
-            return await self._get(keys, out, layer, timeout)
-
-    async def _get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                   timeout: float | None) -> torch.Tensor:
+    def validate_read(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
+                      nbytes: int) -> None:
+        """Step 4 of a read, after the copy has completed (on a GPU: after its DMA): every
+        block must still be the one snapshotted (entry and slot tag, ``PrefixIndex.revalidate``)
+        or the whole read is a miss. Counts the read and records LRU touches. Raises
+        BlockEvicted (the output is not to be trusted)."""
         n = len(keys)
-        words, snap = await self.prepare_read(keys, layer, timeout)
-        slots = snap[:, 0].copy()
-        versions = snap[:, 1].copy()
-        if self._pause_after_snapshot is not None:
-            await self._pause_after_snapshot()
-        plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
-        nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
-        if (nbytes >= NT_READ_BYTES and self.cfg.copy_threads >= 2
-                and self.mem.backend == K.BACKEND_HW):
-            await self._copy_out_split(plan, out.data_ptr())
-        else:
-            fn = ix.copy_out_nt if nbytes >= NT_READ_BYTES else ix.copy_out
-            await self._copy(fn, plan, out.data_ptr(), nbytes)
+        slots, versions = snap[:, 0], snap[:, 1]
         ok = np.ones(n, dtype=np.bool_)
         bad = (self.index.revalidate(slots, versions, snap[:, 3], words, ok)
                if self.validate_reads else 0)
@@ -493,11 +469,12 @@ class RegionStore:
         self.stats.hits += n
         self.stats.blocks_read += n
         self.stats.bytes_got += nbytes
+        self.touch(slots, versions)
+
+    def touch(self, slots: np.ndarray, versions: np.ndarray) -> None:
+        """Record reads for the approximate LRU (stamped in the region at the next lock hold)."""
         for s, v in zip(slots.tolist(), versions.tolist()):
             self._touches[s] = v
-        if self.cfg.mode == "transfer" and snap[:, 7].any():
-            await self._consume(keys, words, slots, versions, snap[:, 3].copy(), layer)
-        return out
 
     def _check_available(self, keys: list[bytes], snap: np.ndarray, layer: int | None) -> None:
         if bool(((snap[:, 0] >= 0) & (snap[:, 2] == ix.READY)).all()):
@@ -557,9 +534,13 @@ class RegionStore:
         word, bit = divmod(layer, 64)
         return bool(((snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)).all())
 
-    async def _consume(self, keys: list[bytes], words: np.ndarray, slots: np.ndarray,
-                       versions: np.ndarray, poffs: np.ndarray, layer: int | None) -> None:
-        """Transfer-only mode: free blocks once their consumer has read every layer."""
+    async def consume(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
+                      layer: int | None) -> None:
+        """Transfer-only mode, after a validated read: free blocks once their consumer has read
+        every layer (``snap`` as validated)."""
+        if self.cfg.mode != "transfer" or not snap[:, 7].any():
+            return
+        slots, versions, poffs = snap[:, 0].copy(), snap[:, 1].copy(), snap[:, 3].copy()
         done = []
         for i, k in enumerate(keys):
             if layer is None:

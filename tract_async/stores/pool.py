@@ -25,8 +25,8 @@ from collections import OrderedDict
 
 import torch
 
-from .config import KVLayout
-from .errors import RegionFull
+from ..config import KVLayout
+from ..errors import RegionFull
 
 
 @dataclasses.dataclass
