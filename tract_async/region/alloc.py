@@ -30,6 +30,14 @@ Who writes what (layouts in ``layout.py``):
 * Entries carry the chunk generation (low 24 bits): a return for a chunk that was reclaimed and
   claimed again since is recognised and dropped, never applied to the new owner's slot.
 
+Starving. Chunks never move while their owner lives, so a node that finds no free chunk
+(a node restarted on a rack whose survivors hold them all) records how many it wants in its
+``ALLOC_COUNT.wanted`` under the lock and waits. Owners look at the asks whenever they hold the
+lock (every reservation batch, and maintenance when an ask is up): one holding more than its
+fair share (chunks / live nodes) evicts the blocks of its least used chunks and releases them
+(``release_empty_locked``); the asker claims them on its next try and clears its ask. Eviction
+for space takes the evicting node's own blocks first (only those free its own slots).
+
 Death. A dead node's private free lists die with it; recovery (``chunks.reclaim_dead``, run by
 whoever takes the global lock next) releases all of its chunks, calls the ``on_reclaim`` hooks so
 that the index drops entries into them, and records the reclaimed epoch. An incarnation of a node
@@ -591,15 +599,37 @@ class Allocator:
         for cls in self.size_classes:
             empty = [ci for ci in self._free[cls] if self._chunks[ci].nused == 0]
             for ci in empty[keep:]:
-                self._free[cls].remove(ci)
-                c = self._chunks.pop(ci)
-                K.store_flush(self._region.mem, self.geo.heap_off(ci) + _H["slot_bytes"], 0,
-                              S_HEAP_FLUSH)
-                self.table.release(c.index, self.node_id, self.epoch, lock.token,
-                                   lock.check_token)
+                self._release_chunk_locked(ci, lock)
                 released += 1
-        self._releases += released
         return released
+
+    def _release_chunk_locked(self, chunk: int, lock: Any) -> None:
+        """Give one empty chunk of this node back to the global pool (caller holds ``lock``)."""
+        c = self._chunks[chunk]
+        if c.nused:
+            raise AssertionError(f"allocator: release of chunk {chunk} with {c.nused} slots in use")
+        self._free[c.slot_bytes].remove(chunk)
+        del self._chunks[chunk]
+        K.store_flush(self._region.mem, self.geo.heap_off(chunk) + _H["slot_bytes"], 0,
+                      S_HEAP_FLUSH)
+        self.table.release(chunk, self.node_id, self.epoch, lock.token, lock.check_token)
+        self._releases += 1
+
+    def release_empty_locked(self, chunks: Sequence[int], lock: Any) -> list[int]:
+        """Release those of ``chunks`` (this node's) that have no slot in use, after taking back
+        the slots others returned; the chunks released. Caller holds ``lock`` (index 0)."""
+        self.drain_returns()
+        done = []
+        for ci in chunks:
+            c = self._chunks.get(ci)
+            if c is not None and c.nused == 0:
+                self._release_chunk_locked(ci, lock)
+                done.append(ci)
+        return done
+
+    def chunk_use(self) -> dict[int, int]:
+        """{chunk: slots in use} of every chunk this node owns."""
+        return {ci: c.nused for ci, c in self._chunks.items()}
 
     async def trim(self, lock: Any, *, keep: int | None = None,
                    timeout: float | None = None) -> int:

@@ -29,6 +29,7 @@ of that incarnation finds itself fenced out on its next allocation (``alloc.py``
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
@@ -65,6 +66,8 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_MIN_SLOT_BYTES = 4096
 DEFAULT_NUM_LOCKS = 2
 DEFAULT_RING_ENTRIES = 128
+WANT_TTL_S = 10.0
+"""An ask for chunks (``wanted``) older than this no longer counts: its node stopped asking."""
 
 _J = {n: L.ALLOC_JOURNAL.dtype.fields[n][1] for n in L.ALLOC_JOURNAL.dtype.names if n != "pad"}
 _O = {n: L.CHUNK_OWNER.dtype.fields[n][1] for n in L.CHUNK_OWNER.dtype.names if n != "pad"}
@@ -283,6 +286,23 @@ class ChunkTable:
         n = self.geo.max_nodes
         raw = self._fresh(self.geo.count_off(0), n * L.ALLOC_COUNT.itemsize, S_COUNT_READ)
         return raw[:n * L.ALLOC_COUNT.itemsize].view(L.ALLOC_COUNT.dtype)
+
+    def wanted(self) -> np.ndarray:
+        """int64[max_nodes]: chunks each node asked for and found none free (0: none), with
+        asks older than ``WANT_TTL_S`` counted as 0 (the asker stopped asking)."""
+        c = self.counts()
+        now = time.time_ns()
+        live = (now - c["wanted_ns"].astype(np.int64)) < int(WANT_TTL_S * 1e9)
+        return np.where(live, c["wanted"].astype(np.int64), 0)
+
+    def set_wanted(self, node_id: int, chunks: int) -> None:
+        """Record (caller holds the lock) that ``node_id`` wants ``chunks`` more chunks (0:
+        satisfied): owners with spare chunks release some for it."""
+        m, off = self._region.mem, self.geo.count_off(node_id)
+        K.store(m, off + 16, np.uint64(chunks))
+        K.store(m, off + 24, np.uint64(time.time_ns()))
+        K.flush(m, off + 16, S_COUNT_FLUSH)
+        K.full_fence(m)
 
     def reclaimed_epoch(self, node_id: int) -> int:
         return int(K.load_fresh(self._region.mem, self.geo.count_off(node_id) + 8, S_COUNT_READ))

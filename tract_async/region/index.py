@@ -606,13 +606,15 @@ def evict_batch(m, eoff, tgeo, mask, slots, new_state, info):
 
 
 @njit(cache=True, nogil=True)
-def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, info):
+def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, prefer_node, info):
     """Evict up to ``k`` victims by sampled LRU over one window: the ``sample * k`` entries from
     the clock hand are read (one fence for the window), and the ``k`` least recently touched
     READY entries among them go (expired transfer-only entries first; unexpired ones are never
     victims): ``sample`` entries looked at per victim, in one pass.
     info[j] = (slot, payload_offset, nbytes, owner, token, slot is the entry's: see
-    ``evict_batch``). Returns how many were evicted."""
+    ``evict_batch``). Blocks in ``prefer_node``'s chunks go before any other node's (-1: no
+    preference): evicting another node's block frees a slot of *its* heap, not the
+    evictor's. Returns how many were evicted."""
     hand = np.int64(K.load_fresh(m, hoff + H_CLOCK, S_IX_READ))
     window = min(cap, max(sample, sample * k))
     for s in range(window):
@@ -634,6 +636,8 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, info):
             t = np.uint64(0)
         else:
             t = K.load(m, off + E_LAST) | np.uint64(1)
+        if prefer_node >= 0 and np.int64(K.load(m, off + E_OWNER) & np.uint64(0xFFFF)) != prefer_node:
+            t = (t >> np.uint64(2)) | np.uint64(1 << 62)          # after every own block
         cand_t[nc] = t
         cand_s[nc] = slot
         nc += 1

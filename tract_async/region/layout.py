@@ -300,7 +300,7 @@ MANAGER_CANDIDATE = Struct(name="manager_candidate", fields=_u8_fields(_CANDIDAT
 
 # ===========================================================================================
 # alloc: the two-tier allocator (region/alloc.py, region/chunks.py). Sections:
-#   "alloc.meta"   one ALLOC_JOURNAL line, then ``max_nodes`` ALLOC_COUNT records (4 to a
+#   "alloc.meta"   one ALLOC_JOURNAL line, then ``max_nodes`` ALLOC_COUNT records (2 to a
 #                  line: all written under the global lock, so packing is safe)
 #   "alloc.bitmap" one bit per chunk (u64 words), written under the global lock
 #   "alloc.owners" one CHUNK_OWNER record per chunk (2 to a line), written under the global lock
@@ -331,17 +331,25 @@ _JOURNAL_NAMES = ("state", "op", "node", "node_epoch", "token", "first_chunk", "
 ALLOC_JOURNAL = Struct(name="alloc_journal", fields=_u8_fields(_JOURNAL_NAMES, "lock holder"),
                        dtype=_u8_dtype(_JOURNAL_NAMES), itemsize=64)
 
-# Per-node allocator record (4 to a line). Writer: the lock holder.
+# Per-node allocator record (2 to a line). Writer: the lock holder.
 #
 # | off | size | type | field           | writer      |
 # |-----|------|------|-----------------|-------------|
 # |   0 |    8 | u64  | chunks          | lock holder |  chunks the node owns (recount on recovery)
 # |   8 |    8 | u64  | reclaimed_epoch | lock holder |  node epoch whose chunks were reclaimed:
 #                                                         that incarnation may not allocate again
+# |  16 |    8 | u64  | wanted          | lock holder |  chunks the node asked for and found none
+#                                                         free (0: none); owners holding spare
+#                                                         ones release some (alloc.py, "Starving")
+# |  24 |    8 | u64  | wanted_ns       | lock holder |  CLOCK_REALTIME of that ask (stale asks of
+#                                                         a node that stopped asking expire)
 ALLOC_COUNT = Struct(name="alloc_count", fields=(
     Field(offset=0, size=8, type="<u8", name="chunks", writer="lock holder"),
-    Field(offset=8, size=8, type="<u8", name="reclaimed_epoch", writer="lock holder")),
-    dtype=np.dtype([("chunks", "<u8"), ("reclaimed_epoch", "<u8")]), itemsize=16)
+    Field(offset=8, size=8, type="<u8", name="reclaimed_epoch", writer="lock holder"),
+    Field(offset=16, size=8, type="<u8", name="wanted", writer="lock holder"),
+    Field(offset=24, size=8, type="<u8", name="wanted_ns", writer="lock holder")),
+    dtype=np.dtype([("chunks", "<u8"), ("reclaimed_epoch", "<u8"), ("wanted", "<u8"),
+                    ("wanted_ns", "<u8")]), itemsize=32)
 
 # Chunk owner record (2 to a line). Writer: the lock holder. The bitmap bit of the chunk is set
 # exactly when ``owner`` is non-zero (fsck checks it).

@@ -67,6 +67,15 @@ _A_OFFSET, _A_NBYTES, _A_OWNER, _A_GEN, _A_TOKEN = (
 the chained tuples: 0.5 ms for 4096 of them, ``np.array`` 1.2 ms, a tuple per row 2 ms)."""
 
 
+CHUNK_WAIT_S = 2.0
+"""How long a put that found no chunk waits for an owner to release one (its ask recorded)."""
+
+
+class _Starving(RegionFull):
+    """No chunk to allocate from; this node's ask for some is recorded (internal: a put
+    waits for an owner to release one, then raises RegionFull)."""
+
+
 class Reservation:
     """A block this node reserved and is filling, layer by layer: its index entry (``slot``,
     ``version``), its payload (``allocation``), and the layers published so far. (A slotted
@@ -90,6 +99,10 @@ class StoreStats(TransferStats):
     disagreed): dropped without freeing the slot, which is not theirs."""
     full_without_chunk: int = 0
     """Puts refused at once: no chunk of this node's to make room in, none free to claim."""
+    evictions_for_others: int = 0
+    """Blocks evicted to release a chunk to a node that asked for one."""
+    chunks_given: int = 0
+    """Chunks released for nodes that asked (``alloc.py``, "Starving")."""
     lock_acquisitions: int = 0
     lock_wait_s: float = 0.0
 
@@ -113,6 +126,7 @@ class BlockLifecycle:
         self._reserved: dict[bytes, Reservation] = {}
         self._touches: dict[int, int] = {}            # slot -> version, flushed under the lock
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
+        self._asked = False                           # our ask for chunks is recorded
         self.pause_after_snapshot: Any = None
         """Test seam: an awaitable factory a copy back-end runs between a read's snapshot and
         its copy, so a test can evict and rewrite the block exactly there (deterministic
@@ -195,10 +209,30 @@ class BlockLifecycle:
                 else:
                     new.append(i)
         if new:
-            await self._reserve(keys, words, new, timeout)
+            await self._reserve_or_wait(keys, words, new, timeout)
             got = [i for i in new if keys[i] in reserved]
             todo = sorted(set(todo).union(got)) if todo else got
         return todo
+
+    async def _reserve_or_wait(self, keys: list[bytes], words: np.ndarray,
+                               positions: list[int], timeout: float | None) -> None:
+        """``_reserve``; when it starves for chunks (its ask recorded), wait -- up to
+        ``CHUNK_WAIT_S`` or the put's timeout -- for an owner to release one, then retry."""
+        wait_s = CHUNK_WAIT_S if timeout is None else min(CHUNK_WAIT_S, timeout)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                await self._reserve(keys, words, positions, timeout)
+                return
+            except _Starving as e:
+                self._asked = True
+                if time.monotonic() >= deadline:
+                    raise RegionFull(f"{e}; none came free within {wait_s:.1f} s (owners "
+                                     f"release chunks beyond their fair share when they next "
+                                     f"hold the lock)") from None
+            table = self.alloc.table
+            while time.monotonic() < deadline and table.find_free() is None:
+                await asyncio.sleep(0.005)
 
     async def _reserve(self, keys: list[bytes], words: np.ndarray, positions: list[int],
                        timeout: float | None) -> None:
@@ -208,6 +242,7 @@ class BlockLifecycle:
         try:
             self.lock.check_token()
             self._flush_touches_locked()
+            self._give_chunks_locked()
             now = time.time_ns()
             transfer = self.cfg.mode == "transfer"
             flags = ix.FLAG_TRANSFER if transfer else 0
@@ -309,45 +344,99 @@ class BlockLifecycle:
         return len(live)
 
     def _alloc_many_locked(self, count: int) -> list[Allocation]:
-        """``count`` block slots, evicting LRU blocks while the region is full. Raises RegionFull."""
+        """``count`` block slots, evicting this node's LRU blocks while the region is full.
+        Raises _Starving (RegionFull: no chunk to make room in, and the ask for one recorded),
+        RegionFull."""
         nbytes = self.layout.block_bytes
         out: list[Allocation] = []
         evicted = 0
+        table = self.alloc.table
         try:
             while len(out) < count:
                 out += self.alloc.alloc_many_locked(nbytes, count - len(out), self.lock,
                                                     partial=True)
                 if len(out) >= count:
                     break
-                if not out and not self.alloc.holds_class(nbytes):
-                    # No chunk of ours to free slots in, and none free to claim: evicting
-                    # would only hand other nodes' slots back to them and empty everyone's
-                    # cache for nothing (a node that joined a full region evicted ~20 000
-                    # blocks in a 30 s stress and starved the other nodes' reads too)
+                need = count - len(out)
+                per_chunk = max(1, self.ageo.chunk_bytes // self.alloc.class_for(nbytes))
+                if need > self.ageo.nchunks * per_chunk:
+                    raise RegionFull(f"a put of {count} {nbytes}-byte blocks is larger than the "
+                                     f"whole region ({self.ageo.nchunks} chunks of "
+                                     f"{per_chunk} blocks)")
+                if not self.alloc.holds_class(nbytes):
+                    # No chunk of ours to make room in, and none free: evicting others' blocks
+                    # would only return their slots to them (a node that joined a full region
+                    # once evicted ~20 000 blocks in a 30 s stress and starved everyone's
+                    # reads). Ask the owners for chunks instead (alloc.py, "Starving").
                     self.stats.full_without_chunk += 1
-                    raise RegionFull(f"node {self.node_id} holds no chunk of "
-                                     f"{self.alloc.class_for(nbytes)}-byte slots and the region "
-                                     f"has none free: blocks live in their producer's chunks "
-                                     f"(chunks are not rebalanced between nodes), so evicting "
-                                     f"other nodes' blocks would not make room here")
+                    table.set_wanted(self.node_id, -(-need // per_chunk))
+                    raise _Starving(f"node {self.node_id} holds no chunk of "
+                                    f"{self.alloc.class_for(nbytes)}-byte slots and the region "
+                                    f"has none free; it asked the owners for "
+                                    f"{-(-need // per_chunk)}")
                 budget = 64 + 2 * count - evicted
-                got = self._evict_lru_locked(min(count - len(out), budget)) if budget > 0 else 0
+                got = self._evict_lru_locked(min(need, budget)) if budget > 0 else 0
                 if got == 0:
-                    raise RegionFull(f"no space for {count - len(out)} more {nbytes}-byte "
-                                     f"blocks after {evicted} evictions (other nodes' freed "
-                                     f"slots return to them asynchronously)")
+                    table.set_wanted(self.node_id, -(-need // per_chunk))
+                    raise _Starving(f"no space for {need} more {nbytes}-byte blocks after "
+                                    f"{evicted} evictions of this node's blocks; it asked the "
+                                    f"owners for {-(-need // per_chunk)} chunks")
                 evicted += got
                 self.alloc.drain_returns()
         except BaseException:
             self.alloc.free_many(out)
             raise
+        if self._asked:
+            table.set_wanted(self.node_id, 0)
+            self._asked = False
         return out
 
+    def _give_chunks_locked(self) -> int:
+        """Release spare chunks to nodes that asked for some (alloc.py, "Starving"): while
+        this node owns more than its fair share (chunks / live nodes), evict the blocks of its
+        least used chunks -- none with a put of ours in flight -- and release them. Returns
+        the chunks released. Caller holds the lock."""
+        table = self.alloc.table
+        wanted = table.wanted()
+        wanted[self.node_id] = 0
+        if not wanted.any():
+            return 0
+        nodes = self.region.nodes.all(timeout_s=self.cfg.liveness_timeout_s)
+        askers = [n for n in np.flatnonzero(wanted).tolist() if n < len(nodes) and not nodes[n].dead]
+        if not askers:
+            return 0
+        use = self.alloc.chunk_use()
+        live = 1 + sum(1 for n in nodes if not n.dead and n.node_id != self.node_id)
+        fair = max(1, self.ageo.nchunks // live)
+        spare = min(len(use) - fair, int(sum(wanted[n] for n in askers)))
+        if spare <= 0:
+            return 0
+        busy = {r.allocation.chunk_index for r in self._reserved.values()}
+        pick = [c for c, _ in sorted(use.items(), key=lambda cu: cu[1]) if c not in busy][:spare]
+        if not pick:
+            return 0
+        g = self.ageo
+        table_ix = self.index.scan()
+        live_e = (table_ix[:, 0] == ix.READY)
+        inside = np.zeros(len(table_ix), dtype=np.bool_)
+        for c in pick:
+            start = g.chunk_off(c)
+            inside |= live_e & (table_ix[:, 1] >= start) & (table_ix[:, 1] < start + g.chunk_bytes)
+        victims = np.flatnonzero(inside).tolist()
+        if victims:
+            self._evict_many_locked(victims)
+            self.stats.evictions_for_others += len(victims)
+        done = self.alloc.release_empty_locked(pick, self.lock)
+        self.stats.chunks_given += len(done)
+        return len(done)
+
     def _evict_lru_locked(self, k: int) -> int:
-        """Evict up to ``k`` sampled-LRU victims and free their payloads; how many."""
+        """Evict up to ``k`` sampled-LRU victims, this node's own blocks first (only they free
+        its slots), and free their payloads; how many."""
         info = np.zeros((k, 6), dtype=np.int64)
         n = int(ix.evict_lru_batch(self.mem, self.geo.header_offset, self.geo.entries_offset,
-                                   self.index.tgeo, self.geo.capacity, VICTIM_SAMPLE, time.time_ns(), k, info))
+                                   self.index.tgeo, self.geo.capacity, VICTIM_SAMPLE,
+                                   time.time_ns(), k, self.node_id, info))
         if n:
             self._free_payloads(info[:n, 1:])
             self.index.bump_counter_locked(ix.H_EVICTIONS, n)
@@ -577,11 +666,14 @@ class BlockLifecycle:
         """Flush LRU touches, free expired transfer-only blocks, drain returned slots."""
         self.alloc.drain_returns()
         expired_possible = self.cfg.mode == "transfer"
-        if not self._touches and not expired_possible:
+        asked = self._others_ask()
+        if not self._touches and not expired_possible and not asked:
             return
         await self._locked(timeout)
         try:
             self._flush_touches_locked()
+            if asked:
+                self._give_chunks_locked()
             if expired_possible:
                 now = time.time_ns()
                 table = self.index.scan()
@@ -591,6 +683,15 @@ class BlockLifecycle:
                 self.stats.expired += len(hit)
         finally:
             self.lock.release()
+
+    def _others_ask(self) -> bool:
+        """Another node has asked for chunks (a lock-free read of the asks) and this node owns
+        more than one: maintenance then takes the lock to consider giving some."""
+        if len(self.alloc.owned_chunks()) < 2:
+            return False
+        w = self.alloc.table.wanted()
+        w[self.node_id] = 0
+        return bool(w.any())
 
     def on_reclaim(self, node_id: int, spans: list[tuple[int, int]]) -> None:
         """Allocator hook (under the lock): a dead node's chunks go away; so do their entries."""
