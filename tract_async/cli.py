@@ -1,4 +1,4 @@
-"""The ``tract`` command: ``tract region init|inspect|rm|fsck`` and ``tract demo``.
+"""The ``tract`` command: ``tract region init|inspect|rm|fsck``, ``tract warmup``, ``tract demo``.
 
 Each subcommand is a small function over the public API; ``main`` only parses arguments and maps
 ``TractError`` to a one-line message and exit status 2 (1 is left for "fsck found problems").
@@ -92,6 +92,12 @@ def cmd_region_fsck(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from .warmup import warm_up
+    warm_up(backends=tuple(args.backend or ("hw", "sim")), verbose=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``tract`` command line. Each leaf subcommand records its own parser
     (``_parser``), so that ``main`` reports a stray argument with that subcommand's usage."""
@@ -125,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     fsck.add_argument("path")
     fsck.add_argument("--repair", action="store_true")
     fsck.set_defaults(func=cmd_region_fsck, _parser=fsck)
+
+    warm = sub.add_parser("warmup", help="compile every Numba kernel once into Numba's cache "
+                          "($NUMBA_CACHE_DIR), so that later processes start warm")
+    warm.add_argument("--backend", action="append", choices=["hw", "sim"],
+                      help="backend(s) to warm (default both)")
+    warm.set_defaults(func=cmd_warmup, _parser=warm)
 
     from .demo import add_demo_parser  # light: the serving stack is imported when it runs
     add_demo_parser(sub)

@@ -123,6 +123,8 @@ class Engine(CudaEngineMixin):
         from .region_store import RegionStore
         from .sync.lock import GlobalLock
         from .sync.manager import LockManager, ManagerPolicy
+        from .warmup import notice_if_cold
+        notice_if_cold()   # a cold Numba cache compiles for tens of seconds below: say so first
         sim_seed = cfg.sim_seed if cfg.sim_seed is not None else 1000 + cfg.node_id
         opened: list[Any] = []
         try:
