@@ -92,6 +92,11 @@ class ConfigError(TractError, ValueError):
     """An EngineConfig / KVLayout field is invalid; the message names the field."""
 
 
+class MissingExtra(TractError, ImportError):
+    """An optional dependency (the ``serve`` extra: the serving stack, ``tract demo``, NVML
+    telemetry) is not installed; the message names the extra to install."""
+
+
 # --- global lock, lock manager, allocator (added with issue 3) -----------------------------------
 class LockError(TractError):
     """Base of global-lock errors."""
