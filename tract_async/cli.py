@@ -15,6 +15,7 @@ from .units import SIZE_HELP, fmt_bytes, parse_size
 
 
 def cmd_region_init(args: argparse.Namespace) -> int:
+    from .errors import RegionExists
     from .region import Region, default_path
     path = args.path or default_path(args.name)
     sections = []
@@ -23,8 +24,14 @@ def cmd_region_init(args: argparse.Namespace) -> int:
         sections = region_sections(size_bytes=args.size, max_nodes=args.max_nodes)
     except ImportError:
         pass
-    with Region.create(path, args.size, max_nodes=args.max_nodes, sections=sections,
-                       overwrite=args.force, backend=args.backend) as r:
+    try:
+        r = Region.create(path, args.size, max_nodes=args.max_nodes, sections=sections,
+                          overwrite=args.force, backend=args.backend)
+    except RegionExists:   # the library's hint names its keyword; this command's is --force
+        raise RegionExists(f"{path}: a region (or another file) is already there: "
+                           f"`tract region init --force {path}` replaces it, "
+                           f"`tract region rm {path}` removes it") from None
+    with r:
         print(f"created {path}: {fmt_bytes(r.size_bytes)}, max_nodes={r.max_nodes}, uuid {r.uuid}")
     return 0
 

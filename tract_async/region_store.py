@@ -352,9 +352,24 @@ class RegionStore:
                 budget = 64 + 2 * count - evicted
                 got = self._evict_lru_locked(min(count - len(out), budget)) if budget > 0 else 0
                 if got == 0:
-                    raise RegionFull(f"no space for {count - len(out)} more {nbytes}-byte "
-                                     f"blocks after {evicted} evictions (other nodes' freed "
-                                     f"slots return to them asynchronously)")
+                    g = self.ageo
+                    most = g.nchunks * (g.chunk_bytes // self.alloc.class_for(nbytes))
+                    if count > most:   # no eviction could ever make room: say the real limit
+                        raise RegionFull(
+                            f"a put of {count} new {nbytes}-byte blocks is larger than the whole "
+                            f"region: {self.region.path} ({self.region.size_bytes} bytes) holds "
+                            f"at most {most} of them ({g.nchunks} chunks of "
+                            f"{g.chunk_bytes} bytes); put at most {most} blocks at a "
+                            f"time, or create a larger region (EngineConfig.region_bytes)")
+                    live = self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)
+                    others = [i for i in live if i != self.node_id]
+                    raise RegionFull(
+                        f"no space for {count - len(out)} more {nbytes}-byte blocks after "
+                        f"{evicted} evictions, and no other block could be evicted (blocks "
+                        f"still being written, and transfer-only blocks not yet consumed, are "
+                        f"not evictable)" +
+                        (f"; slots that nodes {others} free return to their chunks "
+                         f"asynchronously" if others else ""))
                 evicted += got
                 self.alloc.drain_returns()
         except BaseException:

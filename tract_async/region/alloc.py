@@ -343,9 +343,12 @@ class Allocator:
                 if not got:
                     if partial:
                         return out
+                    most = self.geo.nchunks * per_chunk
                     raise RegionFull(f"no free chunk of {self.geo.chunk_bytes} bytes left in "
                                      f"{self._region.path} ({self.geo.nchunks} chunks) for "
-                                     f"{count - len(out)} more {nbytes}-byte blocks")
+                                     f"{count - len(out)} more {nbytes}-byte blocks" +
+                                     (f" (the whole region holds at most {most} of them)"
+                                      if count > most else ""))
                 self._claims += len(got)
                 # carved highest first: the free list hands out its *last* chunk first, so the
                 # slots of a batch then run up through the claimed chunks in address order and

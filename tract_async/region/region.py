@@ -168,14 +168,43 @@ def _open(path: str, flags: int, mode: int = 0o660) -> int:
     try:
         return os.open(path, flags, mode)
     except FileNotFoundError:
+        if flags & os.O_CREAT:
+            raise _cannot_create(path) from None
         raise RegionNotFound(f"{path}: no such region file or device") from None
+    except NotADirectoryError:
+        raise RegionNotFound(f"{path}: a component of the path is not a directory") from None
     except FileExistsError:
-        raise RegionExists(f"{path}: already exists (pass overwrite=True to replace it, or "
-                           f"attach to it)") from None
+        raise RegionExists(f"{path}: already exists (Region.create(..., overwrite=True) "
+                           f"replaces it; Region.attach attaches to it)") from None
     except PermissionError as e:
+        if flags & os.O_CREAT and not os.path.exists(path):
+            raise RegionPermissionError(f"cannot create {path}: no permission to create files "
+                                        f"in {os.path.dirname(os.path.abspath(path))} "
+                                        f"({e.strerror})") from None
         raise RegionPermissionError(f"{path}: permission denied opening for "
                                     f"{'read/write' if flags & os.O_RDWR else 'read'} ({e.strerror})"
                                     ) from None
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        raise RegionPermissionError(f"cannot write {path}: {os.path.dirname(os.path.abspath(path))}"
+                                    f" is on a read-only file system") from None
+
+
+def _cannot_create(path: str) -> RegionNotFound:
+    """Why ``open(O_CREAT)`` found no file to create (ENOENT): the directory is missing, or it
+    is on a file system that takes no new files (procfs, sysfs: they answer ENOENT too)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        missing = parent
+        while not os.path.isdir(os.path.dirname(missing)):
+            missing = os.path.dirname(missing)
+        return RegionNotFound(f"cannot create {path}: directory {missing} does not exist "
+                              f"(create it first, or choose another path)")
+    fstype = _mount_fstype(parent)[0] or "unknown"
+    return RegionNotFound(f"cannot create {path}: directory {parent} is on a {fstype} file "
+                          f"system, which does not take new files; put the region on tmpfs "
+                          f"(/dev/shm), hugetlbfs or a local disk, or use a devdax device")
 
 
 def fixed_bytes(max_nodes: int, root_slots: int) -> int:
@@ -310,8 +339,9 @@ class Region:
             fd = _open(path, os.O_RDWR)
             if not overwrite and os.pread(fd, 8, 0) == L.MAGIC.to_bytes(8, "little"):
                 os.close(fd)
-                raise RegionExists(f"{path}: the device already holds a tract region (pass "
-                                   f"overwrite=True to re-format it, or attach to it)")
+                raise RegionExists(f"{path}: the device already holds a tract region "
+                                   f"(Region.create(..., overwrite=True) re-formats it; "
+                                   f"Region.attach attaches to it)")
             backing = BackingInfo(kind="devdax", capacity_bytes=dev_size, align_bytes=align)
         else:
             fstype, opts = _mount_fstype(os.path.dirname(os.path.abspath(path)) or ".")
