@@ -2,7 +2,7 @@
 
 Three tiers (as in vLLM v1): running out of capacity is an expected, typed error the caller
 handles (``RegionFull``); misuse raises an error whose message says what to change
-(``ShapeMismatch``); a broken invariant is an ``AssertionError`` naming the component at fault.
+(``TensorMismatch``); a broken invariant is an ``AssertionError`` naming the component at fault.
 Messages name what was expected and what was found.
 """
 from __future__ import annotations
@@ -116,10 +116,6 @@ class LockRevoked(LockError):
 
 class LockNotHeld(LockError, RuntimeError):
     """release() or check_token() called by a process that does not hold the lock."""
-
-
-class ManagerStepDown(LockError):
-    """The lock manager lost its term (another node was elected) or its own lease expired."""
 
 
 class AllocError(TractError):

@@ -303,11 +303,6 @@ class Region:
         e = self.root.lookup(name)
         return Section(name=name, offset_bytes=e.offset_bytes, nbytes=e.nbytes, kind=e.kind)
 
-    def with_backend(self, backend: str, **sim_options: object) -> K.Mem:
-        """Another node view of this mapping (e.g. a sim cache for a second in-process node)."""
-        assert self._mm is not None, "region is closed"
-        return K.make_mem(self._mem.buf, backend, **sim_options)  # type: ignore[union-attr]
-
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str, size_bytes: int, *, max_nodes: int = 8, root_slots: int = 64,
