@@ -86,6 +86,8 @@ class EngineConfig:
     region: str | None = None
     region_bytes: int = 1 << 30
     create: bool = False
+    attach_timeout_s: float = 60.0           # create=False: how long to wait for a live creator
+                                             # still initializing the region (Region.attach)
     node_id: int = 0
     max_nodes: int = 8
     seed: str = "tract-rack-seed"
@@ -141,5 +143,8 @@ class EngineConfig:
         if self.http_pool_bytes is not None and self.http_pool_bytes < self.layout.block_bytes:
             raise ConfigError(f"EngineConfig.http_pool_bytes ({self.http_pool_bytes}) must hold at "
                               f"least one {self.layout.block_bytes}-byte block")
+        if not self.attach_timeout_s >= 0:
+            raise ConfigError(f"EngineConfig.attach_timeout_s must be >= 0, got "
+                              f"{self.attach_timeout_s!r}")
         if self.copy_threads < 1:
             raise ConfigError(f"EngineConfig.copy_threads must be >= 1, got {self.copy_threads}")

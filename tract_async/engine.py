@@ -28,8 +28,8 @@ import torch
 from . import kvplan
 from .config import EngineConfig
 from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
-from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionTooSmall,
-                     TensorMismatch, TractError)
+from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionInitializing,
+                     RegionTooSmall, TensorMismatch, TractError)
 from .keys import BlockKey, KeyScheme, Namespace
 
 
@@ -137,7 +137,7 @@ class Engine(CudaEngineMixin):
                                              sections=secs, backend=cfg.mem_backend,
                                              sim_seed=sim_seed, initialize=initialize)
             else:
-                self._region = Region.attach(cfg.region, backend=cfg.mem_backend, sim_seed=sim_seed)
+                self._region = await self._attach_region(sim_seed)
             opened.append(self._region)
             self._handle = self._region.nodes.join(cfg.node_id, timeout_s=cfg.liveness_timeout_s)
             self._lock = GlobalLock(self._region, self._handle)
@@ -171,6 +171,28 @@ class Engine(CudaEngineMixin):
             raise
         self._closed = False
         self._opened_at = time.monotonic()
+
+    async def _attach_region(self, sim_seed: int) -> Any:
+        """Attach to the region; while a live creator is still initializing it, wait (polling,
+        without blocking the event loop) up to ``attach_timeout_s``. Raises what
+        ``Region.attach`` raises; RegionInitializing names the config field."""
+        from .region import Region
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.attach_timeout_s
+        pause_s = 0.002
+        while True:
+            try:
+                return Region.attach(cfg.region, backend=cfg.mem_backend, sim_seed=sim_seed,
+                                     wait_init_s=0.0)
+            except RegionInitializing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegionInitializing(
+                        f"{cfg.region}: still initializing: its creator (a live process on this "
+                        f"host) had not finished after {cfg.attach_timeout_s:g} s "
+                        f"(EngineConfig.attach_timeout_s)") from None
+            await asyncio.sleep(min(pause_s, left))
+            pause_s = min(2 * pause_s, 0.05)
 
     async def _warm_up(self) -> None:
         """Return from open only once this node can take the global lock.

@@ -45,6 +45,10 @@ class RegionLayoutMismatch(RegionError):
     """The region's layout signature differs from this build's (struct sizes or alignment)."""
 
 
+class RegionInitializing(RegionError, TimeoutError):
+    """The region's creator is alive and still initializing it, and attach waited its limit."""
+
+
 class RegionTooSmall(RegionError):
     """The requested size cannot hold the fixed sections for the requested max_nodes."""
 

@@ -1,8 +1,9 @@
 """Open-file-description record locks on single bytes of a region file (``F_OFD_SETLK``).
 
 The node-local tiers of tract's protocols use them: the node table keeps two claimants of one
-node id apart (``nodes.py``), and the global lock lets one process per node contend
-(``sync/local.py``). Why OFD locks and not ``flock`` or classic POSIX locks: the kernel drops
+node id apart (``nodes.py``), the global lock lets one process per node contend
+(``sync/local.py``), and a creator marks a region that it is still initializing
+(``region.py``). Why OFD locks and not ``flock`` or classic POSIX locks: the kernel drops
 them when the holder dies, even by SIGKILL, and they conflict between two opens of the file in
 one process, so two Engines in one process are kept apart like two processes. They do not reach
 across hosts.
@@ -38,3 +39,11 @@ def ofd_unlock(fd: int, byte_offset: int) -> None:
     req = struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, byte_offset, 1, 0)
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, req)
 
+
+
+def ofd_held_elsewhere(fd: int, byte_offset: int) -> bool:
+    """Whether another open file description holds a write lock on the byte (takes none;
+    works on a read-only descriptor)."""
+    req = struct.pack(_FLOCK, fcntl.F_RDLCK, os.SEEK_SET, byte_offset, 1, 0)
+    ltype = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, req))[0]
+    return ltype != fcntl.F_UNLCK
