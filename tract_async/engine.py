@@ -29,7 +29,7 @@ from . import kvplan
 from .config import EngineConfig
 from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
 from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionInitializing,
-                     RegionTooSmall, TensorMismatch, TractError)
+                     RegionInUse, RegionTooSmall, TensorMismatch, TractError)
 from .keys import BlockKey, KeyScheme, Namespace
 
 
@@ -51,6 +51,7 @@ class Engine(CudaEngineMixin):
         self.fallbacks: Counter[str] = Counter()   # transfers (or opens) that fell back, by reason
         self.fallback_reason: str | None = None    # why the region could not be attached
         self._region: Any = None
+        self._created = False       # this engine created the region (remove_on_close applies)
         self._handle: Any = None
         self._lock: Any = None
         self._manager: Any = None
@@ -133,9 +134,22 @@ class Engine(CudaEngineMixin):
                                        chunk_bytes=cfg.chunk_bytes,
                                        block_bytes=cfg.layout.block_bytes,
                                        index_capacity=cfg.index_capacity)
-                self._region = Region.create(cfg.region, cfg.region_bytes, max_nodes=cfg.max_nodes,
-                                             sections=secs, backend=cfg.mem_backend,
-                                             sim_seed=sim_seed, initialize=initialize)
+                try:
+                    self._region = Region.create(cfg.region, cfg.region_bytes,
+                                                 max_nodes=cfg.max_nodes, sections=secs,
+                                                 backend=cfg.mem_backend, sim_seed=sim_seed,
+                                                 overwrite=cfg.overwrite, initialize=initialize)
+                except RegionExists:
+                    if cfg.overwrite:   # another process is creating one there right now
+                        raise
+                    raise RegionExists(
+                        f"{cfg.region}: a region (or another file) is already there, e.g. left by "
+                        f"an earlier run (a created region outlives its engine): attach to it "
+                        f"with EngineConfig(create=False), replace it with EngineConfig("
+                        f"create=True, overwrite=True), have the creator remove it on close with "
+                        f"remove_on_close=True, or remove it with `tract region rm "
+                        f"{cfg.region}`") from None
+                self._created = True
             else:
                 self._region = await self._attach_region(sim_seed)
             opened.append(self._region)
@@ -236,7 +250,9 @@ class Engine(CudaEngineMixin):
 
     async def close(self) -> None:
         """Stop background tasks, evict unfinished puts and this node's blocks, return chunks,
-        leave the node table, unmap. Idempotent; raises the first error after finishing all."""
+        leave the node table, unmap, and with ``remove_on_close`` remove the region this engine
+        created. Idempotent; raises the first error after finishing all (RegionInUse: other
+        nodes were live, the region was left in place)."""
         if self._closed and self._tg is None and self._region is None and self._http is None:
             return
         self._closed = True
@@ -285,7 +301,26 @@ class Engine(CudaEngineMixin):
             except Exception as e:
                 errors.append(e)
             self._manager = None
+            others: list[int] | None = []
+            if self._created and self.cfg.remove_on_close:
+                try:
+                    others = region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)
+                except Exception as e:   # unknown who is live: keep the region
+                    errors.append(e)
+                    others = None
             region.close()
+            if self._created and self.cfg.remove_on_close and others is not None:
+                self._created = False
+                if others:
+                    errors.append(RegionInUse(
+                        f"{region.path}: not removed on close: nodes {others} are still live on "
+                        f"it (close them first, or `tract region rm --force {region.path}`)"))
+                else:
+                    from .region import remove
+                    try:
+                        remove(region.path)
+                    except Exception as e:
+                        errors.append(e)
         self._store = self._xfer = None
         if errors:
             raise errors[0]

@@ -49,6 +49,10 @@ class RegionInitializing(RegionError, TimeoutError):
     """The region's creator is alive and still initializing it, and attach waited its limit."""
 
 
+class RegionInUse(RegionError):
+    """``remove_on_close``: other nodes were still live on the region, so it was not removed."""
+
+
 class RegionTooSmall(RegionError):
     """The requested size cannot hold the fixed sections for the requested max_nodes."""
 
