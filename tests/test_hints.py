@@ -70,3 +70,21 @@ async def test_a_put_larger_than_the_region_says_so(region_path: str) -> None:
         assert eng.lookup(keys) == 0                # all or nothing
         n = await eng.put_kv(keys[:most], torch.zeros(layout.kv_shape(most), dtype=layout.dtype))
         assert n == most                            # the limit it named is the real one
+
+
+def test_re_create_hints_name_real_options(region_path: str) -> None:
+    """A region whose creator died midway: the message says how to re-create it, by names
+    that exist in the config, the library and the CLI."""
+    import dataclasses
+    from tract_async.region import layout as L
+    Region.create(region_path, 1 << 22).close()
+    with open(region_path, "r+b") as f:
+        f.seek(L.INIT_STATE_OFFSET)
+        f.write((0).to_bytes(8, "little"))
+    with pytest.raises(E.RegionCorrupt) as exc:
+        Region.attach(region_path, wait_init_s=0.0)
+    msg = str(exc.value)
+    assert "EngineConfig(create=True, overwrite=True)" in msg
+    assert "overwrite" in {f.name for f in dataclasses.fields(tract.EngineConfig)}
+    assert "`tract region init --force PATH`" in msg
+    assert main(["region", "init", region_path, "--size", "4M", "--force"]) == 0

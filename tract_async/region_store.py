@@ -314,7 +314,7 @@ class RegionStore:
             if full:
                 raise RegionFull(f"index probe window of {self.geo.max_probe} entries is full "
                                  f"(capacity {self.geo.capacity}); create the region with a "
-                                 f"larger index")
+                                 f"larger index (EngineConfig.index_capacity)")
             if not counted:
                 self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
         except BaseException:

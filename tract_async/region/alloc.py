@@ -240,7 +240,8 @@ class Allocator:
                 return c
         raise AllocationTooLarge(f"{nbytes} bytes exceed the largest slot "
                                  f"({self.size_classes[-1]} bytes, chunk_bytes="
-                                 f"{self.geo.chunk_bytes}); create the region with larger chunks")
+                                 f"{self.geo.chunk_bytes}); create the region with larger chunks "
+                                 f"(EngineConfig.chunk_bytes)")
 
     def _check_not_fenced(self) -> None:
         ep = int(K.load_fresh(self._region.mem, self.geo.count_off(self.node_id) + 8, S_COUNT_READ))

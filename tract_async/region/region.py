@@ -77,6 +77,10 @@ EMPTY_FILE_GRACE_S = 2.0
 """An empty, unlocked region file this young may be a creator between its ``open`` and its
 lock (module docstring); older, it is a creator that died there (or not a region at all)."""
 
+_RECREATE = ("EngineConfig(create=True, overwrite=True), Region.create(..., overwrite=True) or "
+             "`tract region init --force PATH`")
+"""How to re-create a region, for the messages that ask for it: the options that exist."""
+
 _INCOMPLETE = (RegionTruncated, RegionCorrupt, RegionVersionMismatch, RegionLayoutMismatch)
 """What validating a region that is still being written can raise (a torn header read too)."""
 
@@ -570,7 +574,7 @@ class Region:
         if int(hdr["format_version"]) != L.FORMAT_VERSION:
             raise RegionVersionMismatch(
                 f"{path}: region format version {int(hdr['format_version'])}, this build reads "
-                f"version {L.FORMAT_VERSION}; re-create the region with this build")
+                f"version {L.FORMAT_VERSION}; re-create the region with this build ({_RECREATE})")
         if int(hdr["line_bytes"]) != L.LINE_BYTES:
             raise RegionLayoutMismatch(f"{path}: region uses {int(hdr['line_bytes'])}-byte lines, "
                                        f"this build {L.LINE_BYTES}")
@@ -578,7 +582,8 @@ class Region:
         if int(hdr["layout_signature"]) != sig:
             raise RegionLayoutMismatch(
                 f"{path}: layout signature {int(hdr['layout_signature']):#018x} differs from this "
-                f"build's {sig:#018x} (struct sizes or alignment changed); re-create the region")
+                f"build's {sig:#018x} (struct sizes or alignment changed); re-create the region "
+                f"({_RECREATE})")
         crc = zlib.crc32(raw[:L.HEADER_CHECKSUM_SPAN].tobytes())
         if int(hdr["header_checksum"]) != crc:
             raise RegionCorrupt(f"{path}: header checksum {int(hdr['header_checksum']):#x}, "
@@ -589,7 +594,8 @@ class Region:
         if int(hdr["init_state"]) != L.INIT_READY:
             raise RegionCorrupt(f"{path}: region was never fully initialized (init_state "
                                 f"{int(hdr['init_state']):#x}) and no process on this host is "
-                                f"creating it: its creator died midway: re-create it")
+                                f"creating it: its creator died midway: re-create it "
+                                f"({_RECREATE})")
         mn, rs = int(hdr["max_nodes"]), int(hdr["root_slots"])
         spans = [
             ("node table", int(hdr["node_table_offset"]), int(hdr["node_table_bytes"]),
