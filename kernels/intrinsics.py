@@ -135,17 +135,6 @@ def cpu_pause(typingctx):
 
 
 @intrinsic
-def compiler_barrier(typingctx):
-    """An empty asm with a memory clobber: the compiler may not move memory accesses across it."""
-    sig = types.void()
-
-    def codegen(context, builder, signature, args):
-        _asm_void(builder, "")
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
 def nt_copy32(typingctx, dst_addr, src_addr):
     """Copy 32 bytes with a non-temporal (streaming) store.
 

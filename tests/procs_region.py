@@ -68,3 +68,29 @@ class StaleSnapshotBeats:
         K.store(m, off + f["heartbeat_seq"], seq + 1)
         K.flush(m, off, K.NO_SITE)
         K.full_fence(m)
+
+
+def create_held_in_init(path: str, engine_sections: bool, q, go) -> None:  # noqa: ANN001
+    """Create a region whose initialization waits for ``go``: a creator that is alive and
+    still at it for as long as the test wants. ``engine_sections``: lay it out as an Engine
+    does, so that an Engine can attach once it is READY."""
+    import os
+    sections: list = []
+    init_sections = None
+    if engine_sections:
+        from tract_async.engine_layout import initialize, region_sections
+        sections = region_sections(size_bytes=32 << 20, max_nodes=8, chunk_bytes=1 << 20,
+                                   block_bytes=16 << 10)
+        init_sections = initialize
+
+    def initialize_and_wait(r: Region) -> None:
+        if init_sections is not None:
+            init_sections(r)
+        q.put(("initializing", os.getpid(), 0))
+        assert go.wait(120), "the test never let the creator finish"
+
+    r = Region.create(path, 32 << 20, max_nodes=8, sections=sections,
+                      initialize=initialize_and_wait)
+    q.put(("ready", str(r.uuid), 0))
+    assert go.wait(120)
+    r.close()

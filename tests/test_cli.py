@@ -51,3 +51,42 @@ def test_console_script_runs(region_path: str) -> None:
     res = subprocess.run([sys.executable, "-m", "tract_async.cli", "region", "inspect", region_path],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "uuid" in res.stdout
+
+
+def test_a_stray_option_gets_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's parse_args reports it with the top-level usage, which shows no demo option."""
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tract demo ") and "--modes" in err
+    assert "tract demo: error: unrecognized arguments: --bogus" in err
+    with pytest.raises(SystemExit):
+        main(["region", "init", "--bogus"])
+    assert "usage: tract region init " in capsys.readouterr().err
+
+
+def test_size_help_gives_units_and_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["region", "init", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "K, M, G or T (powers of 1024" in out and "default 256M" in out
+
+
+def test_help_imports_neither_torch_nor_numba() -> None:
+    """``tract --help`` must not pay for torch (about a second on the dev VM) or Numba: the
+    package exports resolve lazily and the subcommands import what they need when they run."""
+    code = ("import sys\nfrom tract_async.cli import build_parser\nbuild_parser().format_help()\n"
+            "print(sorted(m for m in ('torch', 'numba', 'numpy', 'aiohttp', 'transformers') "
+            "if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+def test_cli_and_demo_do_not_import_each_other() -> None:
+    import ast
+    import tract_async.demo as demo
+    tree = ast.parse(open(demo.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "cli" not in imported and "tract_async.cli" not in imported

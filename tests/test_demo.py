@@ -65,3 +65,17 @@ def test_sigint_mid_run_stops_every_service_and_removes_the_region(tmp_path):
     assert "stopping the services" in out
     assert not _processes_mentioning(marker)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(marker)]
+
+
+def test_the_demo_gets_only_its_own_options(monkeypatch):
+    """The JSON record of a run holds every option: nothing else may ride in the namespace
+    (the parser object that main uses for usage errors once made json.dump fail at the end)."""
+    import json
+    import tract_async.demo as demo
+    from tract_async.cli import main
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda args: seen.append(args) or 0)
+    assert main(["demo", "--turns", "2"]) == 0
+    record = {k: v for k, v in vars(seen[0]).items() if k != "func"}
+    assert record["turns"] == 2 and not [k for k in record if k.startswith("_")]
+    json.dumps(record)

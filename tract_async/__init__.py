@@ -7,13 +7,46 @@
     async with tract.Engine.open(cfg) as eng:
         ...
 
-Importing this package has no side effects (no mapping, no JIT until first use).
+Importing this package has no side effects (no mapping, no JIT until first use) and imports
+nothing heavy: the public names are resolved on first use (PEP 562). Why: ``tract --help`` and
+``tract region inspect`` need neither torch nor Numba, and importing torch alone takes about a
+second on a small machine.
 """
-from .config import EngineConfig, KVLayout
-from .engine import Engine, run
-from .errors import TractError
-from .keys import BlockKey, KeyScheme, Namespace
+from __future__ import annotations
 
-__all__ = ["BlockKey", "Engine", "EngineConfig", "KVLayout", "KeyScheme", "Namespace",
-           "TractError", "run"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "BlockKey": "keys",
+    "Engine": "engine",
+    "EngineConfig": "config",
+    "KVLayout": "config",
+    "KeyScheme": "keys",
+    "Namespace": "keys",
+    "TractError": "errors",
+    "run": "engine",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tract_async' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tract_async.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static checkers and IDEs see the real names
+    from tract_async.config import EngineConfig, KVLayout
+    from tract_async.engine import Engine, run
+    from tract_async.errors import TractError
+    from tract_async.keys import BlockKey, KeyScheme, Namespace

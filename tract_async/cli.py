@@ -1,4 +1,4 @@
-"""The ``tract`` command: ``tract region init|inspect|rm|fsck`` and ``tract demo``.
+"""The ``tract`` command: ``tract region init|inspect|rm|fsck``, ``tract warmup``, ``tract demo``.
 
 Each subcommand is a small function over the public API; ``main`` only parses arguments and maps
 ``TractError`` to a one-line message and exit status 2 (1 is left for "fsck found problems").
@@ -11,41 +11,26 @@ import time
 from typing import Sequence
 
 from .errors import TractError
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'64M', '1G', '4096', '1.5G' -> bytes. Raises argparse.ArgumentTypeError."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in _UNITS else ""
-    try:
-        value = float(t[:-1] if unit else t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: expected e.g. 4096, 64M, 1G") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return int(value * _UNITS[unit])
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from .units import SIZE_HELP, fmt_bytes, parse_size
 
 
 def cmd_region_init(args: argparse.Namespace) -> int:
+    from .errors import RegionExists
     from .region import Region, default_path
     path = args.path or default_path(args.name)
     from .engine_layout import initialize, region_sections
     # the same sections, formatted the same way, as Engine.open(create=True) makes (the index
     # header included: an unformatted index is a region no engine can attach)
     sections = region_sections(size_bytes=args.size, max_nodes=args.max_nodes)
-    with Region.create(path, args.size, max_nodes=args.max_nodes, sections=sections,
-                       overwrite=args.force, backend=args.backend, initialize=initialize) as r:
-        print(f"created {path}: {_fmt_bytes(r.size_bytes)}, max_nodes={r.max_nodes}, uuid {r.uuid}")
+    try:
+        r = Region.create(path, args.size, max_nodes=args.max_nodes, sections=sections,
+                          overwrite=args.force, backend=args.backend, initialize=initialize)
+    except RegionExists:   # the library's hint names its keyword; this command's is --force
+        raise RegionExists(f"{path}: a region (or another file) is already there: "
+                           f"`tract region init --force {path}` replaces it, "
+                           f"`tract region rm {path}` removes it") from None
+    with r:
+        print(f"created {path}: {fmt_bytes(r.size_bytes)}, max_nodes={r.max_nodes}, uuid {r.uuid}")
     return 0
 
 
@@ -59,7 +44,7 @@ def inspect_text(path: str, *, backend: str | None = None) -> str:
         lines.append(f"region {path}  ({r.backing.kind})")
         lines.append(f"  magic {h['magic']:#018x}  format v{h['format_version']}  "
                      f"signature {h['layout_signature']:#018x}  line {h['line_bytes']} B")
-        lines.append(f"  size {_fmt_bytes(h['region_bytes'])}  uuid {r.uuid}  created "
+        lines.append(f"  size {fmt_bytes(h['region_bytes'])}  uuid {r.uuid}  created "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['created_ns'] / 1e9))}")
         lines.append(f"  max_nodes {h['max_nodes']}  root slots {h['root_slots']}")
         lines.append("nodes:")
@@ -71,13 +56,13 @@ def inspect_text(path: str, *, backend: str | None = None) -> str:
             lines.append(f"  {n.node_id:<3} {n.state_name:<6} {'yes' if n.live else 'no':<5} "
                          f"{n.epoch:<6} {n.pid:<8} {age:>14} {n.heartbeat_seq:>6}")
         lines.append("sections:")
-        lines.append(f"  {'header':<24} {0:>14} {_fmt_bytes(L.HEADER_RESERVED_BYTES):>12}")
+        lines.append(f"  {'header':<24} {0:>14} {fmt_bytes(L.HEADER_RESERVED_BYTES):>12}")
         lines.append(f"  {'node table':<24} {h['node_table_offset']:>14} "
-                     f"{_fmt_bytes(h['node_table_bytes']):>12}")
+                     f"{fmt_bytes(h['node_table_bytes']):>12}")
         lines.append(f"  {'root directory':<24} {h['rootdir_offset']:>14} "
-                     f"{_fmt_bytes(h['rootdir_bytes']):>12}")
+                     f"{fmt_bytes(h['rootdir_bytes']):>12}")
         for e in r.root.entries():
-            lines.append(f"  {e.name:<24} {e.offset_bytes:>14} {_fmt_bytes(e.nbytes):>12}")
+            lines.append(f"  {e.name:<24} {e.offset_bytes:>14} {fmt_bytes(e.nbytes):>12}")
         from .fsck import usage_lines  # lock, allocator and index state
         lines.extend(usage_lines(r))
     return "\n".join(lines)
@@ -109,7 +94,15 @@ def cmd_region_fsck(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from .warmup import warm_up
+    warm_up(backends=tuple(args.backend or ("hw", "sim")), verbose=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``tract`` command line. Each leaf subcommand records its own parser
+    (``_parser``), so that ``main`` reports a stray argument with that subcommand's usage."""
     p = argparse.ArgumentParser(prog="tract", description="tract_async: KV-cache transfer and "
                                 "prefix cache over shared (CXL) memory")
     sub = p.add_subparsers(dest="command", required=True)
@@ -118,38 +111,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = rsub.add_parser("init", help="create (format) a region")
     init.add_argument("path", nargs="?", help="region path (default /dev/shm/tract-<name>)")
-    init.add_argument("--name", default="demo", help="name for the default path")
-    init.add_argument("--size", type=parse_size, default=parse_size("256M"))
-    init.add_argument("--max-nodes", type=int, default=8)
+    init.add_argument("--name", default="demo", help="name for the default path (default demo)")
+    init.add_argument("--size", type=parse_size, default=parse_size("256M"),
+                      help=f"region size: {SIZE_HELP}; default 256M")
+    init.add_argument("--max-nodes", type=int, default=8, help="node table size (default 8)")
     init.add_argument("--force", action="store_true", help="overwrite an existing region")
     init.add_argument("--backend", choices=["hw", "sim"], default=None)
-    init.set_defaults(func=cmd_region_init)
+    init.set_defaults(func=cmd_region_init, _parser=init)
 
     ins = rsub.add_parser("inspect", help="print header, nodes and sections")
     ins.add_argument("path")
     ins.add_argument("--backend", choices=["hw", "sim"], default=None)
-    ins.set_defaults(func=cmd_region_inspect)
+    ins.set_defaults(func=cmd_region_inspect, _parser=ins)
 
     rm = rsub.add_parser("rm", help="remove a region")
     rm.add_argument("path")
     rm.add_argument("--force", action="store_true", help="remove even with live nodes")
-    rm.set_defaults(func=cmd_region_rm)
+    rm.set_defaults(func=cmd_region_rm, _parser=rm)
 
     fsck = rsub.add_parser("fsck", help="check every invariant; --repair fixes what recovery would")
     fsck.add_argument("path")
     fsck.add_argument("--repair", action="store_true")
-    fsck.set_defaults(func=cmd_region_fsck)
+    fsck.set_defaults(func=cmd_region_fsck, _parser=fsck)
 
-    try:
-        from .demo import add_demo_parser  # the main job, once it exists
-        add_demo_parser(sub)
-    except ImportError:
-        pass
+    warm = sub.add_parser("warmup", help="compile every Numba kernel once into Numba's cache "
+                          "($NUMBA_CACHE_DIR), so that later processes start warm")
+    warm.add_argument("--backend", action="append", choices=["hw", "sim"],
+                      help="backend(s) to warm (default both)")
+    warm.set_defaults(func=cmd_warmup, _parser=warm)
+
+    from .demo import add_demo_parser  # light: the serving stack is imported when it runs
+    add_demo_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # parse_args would report a stray option of a subcommand with the top-level usage
+    # ("usage: tract [-h] {region,demo} ..."), which does not show the options that exist
+    args, extra = parser.parse_known_args(argv)
+    leaf = vars(args).pop("_parser", parser)   # the subcommands get only their own options
+    if extra:
+        leaf.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except TractError as e:

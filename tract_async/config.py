@@ -80,12 +80,25 @@ class KVLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Everything an Engine needs. Defaults suit the demo on one host."""
+    """Everything an Engine needs. Defaults suit the demo on one host.
+
+    Region lifetime: a region that ``create=True`` made outlives the engine by default, because
+    other nodes may still be attached to it and its prefix cache is worth keeping across a
+    restart of one worker; so a second ``create=True`` at the same path raises RegionExists.
+    ``overwrite=True`` replaces whatever region is there (its blocks are lost; nodes still
+    attached to the old one are not told), and ``remove_on_close=True`` removes the region when
+    this engine closes (unless other nodes are still live on it: RegionInUse), which is what a
+    script that runs alone wants. Both need ``create=True``.
+    """
     layout: KVLayout
     namespace: str = "default"
     region: str | None = None
     region_bytes: int = 1 << 30
     create: bool = False
+    overwrite: bool = False                  # create=True: replace a region already at the path
+    remove_on_close: bool = False            # create=True: remove the region on close (class doc)
+    attach_timeout_s: float = 60.0           # create=False: how long to wait for a live creator
+                                             # still initializing the region (Region.attach)
     node_id: int = 0
     max_nodes: int = 8
     seed: str = "tract-rack-seed"
@@ -141,5 +154,12 @@ class EngineConfig:
         if self.http_pool_bytes is not None and self.http_pool_bytes < self.layout.block_bytes:
             raise ConfigError(f"EngineConfig.http_pool_bytes ({self.http_pool_bytes}) must hold at "
                               f"least one {self.layout.block_bytes}-byte block")
+        for name in ("overwrite", "remove_on_close"):
+            if getattr(self, name) and not (self.create and self.region is not None):
+                raise ConfigError(f"EngineConfig.{name}=True needs create=True and a region path "
+                                  f"(only the engine that creates a region replaces or removes it)")
+        if not self.attach_timeout_s >= 0:
+            raise ConfigError(f"EngineConfig.attach_timeout_s must be >= 0, got "
+                              f"{self.attach_timeout_s!r}")
         if self.copy_threads < 1:
             raise ConfigError(f"EngineConfig.copy_threads must be >= 1, got {self.copy_threads}")

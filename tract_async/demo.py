@@ -24,11 +24,11 @@ import time
 from typing import Any
 
 from .serving.protocol import MODES
+from .units import SIZE_HELP, parse_size
 
 
 def add_demo_parser(subparsers: Any) -> None:
     """Register ``tract demo`` on the ``tract`` command's subparsers."""
-    from .cli import parse_size
     p = subparsers.add_parser("demo", help="run prefill/decode/router on loopback in each mode "
                               "and print TTFT (http vs region transfer vs region prefix cache)")
     p.add_argument("--modes", default=",".join(MODES),
@@ -39,15 +39,21 @@ def add_demo_parser(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens per reply (default 8)")
     p.add_argument("--system-chars", type=int, default=600, help="shared system prompt length")
     p.add_argument("--seed", type=int, default=0, help="weights and workload seed")
-    p.add_argument("--region-bytes", type=parse_size, default=parse_size("256M"))
+    p.add_argument("--region-bytes", type=parse_size, default=parse_size("256M"),
+                   help=f"size of each mode's region: {SIZE_HELP}; default 256M")
     p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--out-dir", default="tract-demo-out", help="plot, JSON and service logs")
-    p.add_argument("--start-timeout", type=float, default=120.0, help="seconds per service start")
-    p.set_defaults(func=run_demo)
+    p.add_argument("--out-dir", default="tract-demo-out",
+                   help="where the plot, JSON and service logs go (default ./tract-demo-out)")
+    p.add_argument("--start-timeout", type=float, default=120.0,
+                   help="seconds per service start (default 120)")
+    p.set_defaults(func=run_demo, _parser=p)
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Raises MissingExtra (before anything starts) without the serve extra."""
     import tract_async as tract
+    from .extras import check_installed
+    check_installed(("transformers", "prometheus_client", "matplotlib"), purpose="tract demo")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -124,7 +130,9 @@ async def _main(args: argparse.Namespace, modes: list[str]) -> int:
           f"{workload.conversations} chats x {workload.turns} turns, {workload.max_new_tokens} "
           f"new tokens each; modes: {', '.join(modes)}", flush=True)
     if any(m != "http" for m in modes):
+        from .warmup import notice_if_cold
         t = time.perf_counter()
+        notice_if_cold()   # the warm-up below compiles for tens of seconds on a cold cache
         await _warm_kernels(region_dir)
         print(f"  region kernels ready ({time.perf_counter() - t:.1f} s)", flush=True)
     results: dict[str, Any] = {}
@@ -172,7 +180,8 @@ async def _main(args: argparse.Namespace, modes: list[str]) -> int:
              title="tract demo: TTFT CDF (tiny Llama, CPU)")
     js = os.path.join(out_dir, "demo_results.json")
     with open(js, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
+        json.dump({"args": {k: v for k, v in vars(args).items()
+                            if k != "func" and not k.startswith("_")},
                    "summaries": summaries, "outputs_identical": same,
                    "requests": {m: [r.__dict__ | {"token_ids": list(r.token_ids)} for r in res]
                                 for m, res in results.items()}}, f, indent=1)

@@ -28,8 +28,8 @@ import torch
 from .stores import plan as kvplan
 from .config import EngineConfig
 from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
-from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionTooSmall,
-                     TensorMismatch, TractError)
+from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionInitializing,
+                     RegionInUse, RegionTooSmall, TensorMismatch, TractError)
 from .keys import BlockKey, KeyScheme, Namespace
 
 
@@ -51,6 +51,7 @@ class Engine(CudaEngineMixin):
         self.fallbacks: Counter[str] = Counter()   # transfers (or opens) that fell back, by reason
         self.fallback_reason: str | None = None    # why the region could not be attached
         self._region: Any = None
+        self._created = False       # this engine created the region (remove_on_close applies)
         self._handle: Any = None
         self._lock: Any = None
         self._manager: Any = None
@@ -127,6 +128,8 @@ class Engine(CudaEngineMixin):
         from .sync.lock import GlobalLock
         from .sync.manager import LockManager, ManagerPolicy
         from .sync.manager_thread import ManagerThread
+        from .warmup import notice_if_cold
+        notice_if_cold()   # a cold Numba cache compiles for tens of seconds below: say so first
         sim_seed = cfg.sim_seed if cfg.sim_seed is not None else 1000 + cfg.node_id
         opened: list[Any] = []
         try:
@@ -135,11 +138,24 @@ class Engine(CudaEngineMixin):
                                        chunk_bytes=cfg.chunk_bytes,
                                        block_bytes=cfg.layout.block_bytes,
                                        index_capacity=cfg.index_capacity)
-                self._region = Region.create(cfg.region, cfg.region_bytes, max_nodes=cfg.max_nodes,
-                                             sections=secs, backend=cfg.mem_backend,
-                                             sim_seed=sim_seed, initialize=initialize)
+                try:
+                    self._region = Region.create(cfg.region, cfg.region_bytes,
+                                                 max_nodes=cfg.max_nodes, sections=secs,
+                                                 backend=cfg.mem_backend, sim_seed=sim_seed,
+                                                 overwrite=cfg.overwrite, initialize=initialize)
+                except RegionExists:
+                    if cfg.overwrite:   # another process is creating one there right now
+                        raise
+                    raise RegionExists(
+                        f"{cfg.region}: a region (or another file) is already there, e.g. left by "
+                        f"an earlier run (a created region outlives its engine): attach to it "
+                        f"with EngineConfig(create=False), replace it with EngineConfig("
+                        f"create=True, overwrite=True), have the creator remove it on close with "
+                        f"remove_on_close=True, or remove it with `tract region rm "
+                        f"{cfg.region}`") from None
+                self._created = True
             else:
-                self._region = Region.attach(cfg.region, backend=cfg.mem_backend, sim_seed=sim_seed)
+                self._region = await self._attach_region(sim_seed)
             opened.append(self._region)
             self._handle = self._region.nodes.join(cfg.node_id, timeout_s=cfg.liveness_timeout_s)
             self._lock = GlobalLock(self._region, self._handle)
@@ -175,6 +191,28 @@ class Engine(CudaEngineMixin):
             raise
         self._closed = False
         self._opened_at = time.monotonic()
+
+    async def _attach_region(self, sim_seed: int) -> Any:
+        """Attach to the region; while a live creator is still initializing it, wait (polling,
+        without blocking the event loop) up to ``attach_timeout_s``. Raises what
+        ``Region.attach`` raises; RegionInitializing names the config field."""
+        from .region import Region
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.attach_timeout_s
+        pause_s = 0.002
+        while True:
+            try:
+                return Region.attach(cfg.region, backend=cfg.mem_backend, sim_seed=sim_seed,
+                                     wait_init_s=0.0)
+            except RegionInitializing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegionInitializing(
+                        f"{cfg.region}: still initializing: its creator (a live process on this "
+                        f"host) had not finished after {cfg.attach_timeout_s:g} s "
+                        f"(EngineConfig.attach_timeout_s)") from None
+            await asyncio.sleep(min(pause_s, left))
+            pause_s = min(2 * pause_s, 0.05)
 
     async def _warm_up(self) -> None:
         """Return from open only once this node can take the global lock.
@@ -243,7 +281,9 @@ class Engine(CudaEngineMixin):
 
     async def close(self) -> None:
         """Stop background tasks, evict unfinished puts and this node's blocks, return chunks,
-        leave the node table, unmap. Idempotent; raises the first error after finishing all."""
+        leave the node table, unmap, and with ``remove_on_close`` remove the region this engine
+        created. Idempotent; raises the first error after finishing all (RegionInUse: other
+        nodes were live, the region was left in place)."""
         if self._closed and self._tg is None and self._region is None and self._http is None:
             return
         self._closed = True
@@ -296,7 +336,26 @@ class Engine(CudaEngineMixin):
             if self._manager_thread is not None:      # stopped by its supervisor; belt and braces
                 self._manager_thread.stop(timeout=5.0)
                 self._manager_thread = None
+            others: list[int] | None = []
+            if self._created and self.cfg.remove_on_close:
+                try:
+                    others = region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)
+                except Exception as e:   # unknown who is live: keep the region
+                    errors.append(e)
+                    others = None
             region.close()
+            if self._created and self.cfg.remove_on_close and others is not None:
+                self._created = False
+                if others:
+                    errors.append(RegionInUse(
+                        f"{region.path}: not removed on close: nodes {others} are still live on "
+                        f"it (close them first, or `tract region rm --force {region.path}`)"))
+                else:
+                    from .region import remove
+                    try:
+                        remove(region.path)
+                    except Exception as e:
+                        errors.append(e)
         self._store = self._xfer = None
         if errors:
             raise errors[0]

@@ -2,7 +2,7 @@
 
 Three tiers (as in vLLM v1): running out of capacity is an expected, typed error the caller
 handles (``RegionFull``); misuse raises an error whose message says what to change
-(``ShapeMismatch``); a broken invariant is an ``AssertionError`` naming the component at fault.
+(``TensorMismatch``); a broken invariant is an ``AssertionError`` naming the component at fault.
 Messages name what was expected and what was found.
 """
 from __future__ import annotations
@@ -43,6 +43,14 @@ class RegionVersionMismatch(RegionError):
 
 class RegionLayoutMismatch(RegionError):
     """The region's layout signature differs from this build's (struct sizes or alignment)."""
+
+
+class RegionInitializing(RegionError, TimeoutError):
+    """The region's creator is alive and still initializing it, and attach waited its limit."""
+
+
+class RegionInUse(RegionError):
+    """``remove_on_close``: other nodes were still live on the region, so it was not removed."""
 
 
 class RegionTooSmall(RegionError):
@@ -92,6 +100,11 @@ class ConfigError(TractError, ValueError):
     """An EngineConfig / KVLayout field is invalid; the message names the field."""
 
 
+class MissingExtra(TractError, ImportError):
+    """An optional dependency (the ``serve`` extra: the serving stack, ``tract demo``, NVML
+    telemetry) is not installed; the message names the extra to install."""
+
+
 # --- global lock, lock manager, allocator (added with issue 3) -----------------------------------
 class LockError(TractError):
     """Base of global-lock errors."""
@@ -111,10 +124,6 @@ class LockRevoked(LockError):
 
 class LockNotHeld(LockError, RuntimeError):
     """release() or check_token() called by a process that does not hold the lock."""
-
-
-class ManagerStepDown(LockError):
-    """The lock manager lost its term (another node was elected) or its own lease expired."""
 
 
 class AllocError(TractError):

@@ -6,17 +6,115 @@ lock deadlines while it does. ``python -m tract_async.warmup`` (or ``warm_up()``
 scenario that exercises the kernels, the index, the waits, the lock and its manager, the
 allocator and fsck on a throw-away region in ``/dev/shm``, on both memory backends, and removes
 the region. With ``NUMBA_CACHE_DIR`` set, everything after it starts warm.
+
+A cold cache is otherwise silent for tens of seconds (the first ``tract demo`` sat 41 s without
+a word). ``cache_state()`` tells how much is cold, and ``notice_if_cold()`` (called by
+``Engine.open``, ``tract demo`` and ``tract warmup``) says so on stderr, once per process, before
+the compile starts: what compiles, where to, about how long.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import logging
 import os
+import sys
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+FULL_COMPILE_S = 25.0
+"""Seconds a fully cold compile of every kernel took on the 2-core development VM (the warm-up
+scenario, 2026-12-01): the basis of the notice's estimate."""
+
+_ENGINE_MODULES = ("tract_async.stores.region", "tract_async.sync.lock", "tract_async.sync.manager",
+                   "tract_async.engine_layout")
+"""Importing these imports every module whose jitted functions an Engine runs."""
+
+_noticed = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheState:
+    """How much of the engine's jitted code Numba's cache holds for this build.
+
+    Numba keys a module's cache entries on its source file's stamp, so an edited module is
+    cold as a whole; a module counts as cold when none of its jitted functions has a valid
+    cache index (functions only ever called from other jitted code never get an index of
+    their own, so per-function counts would never reach the total even when warm)."""
+    cold_modules: tuple[str, ...]
+    cold_functions: int
+    total_functions: int
+    cache_dirs: tuple[str, ...]
+
+    @property
+    def cold(self) -> bool:
+        return bool(self.cold_modules)
+
+    @property
+    def estimate_s(self) -> float:
+        """Rough seconds to compile what is cold, scaled from ``FULL_COMPILE_S``."""
+        return FULL_COMPILE_S * self.cold_functions / max(1, self.total_functions)
+
+
+def _has_valid_index(dispatcher: object) -> bool | None:
+    """Whether Numba's cache holds an index for this function that matches its source (None:
+    this Numba's cache internals are not the ones known here)."""
+    try:
+        return bool(dispatcher._cache._cache_file._load_index())  # type: ignore[attr-defined]
+    except AttributeError:
+        return None
+
+
+def cache_state() -> CacheState | None:
+    """The cache state of every jitted function an Engine uses (imports those modules, compiles
+    nothing). None where Numba's cache cannot be inspected."""
+    from numba.core.dispatcher import Dispatcher
+    for name in _ENGINE_MODULES:
+        importlib.import_module(name)
+    cold: list[str] = []
+    cold_n = total = 0
+    dirs: set[str] = set()
+    for name, mod in sorted(sys.modules.items()):
+        if not name.startswith(("tract_kernels", "tract_async")) or mod is None:
+            continue
+        funcs = [v for v in vars(mod).values() if isinstance(v, Dispatcher) and v.__module__ == name]
+        if not funcs:
+            continue
+        valid = [_has_valid_index(f) for f in funcs]
+        if None in valid:
+            return None
+        total += len(funcs)
+        dirs.add(str(getattr(funcs[0]._cache, "cache_path", "?")))
+        if not any(valid):
+            cold.append(name.rsplit(".", 1)[-1])
+            cold_n += len(funcs)
+    return CacheState(cold_modules=tuple(cold), cold_functions=cold_n, total_functions=total,
+                      cache_dirs=tuple(sorted(dirs)))
+
+
+def notice_if_cold() -> CacheState | None:
+    """Say on stderr (a logging warning), once per process, that the kernels are about to be
+    compiled, when the cache is cold. Returns the state when it gave the notice."""
+    global _noticed
+    if _noticed:
+        return None
+    _noticed = True
+    st = cache_state()
+    if st is None or not st.cold:
+        return None
+    where = (os.environ.get("NUMBA_CACHE_DIR") or
+             (os.path.commonpath(st.cache_dirs) if st.cache_dirs else "?"))
+    log.warning("tract: compiling %d Numba kernels (modules %s) into %s: about %.0f s on a 2-core "
+                "VM, once per cache (`tract warmup` does it ahead of time) ...", st.cold_functions,
+                ", ".join(st.cold_modules), where, max(1.0, st.estimate_s))
+    return st
 
 
 async def _scenario(path: str, backend: str) -> None:
@@ -63,8 +161,11 @@ async def _scenario(path: str, backend: str) -> None:
 
 
 def warm_up(*, backends: tuple[str, ...] = ("hw", "sim"), verbose: bool = False) -> float:
-    """Run the scenario on each backend; returns the seconds it took."""
+    """Run the scenario on each backend; returns the seconds it took. ``verbose``: the cold
+    cache notice (if cold) and one line per backend on stdout."""
     from tract_async.engine import run
+    if verbose:
+        notice_if_cold()
     t0 = time.perf_counter()
     for backend in backends:
         path = f"/dev/shm/tract-warmup-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -20,7 +20,8 @@ def _load_nvml() -> tuple[Any, str]:
     try:
         import pynvml
     except Exception as e:
-        return None, f"pynvml not importable: {e}"
+        from tract_async.extras import INSTALL_HINT
+        return None, f"pynvml not importable ({e}): {INSTALL_HINT}"
     try:
         pynvml.nvmlInit()
     except Exception as e:

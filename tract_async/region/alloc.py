@@ -256,7 +256,8 @@ class Allocator:
                 return c
         raise AllocationTooLarge(f"{nbytes} bytes exceed the largest slot "
                                  f"({self.size_classes[-1]} bytes, chunk_bytes="
-                                 f"{self.geo.chunk_bytes}); create the region with larger chunks")
+                                 f"{self.geo.chunk_bytes}); create the region with larger chunks "
+                                 f"(EngineConfig.chunk_bytes)")
 
     def _check_not_fenced(self) -> None:
         ep = int(K.load_fresh(self._region.mem, self.geo.count_off(self.node_id) + 8, S_COUNT_READ))
@@ -359,9 +360,12 @@ class Allocator:
                 if not got:
                     if partial:
                         return out
+                    most = self.geo.nchunks * per_chunk
                     raise RegionFull(f"no free chunk of {self.geo.chunk_bytes} bytes left in "
                                      f"{self._region.path} ({self.geo.nchunks} chunks) for "
-                                     f"{count - len(out)} more {nbytes}-byte blocks")
+                                     f"{count - len(out)} more {nbytes}-byte blocks" +
+                                     (f" (the whole region holds at most {most} of them)"
+                                      if count > most else ""))
                 self._claims += len(got)
                 # carved highest first: the free list hands out its *last* chunk first, so the
                 # slots of a batch then run up through the claimed chunks in address order and

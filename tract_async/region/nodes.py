@@ -36,12 +36,10 @@ Publish order on join: every field with state still as before, flush, then state
 """
 from __future__ import annotations
 
-import fcntl
 import math
 import os
 import secrets
 import socket
-import struct
 import time
 import zlib
 from dataclasses import dataclass
@@ -55,6 +53,7 @@ from tract_kernels.intrinsics import aload64, monotonic_ns, realtime_ns, usleep
 
 from ..errors import NodeEvicted, NodeIdInUse, NodeIdOutOfRange
 from . import layout as L
+from .ofd import ofd_lock, ofd_unlock
 
 if TYPE_CHECKING:
     from .region import Region
@@ -129,31 +128,6 @@ def host_id() -> int:
     except OSError:
         pass
     return zlib.crc32(socket.gethostname().encode()) << 32 | zlib.crc32(boot.encode())
-
-
-def _ofd_lock(fd: int, byte_offset: int, *, exclusive: bool = True, wait: bool = False) -> bool:
-    """Take an OFD record lock on one byte; False if another open file description holds it."""
-    ltype = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
-    req = struct.pack("hhxxxxqqixxxx", ltype, os.SEEK_SET, byte_offset, 1, 0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, req)
-        return True
-    except (BlockingIOError, PermissionError) as e:  # EAGAIN / EACCES: held elsewhere
-        del e
-        return False
-
-
-def _ofd_unlock(fd: int, byte_offset: int) -> None:
-    req = struct.pack("hhxxxxqqixxxx", fcntl.F_UNLCK, os.SEEK_SET, byte_offset, 1, 0)
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, req)
-
-
-def _ofd_holder_pid(fd: int, byte_offset: int) -> int | None:
-    """pid field of a conflicting lock (OFD locks report -1), or None when the byte is free."""
-    req = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, byte_offset, 1, 0)
-    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, req)
-    ltype, _, _, _, pid = struct.unpack("hhxxxxqqixxxx", res)
-    return None if ltype == fcntl.F_UNLCK else pid
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,7 +280,7 @@ class NodeTable:
         region = self._region
         lock_fd = os.open(region.path, os.O_RDWR)
         try:
-            if not _ofd_lock(lock_fd, NODE_LOCK_BASE + node_id):
+            if not ofd_lock(lock_fd, NODE_LOCK_BASE + node_id):
                 raise NodeIdInUse(f"node id {node_id} is held by a live process on this host "
                                   f"(pid {self.info(node_id).pid}); pick another node_id")
             cur = self.info(node_id, timeout_s=timeout_s)
@@ -393,7 +367,7 @@ class NodeTable:
     def _release(self, handle: NodeHandle) -> None:
         if handle.lock_fd >= 0:
             try:
-                _ofd_unlock(handle.lock_fd, NODE_LOCK_BASE + handle.node_id)
+                ofd_unlock(handle.lock_fd, NODE_LOCK_BASE + handle.node_id)
             finally:
                 os.close(handle.lock_fd)
                 handle.lock_fd = -1

@@ -7,14 +7,28 @@ allocator and index are sections published in the root directory.
 
 Creation order (publish order for the header): zero the header page, write every header field,
 lay out and zero the node table and root directory, publish the sections in the root directory,
-flush all of it, and only then store ``init_state = READY`` and flush that line. An attacher that
-finds anything but READY refuses the region (its creator died midway; re-create it).
+flush all of it, and only then store ``init_state = READY`` and flush that line.
+
+A creator that is still at it and one that died midway leave the same bytes (a short file, a
+zero header, ``init_state`` not READY), so the bytes cannot tell them apart. The creator's
+liveness can: from opening the file until READY it holds an OFD lock on ``CREATE_LOCK_BYTE``
+of the file (``ofd.py``), which the kernel drops when it dies. An attacher that finds the
+region incomplete while that lock is held waits for READY, up to ``wait_init_s``, and then
+raises ``RegionInitializing`` ("still initializing"); one that finds it incomplete and unlocked
+reads the header once more (the creator drops the lock only after READY is in memory, so that
+read is the verdict) and then reports it as never initialized (``RegionCorrupt``: its creator
+died; re-create it). The only moment the two look alike is between the creator's
+``open(O_CREAT)`` and its lock, when the file is empty: an empty file younger than
+``EMPTY_FILE_GRACE_S`` counts as being created. The lock is seen on this host only: an
+attacher on another host sharing a devdax device cannot tell a live creator there from a dead
+one and gets ``RegionCorrupt`` at once.
 
 Attach checks, in this order, each failing with its own error and changing nothing: the file
 exists and opens (``RegionNotFound``, ``RegionPermissionError``); it can hold a header
 (``RegionTruncated``); magic (``RegionCorrupt``); format version (``RegionVersionMismatch``);
 cache-line size and layout signature (``RegionLayoutMismatch``); header checksum
 (``RegionCorrupt``); recorded size against the file (``RegionTruncated``); READY; section bounds.
+Any of those but the first two, found while the creator is alive, means "wait".
 Magic and format version sit at offsets 0 and 8 in every format version, forever, so that an
 old or new region is always named as such rather than as corrupt.
 """
@@ -36,10 +50,11 @@ import numpy as np
 
 import tract_kernels as K
 
-from ..errors import (RegionCorrupt, RegionExists, RegionLayoutMismatch, RegionNotFound,
-                      RegionPermissionError, RegionTooSmall, RegionTruncated,
+from ..errors import (RegionCorrupt, RegionExists, RegionInitializing, RegionLayoutMismatch,
+                      RegionNotFound, RegionPermissionError, RegionTooSmall, RegionTruncated,
                       RegionVersionMismatch)
 from . import layout as L
+from .ofd import ofd_held_elsewhere, ofd_lock, ofd_unlock
 
 S_HEADER_READ = K.site("region.header.read.invalidate")
 S_HEADER_WRITE = K.site("region.header.write.flush")
@@ -47,6 +62,27 @@ S_HEADER_WRITE = K.site("region.header.write.flush")
 DEFAULT_DIR = "/dev/shm"
 DAX_ALIGN_BYTES = 2 << 20
 _DAX_RE = re.compile(r"^dax\d+\.\d+$")
+
+CREATE_LOCK_BYTE = (1 << 40) + (1 << 23)
+"""The OFD lock byte a creator holds until the region is READY (module docstring). Past any
+region's end, above the node-id bytes of ``nodes.py`` (``1 << 40`` + id, ids < 4096) and below
+the global-lock bytes of ``sync/local.py`` (from ``(1 << 40) + (1 << 24)``)."""
+
+DEFAULT_INIT_WAIT_S = 60.0
+"""How long ``attach`` waits for a live creator by default: a 1 GiB region initializes in about
+a second, but a creator on a cold Numba cache first compiles the index kernels (tens of
+seconds on two cores)."""
+
+EMPTY_FILE_GRACE_S = 2.0
+"""An empty, unlocked region file this young may be a creator between its ``open`` and its
+lock (module docstring); older, it is a creator that died there (or not a region at all)."""
+
+_RECREATE = ("EngineConfig(create=True, overwrite=True), Region.create(..., overwrite=True) or "
+             "`tract region init --force PATH`")
+"""How to re-create a region, for the messages that ask for it: the options that exist."""
+
+_INCOMPLETE = (RegionTruncated, RegionCorrupt, RegionVersionMismatch, RegionLayoutMismatch)
+"""What validating a region that is still being written can raise (a torn header read too)."""
 
 
 def default_path(name: str) -> str:
@@ -168,14 +204,68 @@ def _open(path: str, flags: int, mode: int = 0o660) -> int:
     try:
         return os.open(path, flags, mode)
     except FileNotFoundError:
+        if flags & os.O_CREAT:
+            raise _cannot_create(path) from None
         raise RegionNotFound(f"{path}: no such region file or device") from None
+    except NotADirectoryError:
+        raise RegionNotFound(f"{path}: a component of the path is not a directory") from None
     except FileExistsError:
-        raise RegionExists(f"{path}: already exists (pass overwrite=True to replace it, or "
-                           f"attach to it)") from None
+        raise RegionExists(f"{path}: already exists (Region.create(..., overwrite=True) "
+                           f"replaces it; Region.attach attaches to it)") from None
     except PermissionError as e:
+        if flags & os.O_CREAT and not os.path.exists(path):
+            raise RegionPermissionError(f"cannot create {path}: no permission to create files "
+                                        f"in {os.path.dirname(os.path.abspath(path))} "
+                                        f"({e.strerror})") from None
         raise RegionPermissionError(f"{path}: permission denied opening for "
                                     f"{'read/write' if flags & os.O_RDWR else 'read'} ({e.strerror})"
                                     ) from None
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        raise RegionPermissionError(f"cannot write {path}: {os.path.dirname(os.path.abspath(path))}"
+                                    f" is on a read-only file system") from None
+
+
+def _cannot_create(path: str) -> RegionNotFound:
+    """Why ``open(O_CREAT)`` found no file to create (ENOENT): the directory is missing, or it
+    is on a file system that takes no new files (procfs, sysfs: they answer ENOENT too)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        missing = parent
+        while not os.path.isdir(os.path.dirname(missing)):
+            missing = os.path.dirname(missing)
+        return RegionNotFound(f"cannot create {path}: directory {missing} does not exist "
+                              f"(create it first, or choose another path)")
+    fstype = _mount_fstype(parent)[0] or "unknown"
+    return RegionNotFound(f"cannot create {path}: directory {parent} is on a {fstype} file "
+                          f"system, which does not take new files; put the region on tmpfs "
+                          f"(/dev/shm), hugetlbfs or a local disk, or use a devdax device")
+
+
+def _lock_for_create(fd: int, path: str) -> None:
+    """Take the creator lock (module docstring) on a freshly opened region file, or refuse:
+    another process is creating a region at this path right now."""
+    if not ofd_lock(fd, CREATE_LOCK_BYTE):
+        os.close(fd)
+        raise RegionExists(f"{path}: another process is creating a region there right now")
+
+
+def being_created(path: str) -> bool:
+    """Whether a live process on this host is creating the region at ``path`` (it holds the
+    creator lock, or the file is empty and younger than ``EMPTY_FILE_GRACE_S``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if ofd_held_elsewhere(fd, CREATE_LOCK_BYTE):
+            return True
+        st = os.fstat(fd)
+        return (stat.S_ISREG(st.st_mode) and st.st_size == 0
+                and time.time() - st.st_mtime < EMPTY_FILE_GRACE_S)
+    finally:
+        os.close(fd)
 
 
 def fixed_bytes(max_nodes: int, root_slots: int) -> int:
@@ -274,11 +364,6 @@ class Region:
         e = self.root.lookup(name)
         return Section(name=name, offset_bytes=e.offset_bytes, nbytes=e.nbytes, kind=e.kind)
 
-    def with_backend(self, backend: str, **sim_options: object) -> K.Mem:
-        """Another node view of this mapping (e.g. a sim cache for a second in-process node)."""
-        assert self._mm is not None, "region is closed"
-        return K.make_mem(self._mem.buf, backend, **sim_options)  # type: ignore[union-attr]
-
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str, size_bytes: int, *, max_nodes: int = 8, root_slots: int = 64,
@@ -308,10 +393,12 @@ class Region:
                 raise RegionTooSmall(f"{path}: device holds {dev_size} bytes, asked for {size_bytes}")
             size_bytes = size_bytes // align * align
             fd = _open(path, os.O_RDWR)
+            _lock_for_create(fd, path)
             if not overwrite and os.pread(fd, 8, 0) == L.MAGIC.to_bytes(8, "little"):
                 os.close(fd)
-                raise RegionExists(f"{path}: the device already holds a tract region (pass "
-                                   f"overwrite=True to re-format it, or attach to it)")
+                raise RegionExists(f"{path}: the device already holds a tract region "
+                                   f"(Region.create(..., overwrite=True) re-formats it; "
+                                   f"Region.attach attaches to it)")
             backing = BackingInfo(kind="devdax", capacity_bytes=dev_size, align_bytes=align)
         else:
             fstype, opts = _mount_fstype(os.path.dirname(os.path.abspath(path)) or ".")
@@ -319,6 +406,7 @@ class Region:
             size_bytes = L.align_up(size_bytes, align)
             flags = os.O_RDWR | os.O_CREAT | (0 if overwrite else os.O_EXCL)
             fd = _open(path, flags, mode)
+            _lock_for_create(fd, path)
             backing = BackingInfo(kind={"hugetlbfs": "hugetlbfs", "tmpfs": "tmpfs"}.get(fstype, "file"),
                                   capacity_bytes=size_bytes, align_bytes=align)
         need = fixed_bytes(max_nodes, root_slots)
@@ -403,20 +491,52 @@ class Region:
                     os.unlink(path)
                 raise
         K.flush_range(mem, 0, need, S_HEADER_WRITE)
-        # 4. READY last: an attacher never sees READY before everything above is in memory
+        # 4. READY last: an attacher never sees READY before everything above is in memory;
+        # then the creator lock goes (an attacher that saw it held now finds READY)
         K.store_flush(mem, L.INIT_STATE_OFFSET, L.INIT_READY, S_HEADER_WRITE)
         hdr["init_state"] = L.INIT_READY
+        ofd_unlock(fd, CREATE_LOCK_BYTE)
         return region
 
     @classmethod
     def attach(cls, path: str, *, backend: str | None = None, readonly: bool = False,
-               prefault: bool = True, sim_seed: int = 0,
-               sim_evict_prob: float = 1 / 64) -> "Region":
+               prefault: bool = True, sim_seed: int = 0, sim_evict_prob: float = 1 / 64,
+               wait_init_s: float = DEFAULT_INIT_WAIT_S) -> "Region":
         """Attach to an existing region after validating its header (see the module docstring).
 
+        A region that a live process on this host is still creating is waited for, up to
+        ``wait_init_s`` seconds (0: not at all); this blocks the calling thread (``Engine``
+        waits without blocking its event loop).
+
         Raises RegionNotFound, RegionPermissionError, RegionTruncated, RegionCorrupt,
-        RegionVersionMismatch, RegionLayoutMismatch. Nothing in the region is written.
+        RegionVersionMismatch, RegionLayoutMismatch, RegionInitializing (the creator is alive
+        and had not finished after ``wait_init_s``). Nothing in the region is written.
         """
+        deadline = time.monotonic() + max(0.0, wait_init_s)
+        pause_s = 0.002
+        while True:
+            try:
+                return cls._attach_once(path, backend=backend, readonly=readonly,
+                                        prefault=prefault, sim_seed=sim_seed,
+                                        sim_evict_prob=sim_evict_prob)
+            except _INCOMPLETE:
+                if not being_created(path):
+                    # the creator may have finished between that read and this check: it drops
+                    # the lock only after READY is in memory, so one more read is the verdict
+                    return cls._attach_once(path, backend=backend, readonly=readonly,
+                                            prefault=prefault, sim_seed=sim_seed,
+                                            sim_evict_prob=sim_evict_prob)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegionInitializing(
+                        f"{path}: still initializing: its creator (a live process on this host) "
+                        f"had not finished after {wait_init_s:g} s of waiting") from None
+            time.sleep(min(pause_s, left))
+            pause_s = min(2 * pause_s, 0.05)
+
+    @classmethod
+    def _attach_once(cls, path: str, *, backend: str | None, readonly: bool, prefault: bool,
+                     sim_seed: int, sim_evict_prob: float) -> "Region":
         if not os.path.exists(path):
             raise RegionNotFound(f"{path}: no such region file or device")
         fd = _open(path, os.O_RDONLY if readonly else os.O_RDWR)
@@ -454,7 +574,7 @@ class Region:
         if int(hdr["format_version"]) != L.FORMAT_VERSION:
             raise RegionVersionMismatch(
                 f"{path}: region format version {int(hdr['format_version'])}, this build reads "
-                f"version {L.FORMAT_VERSION}; re-create the region with this build")
+                f"version {L.FORMAT_VERSION}; re-create the region with this build ({_RECREATE})")
         if int(hdr["line_bytes"]) != L.LINE_BYTES:
             raise RegionLayoutMismatch(f"{path}: region uses {int(hdr['line_bytes'])}-byte lines, "
                                        f"this build {L.LINE_BYTES}")
@@ -462,7 +582,8 @@ class Region:
         if int(hdr["layout_signature"]) != sig:
             raise RegionLayoutMismatch(
                 f"{path}: layout signature {int(hdr['layout_signature']):#018x} differs from this "
-                f"build's {sig:#018x} (struct sizes or alignment changed); re-create the region")
+                f"build's {sig:#018x} (struct sizes or alignment changed); re-create the region "
+                f"({_RECREATE})")
         crc = zlib.crc32(raw[:L.HEADER_CHECKSUM_SPAN].tobytes())
         if int(hdr["header_checksum"]) != crc:
             raise RegionCorrupt(f"{path}: header checksum {int(hdr['header_checksum']):#x}, "
@@ -472,7 +593,9 @@ class Region:
             raise RegionTruncated(f"{path}: header records {want} bytes, the file holds {size}")
         if int(hdr["init_state"]) != L.INIT_READY:
             raise RegionCorrupt(f"{path}: region was never fully initialized (init_state "
-                                f"{int(hdr['init_state']):#x}); its creator died: re-create it")
+                                f"{int(hdr['init_state']):#x}) and no process on this host is "
+                                f"creating it: its creator died midway: re-create it "
+                                f"({_RECREATE})")
         mn, rs = int(hdr["max_nodes"]), int(hdr["root_slots"])
         spans = [
             ("node table", int(hdr["node_table_offset"]), int(hdr["node_table_bytes"]),

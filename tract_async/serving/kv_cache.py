@@ -27,7 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+
+from tract_async.extras import require
+
+require("transformers", purpose="the KV cache adapters (tract_async.serving.kv_cache)")
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 from tract_async.serving.errors import KVShapeError
 

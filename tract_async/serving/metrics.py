@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
-from prometheus_client.exposition import choose_encoder
+
+from tract_async.extras import require
+
+require("prometheus_client", purpose="the serving metrics (tract_async.serving.metrics)")
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info  # noqa: E402
+from prometheus_client.exposition import choose_encoder  # noqa: E402
 
 TTFT_BUCKETS: tuple[float, ...] = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,

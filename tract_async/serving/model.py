@@ -34,10 +34,14 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.cache_utils import Cache, DynamicCache
 
-from tract_async.serving.errors import KVShapeError, NothingToCompute, TokenIdError
+from tract_async.extras import require
+
+require("transformers", purpose="the serving model layer (tract_async.serving.model)")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.cache_utils import Cache, DynamicCache  # noqa: E402
+
+from tract_async.serving.errors import KVShapeError, NothingToCompute, TokenIdError  # noqa: E402
 from tract_async.serving.kv_cache import NotifyFn, build_cache, cache_to_kv, check_kv
 
 TokenIds = Sequence[int] | torch.Tensor

@@ -30,7 +30,11 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import torch
-from transformers import LlamaForCausalLM
+
+from tract_async.extras import require
+
+require("transformers", purpose="layer-streaming prefill and decode (tract_async.serving.streaming)")
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from tract_async.serving.errors import KVShapeError, LayerWaitTimeout, NothingToCompute, TokenIdError
 from tract_async.serving.kv_cache import build_cache, check_kv

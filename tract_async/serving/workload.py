@@ -218,7 +218,8 @@ def layer_timeline(events_ms: dict[str, float]) -> str:
 
 def plot_cdf(ttfts_ms: dict[str, Sequence[float]], path: str, *, title: str = "TTFT CDF") -> None:
     """TTFT CDF per mode as a PNG (matplotlib, Agg backend: no display needed)."""
-    import matplotlib
+    from tract_async.extras import require
+    matplotlib = require("matplotlib", purpose="the TTFT CDF plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)

@@ -297,7 +297,7 @@ class BlockLifecycle:
             if full:
                 raise RegionFull(f"index probe window of {self.geo.max_probe} entries is full "
                                  f"(capacity {self.geo.capacity}); create the region with a "
-                                 f"larger index")
+                                 f"larger index (EngineConfig.index_capacity)")
             if not counted:
                 self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
         except BaseException:
@@ -358,11 +358,16 @@ class BlockLifecycle:
                 if len(out) >= count:
                     break
                 need = count - len(out)
-                per_chunk = max(1, self.ageo.chunk_bytes // self.alloc.class_for(nbytes))
-                if need > self.ageo.nchunks * per_chunk:
-                    raise RegionFull(f"a put of {count} {nbytes}-byte blocks is larger than the "
-                                     f"whole region ({self.ageo.nchunks} chunks of "
-                                     f"{per_chunk} blocks)")
+                g = self.ageo
+                per_chunk = max(1, g.chunk_bytes // self.alloc.class_for(nbytes))
+                most = g.nchunks * per_chunk
+                if count > most:   # no eviction could ever make room: say the real limit
+                    raise RegionFull(
+                        f"a put of {count} new {nbytes}-byte blocks is larger than the whole "
+                        f"region: {self.region.path} ({self.region.size_bytes} bytes) holds "
+                        f"at most {most} of them ({g.nchunks} chunks of "
+                        f"{g.chunk_bytes} bytes); put at most {most} blocks at a "
+                        f"time, or create a larger region (EngineConfig.region_bytes)")
                 if not self.alloc.holds_class(nbytes):
                     # No chunk of ours to make room in, and none free: evicting others' blocks
                     # would only return their slots to them (a node that joined a full region
@@ -377,10 +382,17 @@ class BlockLifecycle:
                 budget = 64 + 2 * count - evicted
                 got = self._evict_lru_locked(min(need, budget)) if budget > 0 else 0
                 if got == 0:
+                    live = self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)
+                    others = [i for i in live if i != self.node_id]
+                    why = (f"no space for {need} more {nbytes}-byte blocks after {evicted} "
+                           f"evictions of this node's blocks, and none left to evict (blocks "
+                           f"still being written, and transfer-only blocks not yet consumed, are "
+                           f"not evictable)")
+                    if not others:
+                        raise RegionFull(why)
                     table.set_wanted(self.node_id, -(-need // per_chunk))
-                    raise _Starving(f"no space for {need} more {nbytes}-byte blocks after "
-                                    f"{evicted} evictions of this node's blocks; it asked the "
-                                    f"owners for {-(-need // per_chunk)} chunks")
+                    raise _Starving(f"{why}; it asked nodes {others} for "
+                                    f"{-(-need // per_chunk)} chunks")
                 evicted += got
                 self.alloc.drain_returns()
         except BaseException:

@@ -324,10 +324,6 @@ class HttpStore:
         """Peers outside this engine's region (another rack, or no region at all)."""
         return [p.name for p in self.peers.values() if p.uuid != self.region_uuid]
 
-    def holding_reservation(self, keys: list[bytes]) -> bool:
-        """Does this pool hold an unfinished block of any of ``keys`` (later layers go here)?"""
-        return any((b := self.pool.get(k)) is not None and not b.complete for k in keys)
-
     # -- put ----------------------------------------------------------------------------------
     async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
                   timeout: float | None) -> int:

@@ -24,7 +24,7 @@ import os
 import time
 
 from ..errors import LockTimeout
-from ..region.nodes import _ofd_lock, _ofd_unlock
+from ..region.ofd import ofd_lock, ofd_unlock
 
 LOCAL_LOCK_BASE = (1 << 40) + (1 << 24)
 """Byte offset (past any region's end, above the node-id bytes of nodes.py) of the lock bytes."""
@@ -78,7 +78,7 @@ class NodeLocalLock:
         await self._acquire_alock(deadline)
         try:
             pause = 0.0002
-            while not _ofd_lock(self._fd, self._byte):
+            while not ofd_lock(self._fd, self._byte):
                 if time.monotonic() >= deadline:
                     raise LockTimeout("timed out waiting for another process of this node to "
                                       "release the node-local lock")
@@ -93,7 +93,7 @@ class NodeLocalLock:
         """Take both layers if both are free right now."""
         if self._alock.locked():
             return False
-        if not _ofd_lock(self._fd, self._byte):
+        if not ofd_lock(self._fd, self._byte):
             return False
         # asyncio.Lock.acquire() on a free lock completes without suspending
         coro = self._alock.acquire()
@@ -103,7 +103,7 @@ class NodeLocalLock:
             pass
         else:  # pragma: no cover - cannot happen on a free lock
             coro.close()
-            _ofd_unlock(self._fd, self._byte)
+            ofd_unlock(self._fd, self._byte)
             return False
         self._ofd_held = True
         return True
@@ -112,7 +112,7 @@ class NodeLocalLock:
         """Release both layers (OFD first, then the asyncio lock)."""
         if self._ofd_held:
             self._ofd_held = False
-            _ofd_unlock(self._fd, self._byte)
+            ofd_unlock(self._fd, self._byte)
         if self._alock.locked():
             self._alock.release()
 

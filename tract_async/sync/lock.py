@@ -146,7 +146,10 @@ class GlobalLock:
             self._local.release()
             raise
         if token == 0:
-            self._withdraw(req)
+            try:
+                self._withdraw(req)
+            finally:   # nothing is held after a timeout: the node-local tier neither
+                self._local.release()
             self._timeouts += 1
             raise LockTimeout(f"global lock {self.lock_index} not granted to node {self.node_id} "
                               f"within {timeout} s (is a LockManager running on a live node?)")

@@ -1,0 +1,41 @@
+"""The cold-cache notice: a first run says what it compiles, where, and about how long."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tract_async.cli import build_parser
+from tract_async.warmup import cache_state
+
+
+def test_warm_after_the_sessions_warm_up() -> None:
+    """conftest's session fixture ran warm_up(): every module's kernels are in the cache."""
+    st = cache_state()
+    assert st is not None
+    assert not st.cold and st.cold_functions == 0, st
+    assert st.total_functions > 50
+
+
+def test_a_cold_cache_is_announced_once_with_counts(tmp_path) -> None:
+    """A fresh NUMBA_CACHE_DIR (Numba reads it at import: hence a process of its own). The
+    notice comes before anything compiles, names the modules and the directory, once."""
+    code = ("from tract_async.warmup import notice_if_cold\n"
+            "st = notice_if_cold()\nassert st is not None and st.cold\n"
+            "assert notice_if_cold() is None\n"
+            "print(st.cold_functions, st.total_functions, len(st.cold_modules))\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    cold, total, modules = map(int, res.stdout.split())
+    assert cold == total and modules >= 5
+    lines = [line for line in res.stderr.splitlines() if line.startswith("tract: compiling")]
+    assert len(lines) == 1, res.stderr
+    assert f"compiling {total} Numba kernels" in lines[0] and str(tmp_path / "numba") in lines[0]
+    assert "index" in lines[0] and "about" in lines[0] and "tract warmup" in lines[0]
+
+
+def test_warmup_is_a_cli_subcommand() -> None:
+    args = build_parser().parse_args(["warmup", "--backend", "hw"])
+    assert args.backend == ["hw"] and callable(args.func)
