@@ -96,11 +96,11 @@ def kill_me_later(path: str, backend: str, node_id: int, q_out) -> None:  # noqa
 
 
 def put_then_hang(path: str, backend: str, node_id: int, token_ids: list[int], create: bool,
-                  q_out) -> None:  # noqa: ANN001
+                  q_out, region_kw: dict | None = None) -> None:  # noqa: ANN001
     """Creates (or joins) the region, stores the blocks of ``token_ids``, reports, then sleeps
     until killed: a node that dies holding chunks and index entries."""
     async def main() -> None:
-        c = cfg(path, node_id, create=create, backend=backend)
+        c = cfg(path, node_id, create=create, backend=backend, **(region_kw or {}))
         async with tract.Engine.open(c) as eng:
             keys = eng.block_keys(token_ids)
             from tests.engine_util import kv_for_keys
@@ -167,6 +167,53 @@ def blocking_manager(path: str, backend: str, q_in, q_out) -> None:  # noqa: ANN
             q_out.put(("unblocked", 0, time.monotonic() - t0))
             await loop.run_in_executor(None, q_in.get)
     tract.run(main())
+
+
+def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
+    """Node 0 of the crash-point test (started with TRACT_CRASH_AT set): stores its "before"
+    blocks, arms the crash point, then on "go" runs every kind of step until it dies there --
+    full and layer-wise puts, puts that evict, a cancelled large put (abandon), chunk claims,
+    the takeover and grants of the manager role (node 2, the first manager, is killed before
+    "go"), reclaim of node 2's chunks, and the chunk releases of close. Reports "not-reached"
+    if it gets through all of it alive."""
+    from tract_async import crashpoints as CP
+    from tests.engine_util import kv_for_keys
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with tract.Engine.open(cfg(path, 0, region_bytes=8 << 20, chunk_bytes=256 << 10)
+                                     ) as eng:
+            before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * 8))
+            await eng.put_kv(before, kv_for_keys(before))
+            CP.arm()
+            q_out.put(("before", 0, len(before)))
+            assert await loop.run_in_executor(None, q_in.get) == "go"
+            for r in range(200):
+                keys = eng.block_keys(range(r * 100_000, r * 100_000 + 16 * 4))
+                kv = kv_for_keys(keys)
+                if r % 3 == 1:                          # layer by layer
+                    for layer in range(kv.shape[0]):
+                        await eng.put_kv(keys, kv[layer].contiguous(), layer=layer, timeout=10)
+                else:
+                    await eng.put_kv(keys, kv, timeout=10)
+                if r % 5 == 2:                          # a large put cancelled mid-copy
+                    big = eng.block_keys(range(50_000_000 + r * 10_000,
+                                               50_000_000 + r * 10_000 + 16 * 48))
+                    t = asyncio.create_task(eng.put_kv(big, kv_for_keys(big), timeout=10))
+                    for _ in range(10_000):
+                        if eng._store.blocks.in_flight or t.done():
+                            break
+                        await asyncio.sleep(0)
+                    t.cancel()
+                    await asyncio.gather(t, return_exceptions=True)
+                await asyncio.sleep(0.01)
+        q_out.put(("not-reached", 0, None))        # the close above released chunks too
+
+    try:
+        tract.run(main())
+    except BaseException as e:  # report, don't hang the parent
+        q_out.put(("error", 0, f"{type(e).__name__}: {e}"))
+        raise
 
 
 def _unused() -> torch.Tensor:  # keep torch import used for type checkers

@@ -38,6 +38,7 @@ from numba import njit
 
 import tract_kernels as K
 
+from .. import crashpoints as CP
 from . import layout as L
 from .region import SectionSpec
 
@@ -239,6 +240,12 @@ def _set_owners_run(m, off, count, rec_bytes, o_owner, o_epoch, o_gen, o_token, 
     K.full_fence(m)
 
 
+def _crash_point(point: str) -> None:
+    """The default fault hook: a named crash point (``tract_async.crashpoints``)."""
+    if CP.ARMED:
+        CP.hit(point)
+
+
 class ChunkTable:
     """The global chunk tier of one region, seen from one node. Mutators need the global lock
     (lock index 0) and take its ``check`` callable (``GlobalLock.check_token``) and token."""
@@ -247,7 +254,7 @@ class ChunkTable:
                  ) -> None:
         self._region = region
         self.geo = alloc_geometry(region)
-        self._fault = fault_hook or (lambda point: None)
+        self._fault = fault_hook or _crash_point
 
     # -- readers (no lock needed for a snapshot; fresh from memory) -----------------------------
     def _fresh(self, off: int, nbytes: int, site: int) -> np.ndarray:
@@ -436,6 +443,7 @@ class ChunkTable:
         """Give chunk ``chunk`` of ``node_id`` back to the global pool."""
         check()
         self._journal_begin(OP_RELEASE, node_id, epoch, token, chunk, 1)
+        self._fault("release.journaled")
         self._release_one(chunk)
         cur = int(self.counts()[node_id]["chunks"])
         self._write_counts({node_id: max(0, cur - 1)})
@@ -503,6 +511,7 @@ class ChunkTable:
                          for c in self._chunks_of(node, ep)]
                 if on_reclaim is not None:
                     on_reclaim(node, spans)
+                self._fault("reclaim.hooked")
                 self._journal_begin(OP_RECLAIM, node, ep, token, 0, 0)
                 done[node] = done.get(node, 0) + self._reclaim_node(node, ep)
                 self.recount()

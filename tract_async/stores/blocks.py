@@ -40,6 +40,7 @@ import numpy as np
 
 import tract_kernels as K
 
+from .. import crashpoints as CP
 from ..config import EngineConfig
 from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, RegionFull,
                       TransferTimeout)
@@ -240,6 +241,8 @@ class BlockLifecycle:
         await self._locked(timeout)
         mine: list[tuple[bytes, int]] = []
         try:
+            if CP.ARMED:
+                CP.hit("reserve.locked")
             self.lock.check_token()
             self._flush_touches_locked()
             self._give_chunks_locked()
@@ -249,6 +252,8 @@ class BlockLifecycle:
             deadline = now + int(self.cfg.transfer_deadline_s * 1e9) if transfer else 0
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
             allocs = self._alloc_many_locked(len(positions))
+            if CP.ARMED:
+                CP.hit("reserve.allocated")
             res = np.zeros((len(positions), 3), dtype=np.int64)
             if len(allocs) <= SMALL_READ:       # a few: tuples beat five numpy operations
                 ainfo = np.array([(a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16),
@@ -300,6 +305,8 @@ class BlockLifecycle:
                                  f"larger index (EngineConfig.index_capacity)")
             if not counted:
                 self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
+            if CP.ARMED:
+                CP.hit("reserve.indexed")
         except BaseException:
             # all or nothing: a batch that cannot be placed whole leaves the region as it was
             # (a slot that was EMPTY goes back to EMPTY: no probe chain can run through it yet)
@@ -321,6 +328,8 @@ class BlockLifecycle:
         reservations are in the region: set their layer bits; a block whose every layer is in
         becomes READY and leaves this node's bookkeeping. A reservation no longer ours (the
         put was abandoned meanwhile) is skipped. Returns how many blocks were published."""
+        if CP.ARMED:
+            CP.hit("put.copied")
         lo, hi = kvplan.layer_mask(self.layout, layer)
         reserved = self._reserved
         live = [(i, r) for i, r in zip(positions, res) if reserved.get(keys[i]) is r]
@@ -341,6 +350,8 @@ class BlockLifecycle:
                     self.stats.blocks_stored += 1
         self.stats.puts += 1
         self.stats.bytes_put += nbytes
+        if CP.ARMED and layer is not None and reserved:
+            CP.hit("publish.layer")
         return len(live)
 
     def _alloc_many_locked(self, count: int) -> list[Allocation]:
@@ -450,6 +461,8 @@ class BlockLifecycle:
                                    self.index.tgeo, self.geo.capacity, VICTIM_SAMPLE,
                                    time.time_ns(), k, self.node_id, info))
         if n:
+            if CP.ARMED:
+                CP.hit("evict.tombstoned")
             self._free_payloads(info[:n, 1:])
             self.index.bump_counter_locked(ix.H_EVICTIONS, n)
             self.stats.evictions += n
@@ -467,6 +480,8 @@ class BlockLifecycle:
         if count:
             self.index.bump_counter_locked(ix.H_EVICTIONS, len(slots))
             self.stats.evictions += len(slots)
+        if CP.ARMED:
+            CP.hit("evict.tombstoned")
         self._free_payloads(info)
 
     def _free_payloads(self, info: np.ndarray) -> None:
@@ -492,6 +507,8 @@ class BlockLifecycle:
     async def _abandon_locked(self, mine: list[tuple[bytes, Reservation]]) -> None:
         await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
+            if CP.ARMED:
+                CP.hit("abandon.locked")
             self._evict_many_locked([r.slot for _, r in mine])
         finally:
             self.lock.release()

@@ -73,6 +73,7 @@ import numpy as np
 
 import tract_kernels as K
 
+from .. import crashpoints as CP
 from ..errors import NodeEvicted
 from ..region import layout as L
 from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
@@ -322,6 +323,8 @@ class LockManager:
         return True
 
     def _take_over(self, term: int) -> None:
+        if CP.ARMED:
+            CP.hit("manager.takeover")
         m, geo = self._mem, self._geo
         raw = np.zeros(64, dtype=np.uint8)
         for lk in range(geo.num_locks):
@@ -402,6 +405,8 @@ class LockManager:
                 pol.sleep_us_max, self._idle_ns)
             self._slices += 1
             self._idle_ns = int(idle)
+            if CP.ARMED and rc > 0:
+                CP.hit("manager.granted")
             if rc == S.SLICE_LOST_TERM:
                 self._step_down()
                 return
