@@ -453,6 +453,21 @@ class Engine(CudaEngineMixin):
         out["cuda"] = self._cuda_stats()  # CUDA hook: None until a CUDA transfer or cuda_setup()
         return out
 
+    async def recover(self, *, timeout: float | None = None) -> list[str]:
+        """Run recovery now, as the next chunk claim would: finish a journal left pending and
+        reclaim dead nodes' chunks, dropping their index entries. Returns what was done (empty
+        when nothing was needed). Raises TransferTimeout (lock), EngineClosed."""
+        self._check_open()
+        if self._region is None:
+            return []
+        st = self._store.blocks
+        await st._locked(timeout if timeout is not None
+                         else max(5.0, 4 * self.cfg.liveness_timeout_s))
+        try:
+            return self._store.alloc.recover_locked(self._lock)
+        finally:
+            self._lock.release()
+
     def time_phases(self, on: bool = True) -> Any:
         """Measure where the region store's puts and gets spend their time (for benchmarks;
         ``stores/phases.py``): returns the PhaseTimes to ``take()`` from, or None when switched

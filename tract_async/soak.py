@@ -1,0 +1,226 @@
+"""The soak: real processes doing random puts, gets, lookups and evictions on one region under
+the incoherent backend, while a supervisor kills them (-9) and restarts them.
+
+It finishes with three verdicts: zero wrong bytes (every get is bit-exact or a miss), zero fsck
+findings once everyone has closed, and bounded memory (each worker's RSS growth after its first
+report). ``tests/test_soak.py`` runs it for CI (``TRACT_SOAK_S``, default 120 s) and
+``bench/soak.py`` for an hour, printing operations, kills and wrong bytes.
+
+Workers are node ids 1..``workers``; a killed one is restarted under the same id once its old
+incarnation is judged dead (a liveness timeout later). Block contents are a pure function of
+the key (``block_bytes``), so any process can check any block it reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import resource
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+SPAWN = mp.get_context("spawn")
+
+
+def layout() -> Any:
+    import tract_async as tract
+    return tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=32,
+                          dtype=torch.float32)
+
+
+def config(path: str, node_id: int, *, create: bool = False, liveness_s: float = 1.0) -> Any:
+    import tract_async as tract
+    return tract.EngineConfig(layout=layout(), region=path, region_bytes=8 << 20, create=create,
+                              node_id=node_id, max_nodes=8, namespace="soak", mem_backend="sim",
+                              heartbeat_interval_s=0.05, liveness_timeout_s=liveness_s,
+                              chunk_bytes=256 << 10)
+
+
+def kv_of(keys: list[bytes], lay: Any) -> torch.Tensor:
+    """KV whose every block is a pure function of its key."""
+    out = []
+    for k in keys:
+        g = np.random.default_rng(int.from_bytes(hashlib.sha256(k).digest()[:8], "little"))
+        out.append(torch.from_numpy(g.standard_normal(
+            (lay.num_layers, 2, lay.block_tokens, lay.kv_heads, lay.head_dim)).astype(np.float32)))
+    return torch.cat(out, dim=2)
+
+
+def _rss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def worker(path: str, node_id: int, seed: int, q: Any, stop: Any, liveness_s: float) -> None:
+    """One soak node: random operations until ``stop``; reports counters every second."""
+    import tract_async as tract
+    from tract_async import errors as E
+
+    async def main() -> None:
+        rnd = random.Random(seed)
+        lay = layout()
+        T = lay.block_tokens
+        async with tract.Engine.open(config(path, node_id, liveness_s=liveness_s)) as eng:
+            prompts = [eng.block_keys([p * 1000 + t for t in range(T * (1 + p % 6))])
+                       for p in range(64)]
+            c = {"puts": 0, "layer_puts": 0, "gets": 0, "exact": 0, "misses": 0, "wrong": 0,
+                 "lookups": 0, "evicts": 0, "full": 0}
+            last = time.monotonic()
+            first_rss = _rss_kib()
+            while not stop.is_set():
+                keys = prompts[rnd.randrange(len(prompts))]
+                op = rnd.random()
+                try:
+                    if op < 0.35:
+                        if eng.lookup(keys) < len(keys):
+                            await eng.put_kv(keys, kv_of(keys, lay), timeout=10)
+                            c["puts"] += 1
+                    elif op < 0.45:
+                        kv = kv_of(keys, lay)
+                        for layer in range(lay.num_layers):
+                            await eng.put_kv(keys, kv[layer].contiguous(), layer=layer,
+                                             timeout=10)
+                        c["layer_puts"] += 1
+                    elif op < 0.85:
+                        c["gets"] += 1
+                        try:
+                            got = await eng.get_kv(keys, timeout=0.05 if op < 0.5 else None)
+                        except (E.BlockNotFound, E.BlockEvicted, E.LayerNotReady,
+                                E.TransferTimeout):
+                            c["misses"] += 1
+                        else:
+                            want = kv_of(keys, lay)
+                            for j in range(len(keys)):
+                                ok = torch.equal(got[:, :, j * T:(j + 1) * T],
+                                                 want[:, :, j * T:(j + 1) * T])
+                                c["exact" if ok else "wrong"] += 1
+                    elif op < 0.95:
+                        eng.lookup(keys)
+                        c["lookups"] += 1
+                    else:
+                        c["evicts"] += await eng._store.blocks.evict(keys, timeout=10)
+                except (E.RegionFull, E.TransferTimeout):
+                    c["full"] += 1
+                now = time.monotonic()
+                if now - last >= 1.0:
+                    q.put(("stats", node_id, dict(c), first_rss, _rss_kib()))
+                    last = now
+                await asyncio.sleep(0)
+            q.put(("stats", node_id, dict(c), first_rss, _rss_kib()))
+        q.put(("closed", node_id, None, 0, 0))
+
+    try:
+        tract.run(main())
+    except BaseException as e:  # report, don't hang the supervisor
+        q.put(("error", node_id, f"{type(e).__name__}: {e}", 0, 0))
+        raise
+
+
+@dataclass(kw_only=True)
+class SoakResult:
+    seconds: float
+    workers: int
+    kills: int = 0
+    restarts: int = 0
+    ops: dict[str, int] = field(default_factory=dict)
+    wrong: int = 0
+    rss_growth_kib: dict[int, int] = field(default_factory=dict)
+    fsck_problems: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.0,
+        liveness_s: float = 1.0, seed: int = 0, progress: Any = None) -> SoakResult:
+    """Create the region, run the soak for ``seconds``, stop everyone, fsck. The region file
+    is left for the caller to remove."""
+    import tract_async as tract
+    from tract_async.fsck import run_fsck
+
+    async def create() -> None:
+        async with tract.Engine.open(config(path, 0, create=True, liveness_s=liveness_s)):
+            pass
+    tract.run(create())
+    rnd = random.Random(seed)
+    q, stop = SPAWN.Queue(), SPAWN.Event()
+    procs: dict[int, Any] = {}
+    # per incarnation: the last counters it reported (a killed one's count as they were)
+    done: list[dict[str, int]] = []
+    latest: dict[int, dict[str, int]] = {}
+    res = SoakResult(seconds=seconds, workers=workers)
+
+    def start(n: int) -> None:
+        p = SPAWN.Process(target=worker, args=(path, n, rnd.randrange(1 << 30), q, stop,
+                                               liveness_s))
+        p.start()
+        procs[n] = p
+        latest[n] = {}
+
+    def drain(timeout: float = 0.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                kind, n, data, rss0, rss = q.get(timeout=max(0.01, left)) if left > 0 else \
+                    q.get_nowait()
+            except Exception:  # noqa: BLE001 - queue empty
+                return
+            if kind == "stats":
+                latest[n] = data
+                res.rss_growth_kib[n] = max(res.rss_growth_kib.get(n, 0), rss - rss0)
+            elif kind == "error":
+                res.errors.append(f"node {n}: {data}")
+
+    for n in range(1, workers + 1):
+        start(n)
+    t_end = time.monotonic() + seconds
+    next_kill = time.monotonic() + kill_every_s
+    pending_restart: dict[int, float] = {}
+    while time.monotonic() < t_end:
+        drain(0.2)
+        now = time.monotonic()
+        for n, at in list(pending_restart.items()):
+            if now >= at:
+                del pending_restart[n]
+                start(n)
+                res.restarts += 1
+        if now >= next_kill:
+            alive = [n for n, p in procs.items() if p.is_alive() and n not in pending_restart]
+            if alive:
+                n = rnd.choice(alive)
+                os.kill(procs[n].pid, signal.SIGKILL)
+                procs[n].join(10)
+                res.kills += 1
+                drain(0.05)
+                done.append(latest.pop(n, {}))
+                pending_restart[n] = now + liveness_s * 2.5    # its old self must read as dead
+            next_kill = now + kill_every_s
+        if progress is not None:
+            progress(res, latest, now)
+    stop.set()
+    for n, p in procs.items():
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            res.errors.append(f"node {n} did not stop")
+    drain(0.5)
+    for c in done + list(latest.values()):
+        for k, v in c.items():
+            res.ops[k] = res.ops.get(k, 0) + v
+    res.wrong = res.ops.get("wrong", 0)
+    # the chunks of killed incarnations wait for the next claim's recovery: run it once, as
+    # any node would (Engine.recover), then fsck must find nothing at all
+    time.sleep(liveness_s * 1.5)
+
+    async def recover() -> None:
+        async with tract.Engine.open(config(path, 0, liveness_s=liveness_s)) as eng:
+            await asyncio.sleep(liveness_s)     # own beats: the dead verdict needs them
+            await eng.recover()
+    tract.run(recover())
+    res.fsck_problems = list(run_fsck(path, liveness_timeout_s=liveness_s).problems)
+    return res
