@@ -514,15 +514,17 @@ class BlockLifecycle:
             self.lock.release()
 
     async def evict(self, keys: list[bytes], *, timeout: float | None = None) -> int:
-        """Evict the entries of ``keys`` that are present (anyone's, READY or not: an operator
-        or test tool; a producer still filling one loses it) and free their payloads; returns
-        how many. Takes the global lock."""
-        snap = self.index.snapshot(keys_to_words(keys))
-        slots = [int(s) for s in snap[:, 0] if s >= 0]
-        if not slots:
+        """Evict the READY entries of ``keys`` (anyone's: an operator or test tool) and free
+        their payloads; returns how many. Takes the global lock. A block still being filled
+        (RESERVED) is never evicted while its producer lives: the producer would go on writing
+        its layer bits and READY into an entry that meanwhile means another block."""
+        words = keys_to_words(keys)
+        if not (self.index.snapshot(words)[:, 2] == ix.READY).any():
             return 0
         await self._locked(timeout)
         try:
+            snap = self.index.snapshot(words)    # under the lock: READY entries cannot change
+            slots = [int(r[0]) for r in snap.tolist() if r[0] >= 0 and r[2] == ix.READY]
             self._evict_many_locked(slots)
         finally:
             self.lock.release()
