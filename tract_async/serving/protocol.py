@@ -33,6 +33,17 @@ from tract_async.serving.tokenizer import ByteTokenizer
 
 #: Transports of one run: the HTTP agent (baseline), the region without and with prefix cache.
 MODES: tuple[str, ...] = ("http", "region-transfer", "region-cache")
+#: Every mode a rack can serve in: ``MODES`` (what ``tract demo`` compares) and two baselines of
+#: the load benchmark (``tract bench serve``): ``recompute`` (no transfer: the decode worker
+#: computes the whole prompt itself) and ``rdma-model`` (the KV moves through the region once
+#: the prefill is done, and its arrival is held back to what an RDMA NIC would take:
+#: :mod:`tract_async.serving.rdma_model`; a model, not a measurement).
+SERVING_MODES: tuple[str, ...] = (*MODES, "recompute", "rdma-model")
+#: Modes whose KV travels through a shared region (the workers need ``--region``).
+REGION_MODES: tuple[str, ...] = ("region-transfer", "region-cache", "rdma-model")
+#: Modes where the router starts decode only after the prefill has answered (the KV can only be
+#: fetched once it is complete), instead of both at once with layer streaming.
+SEQUENTIAL_MODES: tuple[str, ...] = ("http", "rdma-model")
 ROLES: tuple[str, ...] = ("prefill", "decode", "router")
 #: The line a service prints on stdout once it listens: ``TRACT-READY {json}``.
 READY_PREFIX = "TRACT-READY "
@@ -50,7 +61,7 @@ def now() -> float:
 
 def engine_mode(mode: str) -> str:
     """EngineConfig.mode for a region run mode."""
-    return {"region-transfer": "transfer", "region-cache": "cache"}[mode]
+    return {"region-transfer": "transfer", "region-cache": "cache", "rdma-model": "transfer"}[mode]
 
 
 def new_request_id() -> str:
