@@ -1,0 +1,477 @@
+"""``tract bench serve``: the paper's evaluation, under load, against named baselines.
+
+For each system it starts the serving stack (:class:`~tract_async.serving.launcher.Rack`: a
+region where the system has one, a prefill worker, a decode worker, a router, on loopback), sends
+a few warm-up requests, then runs every phase (workload x load) against the router's
+``/v1/completions``, and stops the rack. A phase is one seeded request stream
+(:mod:`.workloads`) sent in an open loop at a Poisson rate or in a closed loop of N clients
+(:mod:`.loadgen`); its metrics are :mod:`.loadstats`'. Phase ``p`` gets the same prompts on
+every system and shares no block with any other phase.
+
+The systems, each named for what it is:
+
+* ``http``: KV over the NIXL-style HTTP agent (aiohttp): the network stand-in, measured;
+* ``nixl``: KV over NIXL (UCX), the paper's baseline: never run yet; the row says why;
+* ``rdma-model``: a model: the measured prefill, then the KV's arrival held to 20 µs + bytes /
+  25 GB/s (:mod:`.rdma_model`);
+* ``recompute``: no transfer: the decode worker computes the whole prompt;
+* ``region-transfer``: KV through the shared region, transfer only, layer-streamed;
+* ``region-cache``: KV through the shared region with the rack-wide prefix cache.
+
+Before and after each phase it reads the workers' ``/health`` (engine counters: hits, bytes,
+lock waits) and keeps the difference; with an NVML GPU it samples PCIe RX/TX all along. The
+results go to ``results.json`` (machine, versions, seed, arguments, every record) after every
+phase, so a run cut short by ``--budget`` or Ctrl-C keeps what finished; then ``summary.md``
+and the plots (:mod:`.loadplots`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from tract_async.serving.workloads import WORKLOADS
+
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class System:
+    """One row of the comparison: the rack mode that serves it (None: not servable here)."""
+    name: str
+    mode: str | None
+    what: str
+
+
+SYSTEMS: tuple[System, ...] = (
+    System(name="http", mode="http",
+           what="KV over the NIXL-style HTTP agent (aiohttp): the network stand-in, measured"),
+    System(name="nixl", mode=None, what="KV over NIXL (UCX): the paper's baseline"),
+    System(name="rdma-model", mode="rdma-model",
+           what="MODEL, not a measurement: measured prefill, then KV held to 20 us + bytes at "
+                "25 GB/s (serving/rdma_model.py)"),
+    System(name="recompute", mode="recompute",
+           what="no transfer: the decode worker computes the whole prompt itself"),
+    System(name="region-transfer", mode="region-transfer",
+           what="KV through the shared region, transfer only, layer-streamed"),
+    System(name="region-cache", mode="region-cache",
+           what="KV through the shared region with the rack-wide prefix cache"),
+)
+SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
+
+#: Sizes: ``smoke`` is the CI run (tiny model, CPU, well under a minute of load), ``cpu`` the
+#: README's run on a 2-core VM, ``h200`` the paper's axes with Llama-3-8B geometry on one GPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "smoke": dict(model="tiny", device="cpu", dtype=None, workloads="chat", requests=8,
+                  input_len="512:4096", length_scale=1 / 16, output_len=4, rates="8",
+                  concurrency="", group_size=4, region_bytes=64 << 20, kv_pool_bytes=32 << 20,
+                  ttft_slo_ms=500.0, warmup=1, start_timeout=120.0, request_timeout=60.0,
+                  budget=240.0, parallel_starts=False),
+    "cpu": dict(model="tiny", device="cpu", dtype=None, workloads=",".join(WORKLOADS),
+                requests=16, input_len="512:8192", length_scale=1 / 16, output_len=16,
+                rates="2,6", concurrency="4", group_size=4, region_bytes=256 << 20,
+                kv_pool_bytes=64 << 20, ttft_slo_ms=250.0, warmup=2, start_timeout=120.0,
+                request_timeout=120.0, budget=1800.0, parallel_starts=False),
+    "h200": dict(model="llama3-8b", device="cuda", dtype="bfloat16",
+                 workloads=",".join(WORKLOADS), requests=32, input_len="512:8192",
+                 length_scale=1.0, output_len=64, rates="0.5,1,2,3", concurrency="8",
+                 group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
+                 ttft_slo_ms=2000.0, warmup=2, start_timeout=300.0, request_timeout=600.0,
+                 budget=1800.0, parallel_starts=False),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tract bench serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--size", choices=sorted(PRESETS), default="smoke",
+                   help="preset for every option left unset")
+    p.add_argument("--systems", default=",".join(SYSTEM_NAMES), help="comma-separated")
+    p.add_argument("--workloads", default=None, help=f"comma-separated subset of {WORKLOADS}")
+    p.add_argument("--requests", type=int, default=None, help="requests per phase")
+    p.add_argument("--input-len", default=None, help="MIN:MAX prompt tokens before scaling")
+    p.add_argument("--length-scale", type=float, default=None,
+                   help="multiplies MIN:MAX (1/16 for the tiny CPU model)")
+    p.add_argument("--output-len", type=int, default=None, help="max_tokens per request")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="turns per chat, questions per RAG document")
+    p.add_argument("--rates", default=None,
+                   help="open-loop Poisson rates (req/s, 'inf' = all at once), comma-separated")
+    p.add_argument("--concurrency", default=None, help="closed-loop client counts, comma-separated")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="goodput's TTFT objective")
+    p.add_argument("--seed", type=int, default=0, help="weights, prompts and arrivals")
+    p.add_argument("--warmup", type=int, default=None, help="uncounted requests per system")
+    p.add_argument("--model", choices=("tiny", "llama3-8b"), default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda[:i]")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--torch-threads", type=int, default=1, help="per worker (CPU)")
+    p.add_argument("--region-bytes", type=int, default=None,
+                   help="shared region (capped at half of /dev/shm's free space)")
+    p.add_argument("--kv-pool-bytes", type=int, default=None, help="http: the prefill's KV pool")
+    p.add_argument("--rdma-gbps", type=float, default=25.0, help="rdma-model bandwidth")
+    p.add_argument("--rdma-latency-us", type=float, default=20.0, help="rdma-model per transfer")
+    p.add_argument("--start-timeout", type=float, default=None, help="seconds per service start")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
+    p.add_argument("--out-dir", default="tract-bench-out", help="results.json, summary.md, plots")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--parallel-starts", action=argparse.BooleanOptionalAction, default=None,
+                   help="start every rack first, at once (the smoke size's default: faster, "
+                        "but the idle racks take some CPU from the measured one)")
+    return p
+
+
+def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse, fill unset options from the preset, validate. Raises SystemExit (argparse) on
+    bad input, with a message that says what to change."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.size].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.system_list = _split(args.systems)
+    args.workload_list = _split(args.workloads)
+    try:
+        args.rate_list = [float(x) for x in _split(args.rates)]
+        args.concurrency_list = [int(x) for x in _split(args.concurrency)]
+        lo, hi = (int(x) for x in args.input_len.split(":"))
+    except ValueError as exc:
+        p.error(f"--rates, --concurrency or --input-len: {exc}")
+    args.min_input_tokens = max(8, round(lo * args.length_scale))
+    args.max_input_tokens = max(args.min_input_tokens, round(hi * args.length_scale))
+    bad = ([s for s in args.system_list if s not in SYSTEM_NAMES]
+           + [w for w in args.workload_list if w not in WORKLOADS])
+    if bad:
+        p.error(f"unknown system(s) or workload(s) {bad}; systems: {', '.join(SYSTEM_NAMES)}; "
+                f"workloads: {', '.join(WORKLOADS)}")
+    if not args.rate_list and not args.concurrency_list:
+        p.error("give at least one --rates or --concurrency value")
+    if any(not r > 0 for r in args.rate_list) or any(c < 1 for c in args.concurrency_list):
+        p.error("rates must be > 0 and concurrency >= 1")
+    return args
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def loads(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """The loads of every workload: ``("open", rate)`` then ``("closed", clients)``."""
+    return ([("open", r) for r in args.rate_list]
+            + [("closed", float(c)) for c in args.concurrency_list])
+
+
+def load_label(loop: str, value: float) -> str:
+    if loop == "open":
+        return "all at once" if math.isinf(value) else f"{value:g} req/s"
+    return f"{int(value)} clients"
+
+
+def nixl_absent_reason() -> str:
+    """Why the ``nixl`` row has no numbers."""
+    try:
+        import nixl._api  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the reason goes into the report
+        return (f"nixl not importable ({type(exc).__name__}: {exc}): "
+                f"pip install nixl nixl-cu12 --no-deps")
+    try:
+        from importlib.metadata import version
+        v = version("nixl")
+    except Exception:  # noqa: BLE001
+        v = "?"
+    return (f"nixl {v} imports, but the serving stack has no NIXL KV path yet (the workers move "
+            f"KV over the HTTP agent, serving/http_kv.py, which is the `http` row): not run")
+
+
+def region_bytes_for(want: int, shm: str = "/dev/shm") -> int:
+    """``want`` capped at half the free space of ``shm``, in whole 2 MiB chunks."""
+    try:
+        import shutil
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        free = 2 * want
+    return max(2 << 20, min(want, free // 2) // (2 << 20) * (2 << 20))
+
+
+# --- one system ---------------------------------------------------------------------------------
+async def _health(session: Any, url: str) -> dict[str, Any]:
+    import aiohttp
+    try:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _engine_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Counter differences of a worker's ``engine`` health block over one phase."""
+    b, a = before.get("engine") or {}, after.get("engine") or {}
+    return {k: a[k] - b.get(k, 0) for k in a
+            if isinstance(a[k], (int, float)) and isinstance(b.get(k, 0), (int, float))}
+
+
+def _spec(args: argparse.Namespace, kind: str, phase: int, requests: int) -> Any:
+    from tract_async.serving.workloads import Vocab, WorkloadSpec
+    return WorkloadSpec(kind=kind, requests=requests, seed=args.seed, phase=phase,
+                        min_input_tokens=args.min_input_tokens,
+                        max_input_tokens=args.max_input_tokens, output_tokens=args.output_len,
+                        group_size=args.group_size, vocab=Vocab.for_model(args.model))
+
+
+#: Phase numbers are 1.. in run order; the warm-up's stream has its own.
+WARMUP_PHASE = 10_000
+
+
+def make_rack(system: System, args: argparse.Namespace) -> Any:
+    """The (not yet started) rack that serves ``system``."""
+    from tract_async.serving.launcher import Rack
+    assert system.mode is not None, f"loadbench: {system.name} has no rack mode"
+    return Rack(mode=system.mode, region=f"/dev/shm/tract-bench-{os.getpid()}-{system.name}",
+                log_dir=os.path.join(args.out_dir, "logs"), start_timeout_s=args.start_timeout,
+                seed=args.seed, model=args.model, device=args.device, dtype=args.dtype,
+                block_tokens=args.block_tokens,
+                torch_threads=args.torch_threads if args.device == "cpu" else None,
+                region_bytes=region_bytes_for(args.region_bytes),
+                kv_pool_bytes=args.kv_pool_bytes, request_timeout_s=args.request_timeout,
+                layer_timeout_s=min(120.0, args.request_timeout),
+                rdma_gbps=args.rdma_gbps, rdma_latency_us=args.rdma_latency_us)
+
+
+async def start_rack(system: System, rack: Any, entry: dict[str, Any]) -> None:
+    """Start ``rack``, recording how long it took. Raises ServiceStartFailed."""
+    t0 = time.perf_counter()
+    print(f"[{system.name}] starting region, prefill, decode, router ...", file=sys.stderr,
+          flush=True)
+    await rack.start()
+    entry["start_s"] = round(time.perf_counter() - t0, 2)
+    print(f"[{system.name}] up in {entry['start_s']} s", file=sys.stderr, flush=True)
+
+
+async def run_system(system: System, rack: Any, args: argparse.Namespace, entry: dict[str, Any],
+                     sampler: Any, write: Callable[[], None]) -> None:
+    """Run every phase against the started ``rack`` of ``system`` (results into ``entry``)."""
+    import aiohttp
+
+    from tract_async.serving.loadgen import (Progress, arrival_times, run_closed_loop,
+                                             run_open_loop)
+    from tract_async.serving.loadstats import summarize
+    from tract_async.serving.workloads import build_requests, ideal_hit_rate
+    t0 = time.perf_counter()
+    if args.warmup:
+        warm = build_requests(_spec(args, args.workload_list[0], WARMUP_PHASE, args.warmup))
+        recs = await run_closed_loop(rack.router_url, warm, 1, timeout_s=args.request_timeout)
+        entry["warmup_errors"] = [r.error for r in recs if r.error]
+    workers = {role: rack.url_of(role) for role in ("prefill", "decode")}
+    phase = 0
+    async with aiohttp.ClientSession() as session:
+        for kind in args.workload_list:
+            for loop, value in loads(args):
+                phase += 1
+                reqs = build_requests(_spec(args, kind, phase, args.requests))
+                label = f"[{system.name}] {kind} @ {load_label(loop, value)}"
+                before = {r: await _health(session, u) for r, u in workers.items()}
+                sampler.mark(f"{system.name} {kind} {load_label(loop, value)}")
+                progress = Progress(label, len(reqs))
+                t_phase = time.perf_counter()
+                try:
+                    if loop == "open":
+                        at = arrival_times(len(reqs), value, seed=args.seed * 1000 + phase,
+                                           burstiness=args.burstiness)
+                        recs = await run_open_loop(rack.router_url, reqs, list(at),
+                                                   timeout_s=args.request_timeout,
+                                                   progress=progress)
+                    else:
+                        recs = await run_closed_loop(rack.router_url, reqs, int(value),
+                                                     timeout_s=args.request_timeout,
+                                                     progress=progress)
+                finally:
+                    progress.close()
+                after = {r: await _health(session, u) for r, u in workers.items()}
+                summary = summarize(recs, ttft_slo_ms=args.ttft_slo_ms)
+                summary["ideal_hit_rate"] = ideal_hit_rate(reqs, args.block_tokens)
+                summary["wall_s"] = time.perf_counter() - t_phase
+                entry["phases"].append({
+                    "phase": phase, "workload": kind, "loop": loop, "value": value,
+                    "label": load_label(loop, value), "summary": summary,
+                    "engine": {r: _engine_delta(before[r], after[r]) for r in workers},
+                    "records": [r.to_json() for r in recs]})
+                write()
+    entry["run_s"] = round(time.perf_counter() - t0, 2)
+
+
+async def stop_rack(rack: Any, entry: dict[str, Any]) -> None:
+    """Stop ``rack`` (idempotent), keeping what the stop reports and how long it took."""
+    t0 = time.perf_counter()
+    entry["stop_problems"] = await asyncio.shield(rack.stop())
+    entry["stop_s"] = round(time.perf_counter() - t0, 2)
+
+
+def _remove_leftover_regions() -> None:
+    for path in glob.glob(f"/dev/shm/tract-bench-{os.getpid()}-*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def run_all(args: argparse.Namespace, report: dict[str, Any],
+                  write: Callable[[], None]) -> None:
+    """Every requested system in turn; a system that fails is recorded and the run goes on.
+
+    A finished system's rack stops (seconds: each service cleans up) while the next one starts;
+    the next system's phases begin only once that stop is over, so no phase shares the CPU with
+    another rack. With ``--parallel-starts`` every rack is started first, all at once, and the
+    idle ones (heartbeats, lock managers) and the stopping ones do share it: faster where cores
+    are plenty (a CI machine), not for figures to compare.
+    """
+    from tract_async.cuda.telemetry import NvmlSampler
+    sampler = NvmlSampler(interval_s=0.1)
+    report["telemetry"] = {"available": sampler.available, "reason": sampler.reason or None}
+    chosen = [s for s in SYSTEMS if s.name in args.system_list]
+    entries: dict[str, dict[str, Any]] = {}
+    for system in chosen:
+        entries[system.name] = report["systems"][system.name] = {
+            "what": system.what, "mode": system.mode, "phases": [], "status": "pending"}
+    racks = {s.name: make_rack(s, args) for s in chosen if s.mode is not None}
+    try:
+        async with asyncio.TaskGroup() as tg:
+            sampling = tg.create_task(sampler.run())
+            stops: list[asyncio.Task[None]] = []
+            try:
+                started: dict[str, BaseException | None] = {}
+                if args.parallel_starts:
+                    names = [s.name for s in chosen if s.name in racks]
+                    outcomes = await asyncio.gather(
+                        *(start_rack(s, racks[s.name], entries[s.name]) for s in chosen
+                          if s.name in racks), return_exceptions=True)
+                    started = dict(zip(names, outcomes))
+                for system in chosen:
+                    rack = racks.get(system.name)
+                    if rack is None:
+                        entries[system.name].update(status="absent", reason=nixl_absent_reason())
+                        print(f"[{system.name}] absent: {entries[system.name]['reason']}",
+                              file=sys.stderr, flush=True)
+                        write()
+                        continue
+                    await _run_one(system, rack, started, stops, args, entries[system.name],
+                                   sampler, write)
+                    stops.append(tg.create_task(stop_rack(rack, entries[system.name])))
+                if stops:
+                    await asyncio.wait(stops)
+            finally:
+                sampling.cancel()
+                report["telemetry"].update(sampler.summary(), series=sampler.series(),
+                                           marks=sampler.marks)
+    finally:
+        for rack in racks.values():   # idempotent: those already stopped return at once
+            await asyncio.shield(rack.stop())
+
+
+async def _run_one(system: System, rack: Any, started: dict[str, BaseException | None],
+                   stops: list[asyncio.Task[None]], args: argparse.Namespace,
+                   entry: dict[str, Any], sampler: Any, write: Callable[[], None]) -> None:
+    """One system's row: its rack started (unless it already is), the previous racks' stops
+    awaited (unless the racks run side by side), then its phases."""
+    entry["status"] = "running"
+    try:
+        if system.name in started:
+            if isinstance(started[system.name], BaseException):
+                raise started[system.name]  # type: ignore[misc]
+        else:
+            await start_rack(system, rack, entry)
+            if stops:
+                await asyncio.wait(stops)
+        await run_system(system, rack, args, entry, sampler, write)
+        entry["status"] = "ok"
+    except asyncio.CancelledError:
+        entry["status"] = "cancelled (budget or signal)"
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded; the next system still runs
+        entry.update(status="error", reason=f"{type(exc).__name__}: {exc}",
+                     traceback=traceback.format_exc())
+        print(f"[{system.name}] FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    finally:
+        write()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; exit status 0 when every servable system ran every phase."""
+    args = resolve_args(argv)
+    import tract_async as tract
+    from tract_async.serving.loadreport import (machine_info, markdown_summary,
+                                                print_summary_table)
+    args.out_dir = os.path.abspath(args.out_dir)
+    os.makedirs(args.out_dir, exist_ok=True)
+    out_json = os.path.join(args.out_dir, "results.json")
+    report: dict[str, Any] = {
+        "bench": "serve_load", "status": "running", "machine": machine_info(),
+        "seed": args.seed, "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "label": (f"{args.size}: {args.model} on {args.device}, prompts "
+                  f"{args.min_input_tokens}-{args.max_input_tokens} tokens, {args.output_len} out"
+                  + ("; racks started all at once (idle racks share the CPU: not for comparing "
+                     "figures)" if args.parallel_starts else "")),
+        "systems": {}}
+
+    def write() -> None:
+        tmp = out_json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        os.replace(tmp, out_json)
+
+    async def bounded() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
+        try:
+            async with asyncio.timeout(args.budget):
+                await run_all(args, report, write)
+            report["status"] = "ok"
+        except TimeoutError:
+            report["status"] = f"budget of {args.budget} s exhausted"
+        except asyncio.CancelledError:
+            report["status"] = "interrupted"
+
+    t0 = time.perf_counter()
+    try:
+        tract.run(bounded())
+    except Exception as exc:  # noqa: BLE001 - recorded, then re-reported by the exit status
+        report["status"] = f"error: {type(exc).__name__}: {exc}"
+    finally:
+        _remove_leftover_regions()
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    write()
+    md = markdown_summary(report)
+    with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+        f.write(md)
+    plots: list[str] = []
+    if not args.no_plots:
+        from tract_async.serving.loadplots import write_plots
+        plots = write_plots(report, args.out_dir)
+    report["plots"] = plots
+    write()
+    print(print_summary_table(report))
+    print(f"status: {report['status']}; wrote {out_json}, summary.md"
+          f"{', ' + ', '.join(os.path.basename(p) for p in plots) if plots else ''} "
+          f"({report['wall_s']:.0f} s)")
+    servable = [e for e in report["systems"].values() if e.get("status") != "absent"]
+    return 0 if report["status"] == "ok" and all(e.get("status") == "ok" for e in servable) else 1
+
+
+__all__ = ["PRESETS", "SYSTEMS", "System", "build_parser", "main", "nixl_absent_reason",
+           "resolve_args"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
