@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tract_async.cli import build_parser
-from tract_async.serving.loadbench import SYSTEM_NAMES, resolve_args
+from tract_async.serving.loadbench import SYSTEM_NAMES, loads, resolve_args
 
 
 def test_bench_serve_is_a_cli_subcommand_that_passes_its_options_on():
@@ -30,12 +30,14 @@ def test_bench_serve_is_a_cli_subcommand_that_passes_its_options_on():
 def test_presets_fill_what_is_left_unset_and_bad_input_is_refused(capsys):
     a = resolve_args(["--size", "cpu", "--rates", "1,inf", "--output-len", "3"])
     assert a.rate_list == [1.0, math.inf] and a.output_len == 3 and a.concurrency_list == [4]
+    assert loads(a, "chat") == [("open", 1.0), ("open", math.inf), ("closed", 4.0)]
+    assert loads(a, "rag") == [("open", 1.0)]      # only chat is swept at the cpu size
     assert (a.min_input_tokens, a.max_input_tokens) == (32, 512)   # 512-8192 scaled by 1/16
     assert a.workload_list == ["chat", "rag", "agentic", "unique"]
     h = resolve_args(["--size", "h200"])
     assert (h.model, h.device, h.min_input_tokens, h.max_input_tokens) == ("llama3-8b", "cuda", 512, 8192)
     for bad in (["--systems", "carrier-pigeon"], ["--workloads", "poetry"], ["--rates", "fast"],
-                ["--rates", "", "--concurrency", ""], ["--rates", "-1"]):
+                ["--rates", "", "--concurrency", ""], ["--rates", "-1"], ["--sweep", "poetry"]):
         with pytest.raises(SystemExit):
             resolve_args(bad)
     assert "carrier-pigeon" in capsys.readouterr().err

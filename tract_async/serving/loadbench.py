@@ -75,18 +75,20 @@ SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", dtype=None, workloads="chat", requests=8,
                   input_len="512:4096", length_scale=1 / 16, output_len=4, rates="8",
-                  concurrency="", group_size=4, region_bytes=64 << 20, kv_pool_bytes=32 << 20,
+                  concurrency="", sweep="all", group_size=4, region_bytes=64 << 20,
+                  kv_pool_bytes=32 << 20,
                   ttft_slo_ms=500.0, warmup=1, start_timeout=120.0, request_timeout=60.0,
                   budget=240.0, parallel_starts=False),
     "cpu": dict(model="tiny", device="cpu", dtype=None, workloads=",".join(WORKLOADS),
                 requests=16, input_len="512:8192", length_scale=1 / 16, output_len=16,
-                rates="2,6", concurrency="4", group_size=4, region_bytes=256 << 20,
+                rates="4,8,16", concurrency="4", sweep="chat", group_size=4,
+                region_bytes=256 << 20,
                 kv_pool_bytes=64 << 20, ttft_slo_ms=250.0, warmup=2, start_timeout=120.0,
                 request_timeout=120.0, budget=1800.0, parallel_starts=False),
     "h200": dict(model="llama3-8b", device="cuda", dtype="bfloat16",
                  workloads=",".join(WORKLOADS), requests=32, input_len="512:8192",
                  length_scale=1.0, output_len=64, rates="0.5,1,2,3", concurrency="8",
-                 group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
+                 sweep="all", group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
                  ttft_slo_ms=2000.0, warmup=2, start_timeout=300.0, request_timeout=600.0,
                  budget=1800.0, parallel_starts=False),
 }
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default=None,
                    help="open-loop Poisson rates (req/s, 'inf' = all at once), comma-separated")
     p.add_argument("--concurrency", default=None, help="closed-loop client counts, comma-separated")
+    p.add_argument("--sweep", default=None,
+                   help="workloads that get every rate and client count (the others: the first "
+                        "load only); 'all' for every workload")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="goodput's TTFT objective")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and arrivals")
@@ -144,6 +149,7 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     args.system_list = _split(args.systems)
     args.workload_list = _split(args.workloads)
+    args.sweep_list = args.workload_list if args.sweep == "all" else _split(args.sweep)
     try:
         args.rate_list = [float(x) for x in _split(args.rates)]
         args.concurrency_list = [int(x) for x in _split(args.concurrency)]
@@ -153,7 +159,7 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.min_input_tokens = max(8, round(lo * args.length_scale))
     args.max_input_tokens = max(args.min_input_tokens, round(hi * args.length_scale))
     bad = ([s for s in args.system_list if s not in SYSTEM_NAMES]
-           + [w for w in args.workload_list if w not in WORKLOADS])
+           + [w for w in args.workload_list + args.sweep_list if w not in WORKLOADS])
     if bad:
         p.error(f"unknown system(s) or workload(s) {bad}; systems: {', '.join(SYSTEM_NAMES)}; "
                 f"workloads: {', '.join(WORKLOADS)}")
@@ -168,10 +174,12 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in (text or "").split(",") if x.strip()]
 
 
-def loads(args: argparse.Namespace) -> list[tuple[str, float]]:
-    """The loads of every workload: ``("open", rate)`` then ``("closed", clients)``."""
-    return ([("open", r) for r in args.rate_list]
-            + [("closed", float(c)) for c in args.concurrency_list])
+def loads(args: argparse.Namespace, kind: str) -> list[tuple[str, float]]:
+    """The loads of workload ``kind``: ``("open", rate)`` for every rate, then ``("closed",
+    clients)`` for every client count; a workload outside ``--sweep`` gets only the first."""
+    every = ([("open", r) for r in args.rate_list]
+             + [("closed", float(c)) for c in args.concurrency_list])
+    return every if kind in args.sweep_list else every[:1]
 
 
 def load_label(loop: str, value: float) -> str:
@@ -278,7 +286,7 @@ async def run_system(system: System, rack: Any, args: argparse.Namespace, entry:
     phase = 0
     async with aiohttp.ClientSession() as session:
         for kind in args.workload_list:
-            for loop, value in loads(args):
+            for loop, value in loads(args, kind):
                 phase += 1
                 reqs = build_requests(_spec(args, kind, phase, args.requests))
                 label = f"[{system.name}] {kind} @ {load_label(loop, value)}"

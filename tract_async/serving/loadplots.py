@@ -78,7 +78,7 @@ def plot_ttft_cdf(report: dict[str, Any], path: str) -> str | None:
             label = phase["label"]
         ax.set_title(f"{w} @ {label}", fontsize=9)
         ax.set_xlabel("TTFT (ms)")
-        ax.set_xscale("log")
+        ax.set_xlim(left=0)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("fraction of requests")

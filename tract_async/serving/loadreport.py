@@ -115,7 +115,8 @@ def markdown_summary(report: dict[str, Any]) -> str:
             f"| {_num(s['goodput_rps'])} | {s['hit_rate']:.0%} ({s['ideal_hit_rate']:.0%}) "
             f"| {_mib(s['kv_bytes'])} | {_num(r['lock_wait_ms'], 1)} |")
     lines += ["", "Mean per-request breakdown (ms; durations, not a partition: with layer "
-              "streaming the KV store overlaps the compute):", "",
+              "streaming the KV store overlaps the compute, and what the components leave of the "
+              "TTFT is the HTTP hops between client, router and workers):", "",
               "| system | workload | load | " + " | ".join(COMPONENTS) + " | TTFT mean |",
               "|" + "---|" * (4 + len(COMPONENTS))]
     for r in phase_rows(report):
