@@ -51,6 +51,10 @@ def test_smoke_size_runs_every_system_and_reports_real_outcomes(tmp_path):
                           timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
+    records: dict[str, list[dict]] = {}
+    for line in (out / "records.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        records.setdefault(r["system"], []).append(r)
     assert report["status"] == "ok" and report["seed"] == 0
     assert report["machine"]["versions"]["torch"] and report["args"]["size"] == "smoke"
     assert set(report["systems"]) == set(SYSTEM_NAMES)
@@ -61,9 +65,10 @@ def test_smoke_size_runs_every_system_and_reports_real_outcomes(tmp_path):
         [phase] = entry["phases"]
         s = phase["summary"]
         assert s["completed"] == s["requests"] == 8, (name, s["errors"])
-        ttfts = [r["first_token_s"] - r["sent_s"] for r in phase["records"]]
+        assert len(records[name]) == 8
+        ttfts = [r["first_token_s"] - r["sent_s"] for r in records[name]]
         assert all(t > 0 for t in ttfts) and s["ttft_p99_ms"] >= s["ttft_p50_ms"] > 0
-        assert all(r["output_tokens"] == 4 for r in phase["records"])
+        assert all(r["output_tokens"] == 4 and r["error"] is None for r in records[name])
         assert s["throughput_rps"] > 0 and s["ideal_hit_rate"] > 0.3
         if name == "region-cache":
             assert s["hit_rate"] > 0 and s["hit_blocks"] <= s["ideal_hit_rate"] * s["full_blocks"] + 1e-9

@@ -185,8 +185,15 @@ def test_breakdown_of_each_transport_by_hand():
                 "got_L0": 7.2, "store_begin_L1": 9.0, "put_L1": 10.0, "got_L1": 10.5,
                 "prefill_done": 10.1, "first_token": 12.0}
     assert breakdown_ms(streamed) == pytest.approx(
-        {"queue": 1.5 + 0.2, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0, "kv_load": 0.5,
+        {"queue": 1.5, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0, "kv_load": 0.5,
          "first_decode_step": 1.5})
+    # the same, but decode got its compute slot only after the KV was complete (at 10.0):
+    # 1.0 more of queue, and the hop counts from the slot
+    late = {**streamed, "decode_compute_start": 11.0, "got_L0": 11.3, "got_L1": 11.8,
+            "first_token": 13.0}
+    assert breakdown_ms(late) == pytest.approx(
+        {"queue": 1.5 + 1.0, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
+         "kv_load": 0.8, "first_decode_step": 1.2})
     modelled = {"prefill_recv": 1.0, "prefill_compute_start": 1.0, "prefill_done": 5.0,
                 "decode_recv": 6.0, "kv_load_begin": 6.0, "kv_model_due": 6.5, "kv_load_done": 6.6,
                 "decode_compute_start": 6.6, "got_L0": 6.7, "first_token": 8.7}

@@ -20,8 +20,8 @@ The systems, each named for what it is:
 
 Before and after each phase it reads the workers' ``/health`` (engine counters: hits, bytes,
 lock waits) and keeps the difference; with an NVML GPU it samples PCIe RX/TX all along. The
-results go to ``results.json`` (machine, versions, seed, arguments, every record) after every
-phase, so a run cut short by ``--budget`` or Ctrl-C keeps what finished; then ``summary.md``
+results go to ``results.json`` (machine, versions, seed, arguments, every phase's metrics) after
+every phase, and each request's record to ``records.jsonl`` at the end, so a run cut short by ``--budget`` or Ctrl-C keeps what finished; then ``summary.md``
 and the plots (:mod:`.loadplots`).
 """
 from __future__ import annotations
@@ -70,8 +70,10 @@ SYSTEMS: tuple[System, ...] = (
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
-#: Sizes: ``smoke`` is the CI run (tiny model, CPU, well under a minute of load), ``cpu`` the
-#: README's run on a 2-core VM, ``h200`` the paper's axes with Llama-3-8B geometry on one GPU.
+#: Sizes: ``smoke`` is the CI run (tiny model, CPU, a few seconds of load per system), ``cpu``
+#: the README's run on a 2-core VM (about three minutes), ``h200`` the paper's axes with
+#: Llama-3-8B geometry on one GPU (about 15 minutes: five racks of two 16 GB workers; the
+#: paper's QPS 3.0 is the top rate). The h200 size has not been run yet.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", dtype=None, workloads="chat", requests=8,
                   input_len="512:4096", length_scale=1 / 16, output_len=4, rates="8",
@@ -86,9 +88,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                 kv_pool_bytes=64 << 20, ttft_slo_ms=250.0, warmup=2, start_timeout=120.0,
                 request_timeout=120.0, budget=1800.0, parallel_starts=False),
     "h200": dict(model="llama3-8b", device="cuda", dtype="bfloat16",
-                 workloads=",".join(WORKLOADS), requests=32, input_len="512:8192",
-                 length_scale=1.0, output_len=64, rates="0.5,1,2,3", concurrency="8",
-                 sweep="all", group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
+                 workloads=",".join(WORKLOADS), requests=16, input_len="512:8192",
+                 length_scale=1.0, output_len=64, rates="1,2,3", concurrency="8",
+                 sweep="chat", group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
                  ttft_slo_ms=2000.0, warmup=2, start_timeout=300.0, request_timeout=600.0,
                  budget=1800.0, parallel_starts=False),
 }
@@ -131,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=None, help="seconds per service start")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
-    p.add_argument("--out-dir", default="tract-bench-out", help="results.json, summary.md, plots")
+    p.add_argument("--out-dir", default="tract-bench-out",
+                   help="results.json, records.jsonl, summary.md, plots, service logs")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--parallel-starts", action=argparse.BooleanOptionalAction, default=None,
                    help="start every rack first, at once (the smoke size's default: faster, "
@@ -432,10 +435,23 @@ def main(argv: list[str] | None = None) -> int:
         "systems": {}}
 
     def write() -> None:
+        # the per-request records go to records.jsonl (written at the end): results.json
+        # stays small enough to commit next to the README
+        slim = {**report, "systems": {n: {**e, "phases": [
+            {k: v for k, v in p.items() if k != "records"} for p in e.get("phases", [])]}
+            for n, e in report["systems"].items()}}
         tmp = out_json + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+            json.dump(slim, f, indent=1, default=str)
         os.replace(tmp, out_json)
+
+    def write_records() -> None:
+        with open(os.path.join(args.out_dir, "records.jsonl"), "w") as f:
+            for name, entry in report["systems"].items():
+                for p in entry.get("phases", []):
+                    for r in p["records"]:
+                        f.write(json.dumps({"system": name, "phase": p["phase"],
+                                            "load": p["label"], **r}, default=str) + "\n")
 
     async def bounded() -> None:
         loop = asyncio.get_running_loop()
@@ -460,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         _remove_leftover_regions()
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     write()
+    write_records()
     md = markdown_summary(report)
     with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
         f.write(md)

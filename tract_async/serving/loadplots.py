@@ -88,9 +88,10 @@ def plot_ttft_cdf(report: dict[str, Any], path: str) -> str | None:
 
 def plot_rate_sweep(report: dict[str, Any], path: str) -> str | None:
     plt = _plt()
-    workloads = [w for w in _workloads(report) if any(
-        p["loop"] == "open" and not math.isinf(p["value"]) and p["workload"] == w
-        for e in report["systems"].values() for p in e.get("phases", []))]
+    def rates(w: str) -> set[float]:
+        return {p["value"] for e in report["systems"].values() for p in e.get("phases", [])
+                if p["workload"] == w and p["loop"] == "open" and not math.isinf(p["value"])}
+    workloads = [w for w in _workloads(report) if len(rates(w)) > 1]   # a sweep, not a point
     if not workloads:
         return None
     fig, axes = plt.subplots(2, len(workloads), figsize=(3.6 * len(workloads), 5.4), squeeze=False)

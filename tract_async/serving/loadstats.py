@@ -44,8 +44,8 @@ def breakdown_ms(events: Mapping[str, float]) -> dict[str, float]:
 
     * ``queue``: waiting for a worker's compute slot: prefill (``prefill_compute_start`` after
       the request reached it and read any prefix hit) plus decode (``decode_compute_start``
-      after the request reached it, or after its KV was in hand in the modes that fetch the
-      KV before computing: http, rdma-model);
+      after its KV was in hand: the fetch in http and rdma-model, the last layer's put with
+      layer streaming, the request's arrival in recompute);
     * ``prefix_load``: the prefill reading its cache hit from the region (``hit_read`` after
       ``lookup_done``);
     * ``prefill_compute``: ``prefill_compute_start`` -> ``prefill_done`` (the forward pass; the
@@ -54,8 +54,8 @@ def breakdown_ms(events: Mapping[str, float]) -> dict[str, float]:
       overlap the compute of later layers;
     * ``kv_load``: what the transfer added once the KV was complete at the prefill: the HTTP READ
       (``decode_recv`` -> ``http_read_done``), the modelled RDMA transfer (``kv_load_begin`` ->
-      ``kv_load_done``), or, with layer streaming, the last layer's hop (``put_L{last}`` ->
-      ``got_L{last}``);
+      ``kv_load_done``), or, with layer streaming, the last layer's hop (from ``put_L{last}``,
+      or from ``decode_compute_start`` if decode got its slot later, to ``got_L{last}``);
     * ``first_decode_step``: from the moment the decode worker had its last layer (or started,
       when nothing travels: recompute) to the first token.
 
@@ -77,20 +77,25 @@ def breakdown_ms(events: Mapping[str, float]) -> dict[str, float]:
                           if f"put_L{i}" in e and f"store_begin_L{i}" in e)
     got = _layers(e, "got_L")
     last_got = max(got) if got else None
+    puts = _layers(e, "put_L")
+    dcs = e.get("decode_compute_start")
     if "http_read_done" in e and "decode_recv" in e:
         out["kv_load"] = e["http_read_done"] - e["decode_recv"]
-        fetched = e["http_read_done"]
+        decode_ready = e["http_read_done"]
     elif "kv_load_done" in e and "kv_load_begin" in e:
         out["kv_load"] = e["kv_load_done"] - e["kv_load_begin"]
-        fetched = e["kv_load_done"]
-    else:
-        fetched = None
-        puts = _layers(e, "put_L")
-        if puts and last_got is not None:
-            out["kv_load"] = max(0.0, last_got - max(puts))
-    decode_ready = fetched if fetched is not None else e.get("decode_recv")
-    if decode_ready is not None and "decode_compute_start" in e:
-        out["queue"] += max(0.0, e["decode_compute_start"] - decode_ready)
+        decode_ready = e["kv_load_done"]
+    elif puts and last_got is not None:
+        # layer streaming: decode took its slot at dcs and waits there for the layers, so
+        # only the part of its wait after the KV was complete, and the last layer's hop once
+        # both were there, are on the critical path
+        kv_ready = max(puts)
+        out["kv_load"] = max(0.0, last_got - max(kv_ready, dcs if dcs is not None else kv_ready))
+        decode_ready = kv_ready
+    else:   # recompute, or a prompt without a full block: nothing travels
+        decode_ready = e.get("decode_recv")
+    if decode_ready is not None and dcs is not None:
+        out["queue"] += max(0.0, dcs - decode_ready)
     if "first_token" in e:
         start = last_got if last_got is not None else e.get("decode_compute_start")
         if start is not None:
