@@ -33,8 +33,8 @@ from aiohttp import web
 from tract_async.errors import TractError
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import (REGION_MODES, DecodeRequest, decode_past_len,
-                                          engine_mode, error_body, now)
+from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, DecodeRequest,
+                                          decode_past_len, error_body, now)
 from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
                                          worker_app)
@@ -108,7 +108,7 @@ class DecodeWorker:
             from tract_async.errors import TransferTimeout as RegionTimeout
             if self.cfg.mode == "rdma-model":
                 return past_len, None   # one get of every layer, in read_modelled
-            salt = (req.request_id,) if engine_mode(self.cfg.mode) == "transfer" else None
+            salt = (req.request_id,) if self.cfg.mode in SALTED_MODES else None
             keys = self.engine.block_keys(list(ids), extra_keys=salt)[:n_full]
             layer_bytes = n_full * self.layout.layer_bytes
 

@@ -12,8 +12,9 @@ ones with keys) to where the decode worker will read it:
   salted with the request id (a block lives until its one consumer has read it);
 * ``http``: every full block's KV is written into a span of the agent's registered pool, layer
   by layer; after the last layer the reply names the span for the decode worker's READ;
-* ``rdma-model``: as ``region-transfer`` (the region only carries the bytes; the decode worker
-  holds their arrival back to a modelled RDMA transfer: :mod:`.rdma_model`);
+* ``rdma-model``: puts as ``region-transfer`` does, keys salted, into a cache-mode engine (the
+  region only carries the bytes; the decode worker holds their arrival back to a modelled RDMA
+  transfer: :mod:`.rdma_model`; ``protocol.engine_mode`` says why cache mode);
 * ``recompute``: nothing is stored; the router does not call this worker (the decode worker
   computes the prompt itself), which stays up only so that every mode has the same rack.
 
@@ -33,8 +34,8 @@ from aiohttp import web
 from tract_async.errors import TractError
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import (REGION_MODES, PrefillReply, PrefillRequest, engine_mode,
-                                          error_body, now)
+from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, PrefillReply,
+                                          PrefillRequest, error_body, now)
 from tract_async.serving.service import (KVDevice, ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
                                          worker_app)
@@ -87,8 +88,7 @@ class PrefillWorker:
         hit, past_kv, past_len = 0, None, 0
         keys: list[bytes] = []
         if self.engine is not None:
-            transfer_only = engine_mode(self.cfg.mode) == "transfer"
-            salt = (req.request_id,) if transfer_only else None
+            salt = (req.request_id,) if self.cfg.mode in SALTED_MODES else None
             keys = self.engine.block_keys(ids, extra_keys=salt)
             if self.cfg.mode == "region-cache" and keys:
                 hit = self.engine.lookup(keys)

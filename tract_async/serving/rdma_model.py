@@ -2,8 +2,9 @@
 
 The paper's baseline is NIXL over RDMA (InfiniBand), which this machine does not have. Rather
 than leave the baseline out, the ``rdma-model`` mode runs the real prefill (measured), moves the
-KV through the region only as a carrier, and holds its arrival at the decode worker back until a
-modelled RDMA transfer of those bytes would have finished:
+KV through the region only as a carrier (salted keys, a lock-free cache-mode get), and holds its
+arrival at the decode worker back until a modelled RDMA transfer of those bytes would have
+finished:
 
     transfer_s = RDMA_LATENCY_S + nbytes / RDMA_BANDWIDTH_BPS
 
