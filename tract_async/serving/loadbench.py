@@ -21,8 +21,8 @@ The systems, each named for what it is:
 Before and after each phase it reads the workers' ``/health`` (engine counters: hits, bytes,
 lock waits) and keeps the difference; with an NVML GPU it samples PCIe RX/TX all along. The
 results go to ``results.json`` (machine, versions, seed, arguments, every phase's metrics) after
-every phase, and each request's record to ``records.jsonl`` at the end, so a run cut short by ``--budget`` or Ctrl-C keeps what finished; then ``summary.md``
-and the plots (:mod:`.loadplots`).
+every phase, so a run cut short by ``--budget`` or Ctrl-C keeps what finished, and each request's
+record to ``records.jsonl`` at the end; then ``summary.md`` and the plots (:mod:`.loadplots`).
 """
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", default=None,
                    help="workloads that get every rate and client count (the others: the first "
                         "load only); 'all' for every workload")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps (1: Poisson)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="goodput's TTFT objective")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and arrivals")
     p.add_argument("--warmup", type=int, default=None, help="uncounted requests per system")

@@ -97,15 +97,17 @@ def plot_rate_sweep(report: dict[str, Any], path: str) -> str | None:
     fig, axes = plt.subplots(2, len(workloads), figsize=(3.6 * len(workloads), 5.4), squeeze=False)
     for col, w in enumerate(workloads):
         for name in _systems(report):
-            pts = sorted((p["value"], p["summary"]) for p in report["systems"][name]["phases"]
-                         if p["workload"] == w and p["loop"] == "open" and not math.isinf(p["value"]))
+            pts = sorted(((p["value"], p["summary"]) for p in report["systems"][name]["phases"]
+                          if p["workload"] == w and p["loop"] == "open"
+                          and not math.isinf(p["value"])), key=lambda vs: vs[0])
             if not pts:
                 continue
             rates = [r for r, _ in pts]
             line = axes[0][col].plot(rates, [s["throughput_rps"] for _, s in pts], "o-", label=name)
             color = line[0].get_color()
             axes[1][col].plot(rates, [s["ttft_mean_ms"] for _, s in pts], "o-", color=color)
-            axes[1][col].plot(rates, [s["ttft_p99_ms"] for _, s in pts], "x--", color=color, alpha=0.6)
+            axes[1][col].plot(rates, [s["ttft_p99_ms"] for _, s in pts], "x--", color=color,
+                              alpha=0.6)
         axes[0][col].set_title(w, fontsize=9)
         axes[0][col].set_ylabel("completed req/s")
         axes[1][col].set_ylabel("TTFT ms (o mean, x p99)")
@@ -123,7 +125,8 @@ def plot_peak_throughput(report: dict[str, Any], path: str) -> str | None:
     for name in _systems(report):
         closed = [p["summary"] for p in report["systems"][name]["phases"] if p["loop"] == "closed"]
         if closed:
-            top = max(closed, key=lambda s: s["output_tok_s"] if s["output_tok_s"] == s["output_tok_s"] else -1)
+            top = max(closed, key=lambda s: -1.0 if math.isnan(s["output_tok_s"])
+                      else s["output_tok_s"])
             best[name] = (top["throughput_rps"], top["output_tok_s"])
     if not best:
         return None
@@ -175,7 +178,6 @@ def plot_breakdown(report: dict[str, Any], path: str) -> str | None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(3.6 * len(workloads), 3.4), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         names, label = [], ""
-        bottoms: list[float] = []
         phases = []
         for name in systems:
             phase = _first_phase(report["systems"][name], w)

@@ -111,7 +111,8 @@ def markdown_summary(report: dict[str, Any]) -> str:
             f"| {r['system']} | {r['workload']} | {r['load']} | {s['completed']}/{s['requests']} "
             f"| {_ms(s['ttft_mean_ms'])} | {_ms(s['ttft_p50_ms'])} | {_ms(s['ttft_p90_ms'])} "
             f"| {_ms(s['ttft_p99_ms'])} | {_num(r['speedup'])}x | {_num(r['p99_speedup'])}x "
-            f"| {_ms(s['tpot_mean_ms'])} | {_num(s['throughput_rps'])} | {_num(s['output_tok_s'], 0)} "
+            f"| {_ms(s['tpot_mean_ms'])} | {_num(s['throughput_rps'])} "
+            f"| {_num(s['output_tok_s'], 0)} "
             f"| {_num(s['goodput_rps'])} | {s['hit_rate']:.0%} ({s['ideal_hit_rate']:.0%}) "
             f"| {_mib(s['kv_bytes'])} | {_num(r['lock_wait_ms'], 1)} |")
     lines += ["", "Mean per-request breakdown (ms; durations, not a partition: with layer "

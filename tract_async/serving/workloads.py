@@ -129,7 +129,10 @@ def _groups(spec: WorkloadSpec) -> int:
     return max(1, math.ceil(spec.requests / spec.group_size))
 
 
-def _interleave(per_group: list[list[tuple[int, int, list[int]]]]) -> list[tuple[int, int, list[int]]]:
+_Prompt = tuple[int, int, list[int]]   # (group, step, token ids)
+
+
+def _interleave(per_group: list[list[_Prompt]]) -> list[_Prompt]:
     """Step 0 of every group, then step 1 of every group, ..."""
     out = []
     for step in range(max((len(g) for g in per_group), default=0)):
@@ -137,7 +140,7 @@ def _interleave(per_group: list[list[tuple[int, int, list[int]]]]) -> list[tuple
     return out
 
 
-def _chat(spec: WorkloadSpec, draw: _Draw) -> list[tuple[int, int, list[int]]]:
+def _chat(spec: WorkloadSpec, draw: _Draw) -> list[_Prompt]:
     # Turn k's prompt is system + k * (user + reply) + user: the first turn has min_input_tokens,
     # the last at most max_input_tokens, growing by one step per turn.
     turns, lo, hi = spec.group_size, spec.min_input_tokens, spec.max_input_tokens
@@ -161,7 +164,7 @@ def _chat(spec: WorkloadSpec, draw: _Draw) -> list[tuple[int, int, list[int]]]:
     return _interleave(per_group)
 
 
-def _rag(spec: WorkloadSpec, draw: _Draw) -> list[tuple[int, int, list[int]]]:
+def _rag(spec: WorkloadSpec, draw: _Draw) -> list[_Prompt]:
     # One instruction for all; each document's length drawn so that prompts span the range.
     lo, hi = spec.min_input_tokens, spec.max_input_tokens
     question = max(1, lo // 8)
@@ -176,7 +179,7 @@ def _rag(spec: WorkloadSpec, draw: _Draw) -> list[tuple[int, int, list[int]]]:
     return _interleave(per_group)
 
 
-def _agentic(spec: WorkloadSpec, draw: _Draw) -> list[tuple[int, int, list[int]]]:
+def _agentic(spec: WorkloadSpec, draw: _Draw) -> list[_Prompt]:
     # One tool set for every call, a third of the way through the length range (agents carry
     # thousands of tokens of tool schemas); each call's task fills the rest of its length.
     lo, hi = spec.min_input_tokens, spec.max_input_tokens
@@ -190,7 +193,7 @@ def _agentic(spec: WorkloadSpec, draw: _Draw) -> list[tuple[int, int, list[int]]
     return out
 
 
-def _unique(spec: WorkloadSpec, draw: _Draw) -> list[tuple[int, int, list[int]]]:
+def _unique(spec: WorkloadSpec, draw: _Draw) -> list[_Prompt]:
     lo, hi = spec.min_input_tokens, spec.max_input_tokens
     out = []
     for i in range(spec.requests):
