@@ -469,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
             report["status"] = "interrupted"
 
     t0 = time.perf_counter()
+    from tract_async.serving.protocol import REGION_MODES
+    if any(s.mode in REGION_MODES for s in SYSTEMS if s.name in args.system_list):
+        # Compile (or load from Numba's cache) the region kernels once, here: on a fresh host
+        # six workers compiling them at once miss their own deadlines (README, "Cold Numba cache")
+        from tract_async.warmup import warm_up
+        report["kernel_warmup_s"] = round(warm_up(backends=("hw",)), 1)
     try:
         tract.run(bounded())
     except Exception as exc:  # noqa: BLE001 - recorded, then re-reported by the exit status
