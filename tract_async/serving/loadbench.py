@@ -482,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _remove_leftover_regions()
     report["wall_s"] = round(time.perf_counter() - t0, 1)
+    report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     write()
     write_records()
     md = markdown_summary(report)

@@ -26,7 +26,9 @@ def machine_info() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
     info: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
                             "cores": os.cpu_count(),
-                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            # other work on a shared host moves every figure: say how much
+                            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f
@@ -95,8 +97,9 @@ def markdown_summary(report: dict[str, Any]) -> str:
     lines = [f"# tract bench serve: {report.get('label', '')}", "",
              f"{m.get('cpu') or '?'} x {m.get('cores')} cores, {m.get('mem_total_gib')} GiB"
              f"{', GPU ' + m['gpu'] if m.get('gpu') else ', no GPU'}; torch "
-             f"{m['versions'].get('torch')}; commit {m.get('git')}; {m.get('date')}; seed "
-             f"{report.get('seed')}; status: {report.get('status')}", "",
+             f"{m['versions'].get('torch')}; commit {m.get('git')}; {m.get('date')}; load "
+             f"average {m.get('loadavg_start')} at the start, {report.get('loadavg_end')} at the "
+             f"end; seed {report.get('seed')}; status: {report.get('status')}", "",
              f"TTFT is client-side (request written -> first token read). Speed-ups are the "
              f"`http` row's TTFT over the system's, same phase, same run. Goodput: requests with "
              f"TTFT <= {report['args'].get('ttft_slo_ms')} ms per second. Hit rate: measured "
