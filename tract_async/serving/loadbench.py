@@ -3,7 +3,9 @@
 For each system it starts the serving stack (:class:`~tract_async.serving.launcher.Rack`: a
 region where the system has one, a prefill worker, a decode worker, a router, on loopback), sends
 a few warm-up requests, then runs every phase (workload x load) against the router's
-``/v1/completions``, and stops the rack. A phase is one seeded request stream
+``/v1/completions``, and stops the rack; one system after the other, or all racks up at once
+with the phases interleaved across systems (:func:`run_all` says when each is the right
+choice). A phase is one seeded request stream
 (:mod:`.workloads`) sent in an open loop at a Poisson rate or in a closed loop of N clients
 (:mod:`.loadgen`); its metrics are :mod:`.loadstats`'. Phase ``p`` gets the same prompts on
 every system and shares no block with any other phase.
@@ -80,19 +82,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                   concurrency="", sweep="all", group_size=4, region_bytes=64 << 20,
                   kv_pool_bytes=32 << 20,
                   ttft_slo_ms=500.0, warmup=1, start_timeout=120.0, request_timeout=60.0,
-                  budget=240.0, parallel_starts=False),
+                  budget=240.0, interleave=False),
     "cpu": dict(model="tiny", device="cpu", dtype=None, workloads=",".join(WORKLOADS),
                 requests=16, input_len="512:8192", length_scale=1 / 16, output_len=16,
                 rates="4,8,16", concurrency="4", sweep="chat", group_size=4,
                 region_bytes=256 << 20,
                 kv_pool_bytes=64 << 20, ttft_slo_ms=250.0, warmup=2, start_timeout=120.0,
-                request_timeout=120.0, budget=1800.0, parallel_starts=False),
+                request_timeout=120.0, budget=1800.0, interleave=True),
     "h200": dict(model="llama3-8b", device="cuda", dtype="bfloat16",
                  workloads=",".join(WORKLOADS), requests=16, input_len="512:8192",
                  length_scale=1.0, output_len=64, rates="1,2,3", concurrency="8",
                  sweep="chat", group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
                  ttft_slo_ms=2000.0, warmup=2, start_timeout=300.0, request_timeout=600.0,
-                 budget=1800.0, parallel_starts=False),
+                 budget=1800.0, interleave=False),
 }
 
 
@@ -137,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="tract-bench-out",
                    help="results.json, records.jsonl, summary.md, plots, service logs")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--parallel-starts", action=argparse.BooleanOptionalAction, default=None,
-                   help="start every rack first, at once (the smoke size's default: faster, "
-                        "but the idle racks take some CPU from the measured one)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="start every rack first, then run each phase on every system before "
+                        "the next phase (robust to a shared host's changing load; the cpu "
+                        "size's default)")
     return p
 
 
@@ -272,63 +275,84 @@ async def start_rack(system: System, rack: Any, entry: dict[str, Any]) -> None:
     print(f"[{system.name}] up in {entry['start_s']} s", file=sys.stderr, flush=True)
 
 
-async def run_system(system: System, rack: Any, args: argparse.Namespace, entry: dict[str, Any],
-                     sampler: Any, write: Callable[[], None]) -> None:
-    """Run every phase against the started ``rack`` of ``system`` (results into ``entry``)."""
+async def stop_rack(rack: Any, entry: dict[str, Any]) -> None:
+    """Stop ``rack`` (idempotent), keeping what the stop reports and how long it took."""
+    t0 = time.perf_counter()
+    entry["stop_problems"] = await asyncio.shield(rack.stop())
+    entry["stop_s"] = round(time.perf_counter() - t0, 2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Step:
+    """One phase of the plan: its number (1.., the prompts' salt), workload and load."""
+    phase: int
+    kind: str
+    loop: str
+    value: float
+
+    @property
+    def label(self) -> str:
+        return load_label(self.loop, self.value)
+
+
+def phase_plan(args: argparse.Namespace) -> list[Step]:
+    """Every phase, in the order each system runs them (the same for every system)."""
+    steps: list[Step] = []
+    for kind in args.workload_list:
+        for loop, value in loads(args, kind):
+            steps.append(Step(phase=len(steps) + 1, kind=kind, loop=loop, value=value))
+    return steps
+
+
+async def warm_system(rack: Any, args: argparse.Namespace, entry: dict[str, Any]) -> None:
+    """A few requests that are not counted (first-request costs: connections, allocations)."""
+    from tract_async.serving.loadgen import run_closed_loop
+    from tract_async.serving.workloads import build_requests
+    if args.warmup:
+        warm = build_requests(_spec(args, args.workload_list[0], WARMUP_PHASE, args.warmup))
+        recs = await run_closed_loop(rack.router_url, warm, 1, timeout_s=args.request_timeout)
+        entry["warmup_errors"] = [r.error for r in recs if r.error]
+
+
+async def run_phase(system: System, rack: Any, step: Step, args: argparse.Namespace,
+                    entry: dict[str, Any], sampler: Any, write: Callable[[], None]) -> None:
+    """One phase against the started ``rack``: its records, metrics and engine counters go to
+    ``entry['phases']``, and the results file is rewritten."""
     import aiohttp
 
     from tract_async.serving.loadgen import (Progress, arrival_times, run_closed_loop,
                                              run_open_loop)
     from tract_async.serving.loadstats import summarize
     from tract_async.serving.workloads import build_requests, ideal_hit_rate
-    t0 = time.perf_counter()
-    if args.warmup:
-        warm = build_requests(_spec(args, args.workload_list[0], WARMUP_PHASE, args.warmup))
-        recs = await run_closed_loop(rack.router_url, warm, 1, timeout_s=args.request_timeout)
-        entry["warmup_errors"] = [r.error for r in recs if r.error]
     workers = {role: rack.url_of(role) for role in ("prefill", "decode")}
-    phase = 0
+    reqs = build_requests(_spec(args, step.kind, step.phase, args.requests))
     async with aiohttp.ClientSession() as session:
-        for kind in args.workload_list:
-            for loop, value in loads(args, kind):
-                phase += 1
-                reqs = build_requests(_spec(args, kind, phase, args.requests))
-                label = f"[{system.name}] {kind} @ {load_label(loop, value)}"
-                before = {r: await _health(session, u) for r, u in workers.items()}
-                sampler.mark(f"{system.name} {kind} {load_label(loop, value)}")
-                progress = Progress(label, len(reqs))
-                t_phase = time.perf_counter()
-                try:
-                    if loop == "open":
-                        at = arrival_times(len(reqs), value, seed=args.seed * 1000 + phase,
-                                           burstiness=args.burstiness)
-                        recs = await run_open_loop(rack.router_url, reqs, list(at),
-                                                   timeout_s=args.request_timeout,
-                                                   progress=progress)
-                    else:
-                        recs = await run_closed_loop(rack.router_url, reqs, int(value),
-                                                     timeout_s=args.request_timeout,
-                                                     progress=progress)
-                finally:
-                    progress.close()
-                after = {r: await _health(session, u) for r, u in workers.items()}
-                summary = summarize(recs, ttft_slo_ms=args.ttft_slo_ms)
-                summary["ideal_hit_rate"] = ideal_hit_rate(reqs, args.block_tokens)
-                summary["wall_s"] = time.perf_counter() - t_phase
-                entry["phases"].append({
-                    "phase": phase, "workload": kind, "loop": loop, "value": value,
-                    "label": load_label(loop, value), "summary": summary,
-                    "engine": {r: _engine_delta(before[r], after[r]) for r in workers},
-                    "records": [r.to_json() for r in recs]})
-                write()
-    entry["run_s"] = round(time.perf_counter() - t0, 2)
-
-
-async def stop_rack(rack: Any, entry: dict[str, Any]) -> None:
-    """Stop ``rack`` (idempotent), keeping what the stop reports and how long it took."""
-    t0 = time.perf_counter()
-    entry["stop_problems"] = await asyncio.shield(rack.stop())
-    entry["stop_s"] = round(time.perf_counter() - t0, 2)
+        before = {r: await _health(session, u) for r, u in workers.items()}
+        sampler.mark(f"{system.name} {step.kind} {step.label}")
+        progress = Progress(f"[{system.name}] {step.kind} @ {step.label}", len(reqs))
+        t0 = time.perf_counter()
+        try:
+            if step.loop == "open":
+                at = arrival_times(len(reqs), step.value, seed=args.seed * 1000 + step.phase,
+                                   burstiness=args.burstiness)
+                recs = await run_open_loop(rack.router_url, reqs, list(at),
+                                           timeout_s=args.request_timeout, progress=progress)
+            else:
+                recs = await run_closed_loop(rack.router_url, reqs, int(step.value),
+                                             timeout_s=args.request_timeout, progress=progress)
+        finally:
+            progress.close()
+        wall = time.perf_counter() - t0
+        after = {r: await _health(session, u) for r, u in workers.items()}
+    summary = summarize(recs, ttft_slo_ms=args.ttft_slo_ms)
+    summary["ideal_hit_rate"] = ideal_hit_rate(reqs, args.block_tokens)
+    summary["wall_s"] = wall
+    entry["phases"].append({
+        "phase": step.phase, "workload": step.kind, "loop": step.loop, "value": step.value,
+        "label": step.label, "summary": summary,
+        "engine": {r: _engine_delta(before[r], after[r]) for r in workers},
+        "records": [r.to_json() for r in recs]})
+    write()
 
 
 def _remove_leftover_regions() -> None:
@@ -337,15 +361,24 @@ def _remove_leftover_regions() -> None:
             os.unlink(path)
 
 
+def _failed(system: System, entry: dict[str, Any], exc: Exception) -> None:
+    entry.update(status="error", reason=f"{type(exc).__name__}: {exc}",
+                 traceback=traceback.format_exc())
+    print(f"[{system.name}] FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
 async def run_all(args: argparse.Namespace, report: dict[str, Any],
                   write: Callable[[], None]) -> None:
-    """Every requested system in turn; a system that fails is recorded and the run goes on.
+    """Every requested system over the same phases; a system that fails is recorded and the
+    run goes on without it.
 
-    A finished system's rack stops (seconds: each service cleans up) while the next one starts;
-    the next system's phases begin only once that stop is over, so no phase shares the CPU with
-    another rack. With ``--parallel-starts`` every rack is started first, all at once, and the
-    idle ones (heartbeats, lock managers) and the stopping ones do share it: faster where cores
-    are plenty (a CI machine), not for figures to compare.
+    Two schedules. In turn (the default): one rack at a time, all its phases, then the next
+    (a finished rack stops while the next one starts; the next phases begin once the stop is
+    over, so no phase shares the host with another rack). Interleaved (``--interleave``): every
+    rack is started first, then each phase runs on every system before the next phase (the
+    order rotating from phase to phase), so that a change in the host's other load (a shared
+    VM) falls on every system alike instead of on whichever ran at the time; the idle racks'
+    heartbeats and lock managers take a little CPU throughout, the same for all.
     """
     from tract_async.cuda.telemetry import NvmlSampler
     sampler = NvmlSampler(interval_s=0.1)
@@ -355,66 +388,95 @@ async def run_all(args: argparse.Namespace, report: dict[str, Any],
     for system in chosen:
         entries[system.name] = report["systems"][system.name] = {
             "what": system.what, "mode": system.mode, "phases": [], "status": "pending"}
+        if system.mode is None:
+            entries[system.name].update(status="absent", reason=nixl_absent_reason())
+            print(f"[{system.name}] absent: {entries[system.name]['reason']}", file=sys.stderr,
+                  flush=True)
+    write()
     racks = {s.name: make_rack(s, args) for s in chosen if s.mode is not None}
+    servable = [s for s in chosen if s.name in racks]
+    plan = phase_plan(args)
     try:
         async with asyncio.TaskGroup() as tg:
             sampling = tg.create_task(sampler.run())
-            stops: list[asyncio.Task[None]] = []
             try:
-                started: dict[str, BaseException | None] = {}
-                if args.parallel_starts:
-                    names = [s.name for s in chosen if s.name in racks]
-                    outcomes = await asyncio.gather(
-                        *(start_rack(s, racks[s.name], entries[s.name]) for s in chosen
-                          if s.name in racks), return_exceptions=True)
-                    started = dict(zip(names, outcomes))
-                for system in chosen:
-                    rack = racks.get(system.name)
-                    if rack is None:
-                        entries[system.name].update(status="absent", reason=nixl_absent_reason())
-                        print(f"[{system.name}] absent: {entries[system.name]['reason']}",
-                              file=sys.stderr, flush=True)
-                        write()
-                        continue
-                    await _run_one(system, rack, started, stops, args, entries[system.name],
-                                   sampler, write)
-                    stops.append(tg.create_task(stop_rack(rack, entries[system.name])))
-                if stops:
-                    await asyncio.wait(stops)
+                if args.interleave:
+                    await _run_interleaved(servable, racks, plan, args, entries, sampler, write)
+                else:
+                    await _run_in_turn(servable, racks, plan, args, entries, sampler, write, tg)
+            except asyncio.CancelledError:
+                for e in entries.values():
+                    if e["status"] in ("pending", "running"):
+                        e["status"] = "cancelled (budget or signal)"
+                raise
             finally:
                 sampling.cancel()
                 report["telemetry"].update(sampler.summary(), series=sampler.series(),
                                            marks=sampler.marks)
     finally:
-        for rack in racks.values():   # idempotent: those already stopped return at once
-            await asyncio.shield(rack.stop())
+        for name, rack in racks.items():   # idempotent: those already stopped return at once
+            if "stop_s" not in entries[name]:
+                await stop_rack(rack, entries[name])
+        write()
 
 
-async def _run_one(system: System, rack: Any, started: dict[str, BaseException | None],
-                   stops: list[asyncio.Task[None]], args: argparse.Namespace,
-                   entry: dict[str, Any], sampler: Any, write: Callable[[], None]) -> None:
-    """One system's row: its rack started (unless it already is), the previous racks' stops
-    awaited (unless the racks run side by side), then its phases."""
-    entry["status"] = "running"
-    try:
-        if system.name in started:
-            if isinstance(started[system.name], BaseException):
-                raise started[system.name]  # type: ignore[misc]
-        else:
-            await start_rack(system, rack, entry)
+async def _run_in_turn(servable: list[System], racks: dict[str, Any], plan: list[Step],
+                       args: argparse.Namespace, entries: dict[str, dict[str, Any]],
+                       sampler: Any, write: Callable[[], None], tg: asyncio.TaskGroup) -> None:
+    stops: list[asyncio.Task[None]] = []
+    for system in servable:
+        rack, entry = racks[system.name], entries[system.name]
+        entry["status"] = "running"
+        try:
+            await start_rack(system, rack, entry)   # while the previous rack stops
             if stops:
                 await asyncio.wait(stops)
-        await run_system(system, rack, args, entry, sampler, write)
-        entry["status"] = "ok"
-    except asyncio.CancelledError:
-        entry["status"] = "cancelled (budget or signal)"
-        raise
-    except Exception as exc:  # noqa: BLE001 - recorded; the next system still runs
-        entry.update(status="error", reason=f"{type(exc).__name__}: {exc}",
-                     traceback=traceback.format_exc())
-        print(f"[{system.name}] FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    finally:
-        write()
+            await warm_system(rack, args, entry)
+            for step in plan:
+                await run_phase(system, rack, step, args, entry, sampler, write)
+            entry["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - recorded; the next system still runs
+            _failed(system, entry, exc)
+        finally:
+            write()
+        stops.append(tg.create_task(stop_rack(rack, entry)))
+    if stops:
+        await asyncio.wait(stops)
+
+
+async def _run_interleaved(servable: list[System], racks: dict[str, Any], plan: list[Step],
+                           args: argparse.Namespace, entries: dict[str, dict[str, Any]],
+                           sampler: Any, write: Callable[[], None]) -> None:
+    outcomes = await asyncio.gather(*(start_rack(s, racks[s.name], entries[s.name])
+                                      for s in servable), return_exceptions=True)
+    live: list[System] = []
+    for system, outcome in zip(servable, outcomes):
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):
+                raise outcome
+            _failed(system, entries[system.name], outcome)
+        else:
+            entries[system.name]["status"] = "running"
+            live.append(system)
+    for system in list(live):
+        try:
+            await warm_system(racks[system.name], args, entries[system.name])
+        except Exception as exc:  # noqa: BLE001 - recorded; the others still run
+            _failed(system, entries[system.name], exc)
+            live.remove(system)
+    for i, step in enumerate(plan):
+        k = i % len(live) if live else 0
+        for system in live[k:] + live[:k]:
+            try:
+                await run_phase(system, racks[system.name], step, args, entries[system.name],
+                                sampler, write)
+            except Exception as exc:  # noqa: BLE001 - recorded; the others still run
+                _failed(system, entries[system.name], exc)
+                live.remove(system)
+                await stop_rack(racks[system.name], entries[system.name])
+    for system in live:
+        entries[system.name]["status"] = "ok"
+    await asyncio.gather(*(stop_rack(racks[s.name], entries[s.name]) for s in live))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "args": {k: v for k, v in vars(args).items() if k != "func"},
         "label": (f"{args.size}: {args.model} on {args.device}, prompts "
                   f"{args.min_input_tokens}-{args.max_input_tokens} tokens, {args.output_len} out"
-                  + ("; racks started all at once (idle racks share the CPU: not for comparing "
-                     "figures)" if args.parallel_starts else "")),
+                  + ("; systems interleaved phase by phase" if args.interleave else
+                     "; systems in turn")),
         "systems": {}}
 
     def write() -> None:
