@@ -88,7 +88,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 rates="4,8,16", concurrency="4", sweep="chat", group_size=4,
                 region_bytes=256 << 20,
                 kv_pool_bytes=64 << 20, ttft_slo_ms=250.0, warmup=2, start_timeout=120.0,
-                request_timeout=120.0, budget=1800.0, interleave=True),
+                request_timeout=120.0, budget=1800.0, interleave=False),
     "h200": dict(model="llama3-8b", device="cuda", dtype="bfloat16",
                  workloads=",".join(WORKLOADS), requests=16, input_len="512:8192",
                  length_scale=1.0, output_len=64, rates="1,2,3", concurrency="8",
@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="start every rack first, then run each phase on every system before "
-                        "the next phase (robust to a shared host's changing load; the cpu "
-                        "size's default)")
+                        "the next phase (robust to a shared host's changing load, for hosts "
+                        "with cores to spare; off at every size)")
     return p
 
 
@@ -378,7 +378,10 @@ async def run_all(args: argparse.Namespace, report: dict[str, Any],
     rack is started first, then each phase runs on every system before the next phase (the
     order rotating from phase to phase), so that a change in the host's other load (a shared
     VM) falls on every system alike instead of on whichever ran at the time; the idle racks'
-    heartbeats and lock managers take a little CPU throughout, the same for all.
+    heartbeats, lock managers and pollers take CPU throughout, the same for all. That is for
+    hosts with cores to spare: on the 2-core VM, four idle racks next to the measured one made
+    the cpu size's run take 196 CPU-s instead of 140 (39 s of it in the kernel) and every TTFT
+    several times longer, so the cpu size runs the systems in turn.
     """
     from tract_async.cuda.telemetry import NvmlSampler
     sampler = NvmlSampler(interval_s=0.1)
