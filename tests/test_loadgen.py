@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import math
 
 import numpy as np
@@ -178,32 +179,33 @@ def test_breakdown_of_each_transport_by_hand():
             "store_begin_L1": 8.0, "put_L1": 8.25, "prefill_done": 9.0, "decode_recv": 10.0,
             "http_read_done": 14.0, "decode_compute_start": 15.0, "got_L0": 15.5, "got_L1": 16.0,
             "first_token": 19.0}
-    assert breakdown_ms(http) == {"queue": 2.0 + 1.0, "prefix_load": 0.0, "prefill_compute": 6.0,
-                                  "kv_store": 0.75, "kv_load": 4.0, "first_decode_step": 3.0}
+    assert breakdown_ms(http, router_ttft_ms=19.5) == {
+        "queue": 2.0 + 1.0, "prefix_load": 0.0, "prefill_compute": 6.0, "kv_store": 0.75,
+        "kv_load": 4.0, "first_decode_step": 4.0, "token_delivery": 0.5}
     streamed = {"prefill_recv": 1.0, "lookup_done": 1.5, "hit_read": 2.5, "prefill_compute_start": 4.0,
                 "decode_recv": 1.0, "decode_compute_start": 1.2, "store_begin_L0": 6.0, "put_L0": 7.0,
                 "got_L0": 7.2, "store_begin_L1": 9.0, "put_L1": 10.0, "got_L1": 10.5,
                 "prefill_done": 10.1, "first_token": 12.0}
     assert breakdown_ms(streamed) == pytest.approx(
         {"queue": 1.5, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0, "kv_load": 0.5,
-         "first_decode_step": 1.5})
+         "first_decode_step": 1.5, "token_delivery": 0.0})
     # the same, but decode got its compute slot only after the KV was complete (at 10.0):
     # 1.0 more of queue, and the hop counts from the slot
     late = {**streamed, "decode_compute_start": 11.0, "got_L0": 11.3, "got_L1": 11.8,
             "first_token": 13.0}
     assert breakdown_ms(late) == pytest.approx(
         {"queue": 1.5 + 1.0, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
-         "kv_load": 0.8, "first_decode_step": 1.2})
+         "kv_load": 0.8, "first_decode_step": 1.2, "token_delivery": 0.0})
     modelled = {"prefill_recv": 1.0, "prefill_compute_start": 1.0, "prefill_done": 5.0,
                 "decode_recv": 6.0, "kv_load_begin": 6.0, "kv_model_due": 6.5, "kv_load_done": 6.6,
                 "decode_compute_start": 6.6, "got_L0": 6.7, "first_token": 8.7}
     assert breakdown_ms(modelled) == pytest.approx(
         {"queue": 0.0, "prefix_load": 0.0, "prefill_compute": 4.0, "kv_store": 0.0, "kv_load": 0.6,
-         "first_decode_step": 2.0})
+         "first_decode_step": 2.1, "token_delivery": 0.0})
     recompute = {"decode_recv": 0.5, "decode_compute_start": 1.0, "first_token": 30.0}
     assert breakdown_ms(recompute) == pytest.approx(
         {"queue": 0.5, "prefix_load": 0.0, "prefill_compute": 0.0, "kv_store": 0.0, "kv_load": 0.0,
-         "first_decode_step": 29.0})
+         "first_decode_step": 29.0, "token_delivery": 0.0})
 
 
 def test_progress_prints_plain_lines_when_not_a_tty():
@@ -299,9 +301,36 @@ async def test_open_loop_sends_on_schedule_whatever_is_in_flight(fake_router):
     fake, url = fake_router
     arrivals = [0.0, 0.0, 0.0, 0.15]
     recs = await run_open_loop(url, _reqs(4), arrivals)
-    assert all(r.ok for r in recs) and fake.peak == 3     # three at once: nobody waited
+    # the three of t = 0 were in flight together: none waited for another (the fourth may
+    # find them still there on a slow host: 3 or 4, never fewer)
+    assert all(r.ok for r in recs) and fake.peak >= 3
     assert [r.scheduled_s for r in recs] == arrivals
     assert all(r.sent_s >= r.scheduled_s for r in recs)  # never early (late is reported)
     assert fake.arrived[3] - fake.arrived[0] > 0.15 - 0.005
     with pytest.raises(ValueError):
         await run_open_loop(url, _reqs(2), [0.1, 0.0])
+
+
+def test_resummarize_recomputes_a_run_from_its_records(tmp_path):
+    """A finished run's metrics come back from records.jsonl alone (no server)."""
+    from tract_async.serving.loadbench import resummarize
+    from tract_async.serving.loadreport import machine_info
+    recs = [_rec(0, 0.0, [0.010, 0.020], prompt=100, hit=2, full=6),
+            _rec(1, 0.1, [0.190, 0.200], prompt=200, hit=0, full=12)]
+    phase = {"phase": 1, "workload": "chat", "loop": "open", "value": 8.0, "label": "8 req/s",
+             "summary": {"ideal_hit_rate": 0.25, "wall_s": 1.0, "ttft_mean_ms": -1.0},
+             "engine": {}}
+    report = {"bench": "serve_load", "machine": machine_info(), "seed": 0, "status": "ok",
+              "args": {"ttft_slo_ms": 50.0}, "systems": {"http": {"status": "ok",
+                                                                   "phases": [phase]}}}
+    (tmp_path / "results.json").write_text(orjson.dumps(report).decode())
+    (tmp_path / "records.jsonl").write_text("".join(
+        orjson.dumps({"system": "http", "phase": 1, "load": "8 req/s", **r.to_json()}).decode()
+        + "\n" for r in recs))
+    out = resummarize(str(tmp_path))
+    s = out["systems"]["http"]["phases"][0]["summary"]
+    assert s["ttft_mean_ms"] == pytest.approx(50.0) and s["ideal_hit_rate"] == 0.25
+    assert s["goodput_rps"] == pytest.approx(1 / 0.201) and s["hit_rate"] == pytest.approx(2 / 18)
+    assert "| http | chat | 8 req/s | 2/2 | 50.0 |" in (tmp_path / "summary.md").read_text()
+    # Python's json (NaN stays NaN, as in the repo's other result files)
+    assert json.loads((tmp_path / "results.json").read_text())["resummarized"]["git"]

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="tract-bench-out",
                    help="results.json, records.jsonl, summary.md, plots, service logs")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--resummarize", metavar="DIR", default=None,
+                   help="run nothing: recompute a finished run's metrics from its records.jsonl "
+                        "and rewrite its results.json, summary.md and plots")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="start every rack first, then run each phase on every system before "
                         "the next phase (robust to a shared host's changing load, for hosts "
@@ -482,15 +485,89 @@ async def _run_interleaved(servable: list[System], racks: dict[str, Any], plan: 
     await asyncio.gather(*(stop_rack(racks[s.name], entries[s.name]) for s in live))
 
 
+def write_results(report: dict[str, Any], out_dir: str) -> str:
+    """``results.json``: everything but the per-request records (small enough to commit next
+    to the README); written atomically, so a reader never sees half a file."""
+    slim = {**report, "systems": {n: {**e, "phases": [
+        {k: v for k, v in p.items() if k != "records"} for p in e.get("phases", [])]}
+        for n, e in report["systems"].items()}}
+    path = os.path.join(out_dir, "results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(slim, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def write_records(report: dict[str, Any], out_dir: str) -> None:
+    """``records.jsonl``: one request per line, with its system, phase and load."""
+    with open(os.path.join(out_dir, "records.jsonl"), "w") as f:
+        for name, entry in report["systems"].items():
+            for p in entry.get("phases", []):
+                for r in p["records"]:
+                    f.write(json.dumps({"system": name, "phase": p["phase"], "load": p["label"],
+                                        **r}, default=str) + "\n")
+
+
+def write_report(report: dict[str, Any], out_dir: str, *, plots: bool = True) -> list[str]:
+    """``summary.md`` and the plots; returns the plots' paths."""
+    from tract_async.serving.loadreport import markdown_summary
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(markdown_summary(report))
+    if not plots:
+        return []
+    from tract_async.serving.loadplots import write_plots
+    return write_plots(report, out_dir)
+
+
+def resummarize(out_dir: str) -> dict[str, Any]:
+    """Recompute every phase's metrics of a finished run from its ``records.jsonl`` (metrics
+    are a function of the records alone: a corrected definition needs no new run), then
+    rewrite ``results.json``, ``summary.md`` and the plots. The report notes the commit that
+    recomputed it. Raises FileNotFoundError (no such run) or KeyError (a record of a phase the
+    results do not list)."""
+    from tract_async.serving.loadgen import RequestRecord
+    from tract_async.serving.loadreport import machine_info
+    from tract_async.serving.loadstats import summarize
+    with open(os.path.join(out_dir, "results.json")) as f:
+        report = json.load(f)
+    # a float that was NaN comes back as null from a strict JSON writer: NaN again
+    floats = {f.name for f in dataclasses.fields(RequestRecord) if f.type in ("float", float)}
+    by_phase: dict[tuple[str, int], list[RequestRecord]] = {}
+    with open(os.path.join(out_dir, "records.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            key = (r.pop("system"), r.pop("phase"))
+            r.pop("load")
+            r.update({k: math.nan for k in floats if r.get(k, 0.0) is None})
+            by_phase.setdefault(key, []).append(RequestRecord(**r))
+    for name, entry in report["systems"].items():
+        for p in entry.get("phases", []):
+            recs = by_phase.pop((name, p["phase"]))
+            old = p["summary"]
+            p["summary"] = {**summarize(recs, ttft_slo_ms=report["args"]["ttft_slo_ms"]),
+                            "ideal_hit_rate": old["ideal_hit_rate"], "wall_s": old.get("wall_s")}
+            p["records"] = [r.to_json() for r in recs]
+    if by_phase:
+        raise KeyError(f"records of phases the results do not list: {sorted(by_phase)[:5]}")
+    m = machine_info()
+    report["resummarized"] = {"git": m.get("git"), "date": m.get("date")}
+    report["plots"] = write_report(report, out_dir)
+    write_results(report, out_dir)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 0 when every servable system ran every phase."""
     args = resolve_args(argv)
+    from tract_async.serving.loadreport import machine_info, print_summary_table
+    if args.resummarize:
+        report = resummarize(args.resummarize)
+        print(print_summary_table(report))
+        print(f"recomputed {args.resummarize} from its records")
+        return 0
     import tract_async as tract
-    from tract_async.serving.loadreport import (machine_info, markdown_summary,
-                                                print_summary_table)
     args.out_dir = os.path.abspath(args.out_dir)
     os.makedirs(args.out_dir, exist_ok=True)
-    out_json = os.path.join(args.out_dir, "results.json")
     report: dict[str, Any] = {
         "bench": "serve_load", "status": "running", "machine": machine_info(),
         "seed": args.seed, "args": {k: v for k, v in vars(args).items() if k != "func"},
@@ -501,23 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         "systems": {}}
 
     def write() -> None:
-        # the per-request records go to records.jsonl (written at the end): results.json
-        # stays small enough to commit next to the README
-        slim = {**report, "systems": {n: {**e, "phases": [
-            {k: v for k, v in p.items() if k != "records"} for p in e.get("phases", [])]}
-            for n, e in report["systems"].items()}}
-        tmp = out_json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(slim, f, indent=1, default=str)
-        os.replace(tmp, out_json)
-
-    def write_records() -> None:
-        with open(os.path.join(args.out_dir, "records.jsonl"), "w") as f:
-            for name, entry in report["systems"].items():
-                for p in entry.get("phases", []):
-                    for r in p["records"]:
-                        f.write(json.dumps({"system": name, "phase": p["phase"],
-                                            "load": p["label"], **r}, default=str) + "\n")
+        write_results(report, args.out_dir)
 
     async def bounded() -> None:
         loop = asyncio.get_running_loop()
@@ -548,20 +609,12 @@ def main(argv: list[str] | None = None) -> int:
         _remove_leftover_regions()
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    write()
-    write_records()
-    md = markdown_summary(report)
-    with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
-        f.write(md)
-    plots: list[str] = []
-    if not args.no_plots:
-        from tract_async.serving.loadplots import write_plots
-        plots = write_plots(report, args.out_dir)
-    report["plots"] = plots
-    write()
+    write_records(report, args.out_dir)
+    report["plots"] = write_report(report, args.out_dir, plots=not args.no_plots)
+    out_json = write_results(report, args.out_dir)
     print(print_summary_table(report))
     print(f"status: {report['status']}; wrote {out_json}, summary.md"
-          f"{', ' + ', '.join(os.path.basename(p) for p in plots) if plots else ''} "
+          f"{''.join(', ' + os.path.basename(p) for p in report['plots'])} "
           f"({report['wall_s']:.0f} s)")
     servable = [e for e in report["systems"].values() if e.get("status") != "absent"]
     return 0 if report["status"] == "ok" and all(e.get("status") == "ok" for e in servable) else 1

@@ -27,7 +27,7 @@ from tract_async.serving.workload import percentile
 
 #: Breakdown components, in the order the bars stack.
 COMPONENTS: tuple[str, ...] = ("queue", "prefix_load", "prefill_compute", "kv_store", "kv_load",
-                               "first_decode_step")
+                               "first_decode_step", "token_delivery")
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -39,8 +39,9 @@ def _layers(events: Mapping[str, float], prefix: str) -> list[float]:
             if name.startswith(prefix) and name[len(prefix):].isdigit()]
 
 
-def breakdown_ms(events: Mapping[str, float]) -> dict[str, float]:
-    """Where one request's time went, from the router's events (ms after the router got it).
+def breakdown_ms(events: Mapping[str, float], router_ttft_ms: float = math.nan) -> dict[str, float]:
+    """Where one request's time went, from the router's events (ms after the router got it)
+    and the router's own TTFT.
 
     * ``queue``: waiting for a worker's compute slot: prefill (``prefill_compute_start`` after
       the request reached it and read any prefix hit) plus decode (``decode_compute_start``
@@ -56,8 +57,12 @@ def breakdown_ms(events: Mapping[str, float]) -> dict[str, float]:
       (``decode_recv`` -> ``http_read_done``), the modelled RDMA transfer (``kv_load_begin`` ->
       ``kv_load_done``), or, with layer streaming, the last layer's hop (from ``put_L{last}``,
       or from ``decode_compute_start`` if decode got its slot later, to ``got_L{last}``);
-    * ``first_decode_step``: from the moment the decode worker had its last layer (or started,
-      when nothing travels: recompute) to the first token.
+    * ``first_decode_step``: the decode worker's first forward pass, ``decode_compute_start`` ->
+      ``first_token`` (recompute: the whole prompt's); with layer streaming, only what is left
+      of it after the last layer arrived (``got_L{last}`` -> ``first_token``);
+    * ``token_delivery``: from the decode worker's event loop taking the first token
+      (``first_token``) to the router having written it to the client (its TTFT): the NDJSON
+      hop, and whatever else holds either event loop (or the GIL) at that moment.
 
     Components absent from a request's events are 0 (recompute has no prefill; http no store
     into a region). They are durations, not a partition: with layer streaming the stores overlap
@@ -79,6 +84,7 @@ def breakdown_ms(events: Mapping[str, float]) -> dict[str, float]:
     last_got = max(got) if got else None
     puts = _layers(e, "put_L")
     dcs = e.get("decode_compute_start")
+    streamed = False
     if "http_read_done" in e and "decode_recv" in e:
         out["kv_load"] = e["http_read_done"] - e["decode_recv"]
         decode_ready = e["http_read_done"]
@@ -92,14 +98,19 @@ def breakdown_ms(events: Mapping[str, float]) -> dict[str, float]:
         kv_ready = max(puts)
         out["kv_load"] = max(0.0, last_got - max(kv_ready, dcs if dcs is not None else kv_ready))
         decode_ready = kv_ready
+        streamed = True
     else:   # recompute, or a prompt without a full block: nothing travels
         decode_ready = e.get("decode_recv")
     if decode_ready is not None and dcs is not None:
         out["queue"] += max(0.0, dcs - decode_ready)
     if "first_token" in e:
-        start = last_got if last_got is not None else e.get("decode_compute_start")
+        # the whole first forward pass when the KV was local before it began; with layer
+        # streaming only what is left after the last layer arrived (the rest overlapped it)
+        start = last_got if streamed else dcs
         if start is not None:
             out["first_decode_step"] = max(0.0, e["first_token"] - start)
+        if not math.isnan(router_ttft_ms):
+            out["token_delivery"] = max(0.0, router_ttft_ms - e["first_token"])
     return out
 
 
@@ -115,7 +126,7 @@ def summarize(records: Sequence[RequestRecord], *, ttft_slo_ms: float) -> dict[s
     full = sum(r.full_blocks for r in done)
     lag = [r.sent_s - r.scheduled_s for r in records
            if not (math.isnan(r.sent_s) or math.isnan(r.scheduled_s))]
-    parts = [breakdown_ms(r.events_ms) for r in done]
+    parts = [breakdown_ms(r.events_ms, r.router_ttft_ms) for r in done]
 
     def rate(n: float) -> float:
         return n / duration if duration and duration > 0 else math.nan
