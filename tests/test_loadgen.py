@@ -306,7 +306,6 @@ async def test_open_loop_sends_on_schedule_whatever_is_in_flight(fake_router):
     assert all(r.ok for r in recs) and fake.peak >= 3
     assert [r.scheduled_s for r in recs] == arrivals
     assert all(r.sent_s >= r.scheduled_s for r in recs)  # never early (late is reported)
-    assert fake.arrived[3] - fake.arrived[0] > 0.15 - 0.005
     with pytest.raises(ValueError):
         await run_open_loop(url, _reqs(2), [0.1, 0.0])
 
