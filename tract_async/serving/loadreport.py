@@ -99,7 +99,9 @@ def markdown_summary(report: dict[str, Any]) -> str:
              f"{', GPU ' + m['gpu'] if m.get('gpu') else ', no GPU'}; torch "
              f"{m['versions'].get('torch')}; commit {m.get('git')}; {m.get('date')}; load "
              f"average {m.get('loadavg_start')} at the start, {report.get('loadavg_end')} at the "
-             f"end; seed {report.get('seed')}; status: {report.get('status')}", "",
+             f"end; seed {report.get('seed')}; status: {report.get('status')}"
+             + (f"; metrics recomputed from records.jsonl at commit "
+                f"{report['resummarized']['git']}" if report.get("resummarized") else ""), "",
              f"TTFT is client-side (request written -> first token read). Speed-ups are the "
              f"`http` row's TTFT over the system's, same phase, same run. Goodput: requests with "
              f"TTFT <= {report['args'].get('ttft_slo_ms')} ms per second. Hit rate: measured "
