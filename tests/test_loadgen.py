@@ -312,7 +312,7 @@ async def test_open_loop_sends_on_schedule_whatever_is_in_flight(fake_router):
 
 def test_resummarize_recomputes_a_run_from_its_records(tmp_path):
     """A finished run's metrics come back from records.jsonl alone (no server)."""
-    from tract_async.serving.loadbench import resummarize
+    from tract_async.serving.loadreport import resummarize
     from tract_async.serving.loadreport import machine_info
     recs = [_rec(0, 0.0, [0.010, 0.020], prompt=100, hit=2, full=6),
             _rec(1, 0.1, [0.190, 0.200], prompt=200, hit=0, full=12)]

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import dataclasses
 import glob
-import json
 import math
 import os
 import signal
@@ -485,81 +484,11 @@ async def _run_interleaved(servable: list[System], racks: dict[str, Any], plan: 
     await asyncio.gather(*(stop_rack(racks[s.name], entries[s.name]) for s in live))
 
 
-def write_results(report: dict[str, Any], out_dir: str) -> str:
-    """``results.json``: everything but the per-request records (small enough to commit next
-    to the README); written atomically, so a reader never sees half a file."""
-    slim = {**report, "systems": {n: {**e, "phases": [
-        {k: v for k, v in p.items() if k != "records"} for p in e.get("phases", [])]}
-        for n, e in report["systems"].items()}}
-    path = os.path.join(out_dir, "results.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(slim, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def write_records(report: dict[str, Any], out_dir: str) -> None:
-    """``records.jsonl``: one request per line, with its system, phase and load."""
-    with open(os.path.join(out_dir, "records.jsonl"), "w") as f:
-        for name, entry in report["systems"].items():
-            for p in entry.get("phases", []):
-                for r in p["records"]:
-                    f.write(json.dumps({"system": name, "phase": p["phase"], "load": p["label"],
-                                        **r}, default=str) + "\n")
-
-
-def write_report(report: dict[str, Any], out_dir: str, *, plots: bool = True) -> list[str]:
-    """``summary.md`` and the plots; returns the plots' paths."""
-    from tract_async.serving.loadreport import markdown_summary
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(markdown_summary(report))
-    if not plots:
-        return []
-    from tract_async.serving.loadplots import write_plots
-    return write_plots(report, out_dir)
-
-
-def resummarize(out_dir: str) -> dict[str, Any]:
-    """Recompute every phase's metrics of a finished run from its ``records.jsonl`` (metrics
-    are a function of the records alone: a corrected definition needs no new run), then
-    rewrite ``results.json``, ``summary.md`` and the plots. The report notes the commit that
-    recomputed it. Raises FileNotFoundError (no such run) or KeyError (a record of a phase the
-    results do not list)."""
-    from tract_async.serving.loadgen import RequestRecord
-    from tract_async.serving.loadreport import machine_info
-    from tract_async.serving.loadstats import summarize
-    with open(os.path.join(out_dir, "results.json")) as f:
-        report = json.load(f)
-    # a float that was NaN comes back as null from a strict JSON writer: NaN again
-    floats = {f.name for f in dataclasses.fields(RequestRecord) if f.type in ("float", float)}
-    by_phase: dict[tuple[str, int], list[RequestRecord]] = {}
-    with open(os.path.join(out_dir, "records.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            key = (r.pop("system"), r.pop("phase"))
-            r.pop("load")
-            r.update({k: math.nan for k in floats if r.get(k, 0.0) is None})
-            by_phase.setdefault(key, []).append(RequestRecord(**r))
-    for name, entry in report["systems"].items():
-        for p in entry.get("phases", []):
-            recs = by_phase.pop((name, p["phase"]))
-            old = p["summary"]
-            p["summary"] = {**summarize(recs, ttft_slo_ms=report["args"]["ttft_slo_ms"]),
-                            "ideal_hit_rate": old["ideal_hit_rate"], "wall_s": old.get("wall_s")}
-            p["records"] = [r.to_json() for r in recs]
-    if by_phase:
-        raise KeyError(f"records of phases the results do not list: {sorted(by_phase)[:5]}")
-    m = machine_info()
-    report["resummarized"] = {"git": m.get("git"), "date": m.get("date")}
-    report["plots"] = write_report(report, out_dir)
-    write_results(report, out_dir)
-    return report
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 0 when every servable system ran every phase."""
     args = resolve_args(argv)
-    from tract_async.serving.loadreport import machine_info, print_summary_table
+    from tract_async.serving.loadreport import (machine_info, print_summary_table, resummarize,
+                                                write_records, write_report, write_results)
     if args.resummarize:
         report = resummarize(args.resummarize)
         print(print_summary_table(report))
