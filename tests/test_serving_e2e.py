@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tract_async.serving.launcher import Rack
+from tract_async.serving.protocol import REGION_MODES
 from tract_async.serving.workload import ChatWorkload, Conversation, complete_streaming
 
 T = 16          # block tokens
@@ -47,7 +48,8 @@ def expected_hit(prompt: list[int], earlier: list[list[int]]) -> int:
     return min(best, len(prompt) // T)
 
 
-@pytest.mark.parametrize("mode", ["http", "region-transfer", "region-cache"])
+@pytest.mark.parametrize("mode", ["http", "region-transfer", "region-cache", "recompute",
+                                  "rdma-model"])
 async def test_disaggregated_outputs_equal_single_process(mode, model, region_path, tmp_path):
     workload = ChatWorkload(conversations=2, turns=2, system_chars=200, user_chars=60,
                             max_new_tokens=MAX_NEW, seed=3)
@@ -56,7 +58,7 @@ async def test_disaggregated_outputs_equal_single_process(mode, model, region_pa
     sent: list[list[int]] = []
     async with rack, aiohttp.ClientSession() as session:
         url = rack.router_url
-        if mode != "http":
+        if mode in REGION_MODES:
             assert os.path.exists(region_path)
         # the workload: turns in order, conversations one after the other
         for c in range(workload.conversations):

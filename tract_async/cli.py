@@ -142,7 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .demo import add_demo_parser  # light: the serving stack is imported when it runs
     add_demo_parser(sub)
+
+    bench = sub.add_parser("bench", help="benchmarks: `tract bench serve --help`")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    # every argument goes to the benchmark's own parser, imported only when it runs (the
+    # unused prefix character keeps argparse from taking its options for ours)
+    serve = bsub.add_parser("serve", add_help=False, prefix_chars="\0",
+                            help="the paper's evaluation under load against named baselines")
+    serve.add_argument("bench_args", nargs="*")
+    serve.set_defaults(func=cmd_bench_serve)
     return p
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from .serving.loadbench import main as bench_main
+    return bench_main(list(args.bench_args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,10 @@ the KV arrived, as in vLLM's disaggregated serving. Layer ``i`` of that pass wai
   the prefill worker is still producing, so decode runs layer ``i`` while prefill computes
   ``i + 1`` (the router starts both at once);
 * http mode: the whole KV is READ over the agent first (the baseline: the transfer starts after
-  the prefill has finished), then the layers are taken from that buffer.
+  the prefill has finished), then the layers are taken from that buffer;
+* rdma-model: the whole KV in one region get once the prefill has finished (the router waits
+  for it), its arrival held back to a modelled RDMA transfer (:mod:`.rdma_model`);
+* recompute: no KV arrives; the first forward pass computes the whole prompt here.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from aiohttp import web
 from tract_async.errors import TractError
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import DecodeRequest, decode_past_len, error_body, now
+from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, DecodeRequest,
+                                          decode_past_len, error_body, now)
 from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
                                          worker_app)
@@ -62,7 +66,8 @@ class DecodeWorker:
         if self.engine is not None:
             st = self.engine.stats()
             out["engine"] = {k: st.get(k) for k in ("hits", "misses", "bytes_got", "consumed",
-                                                    "layer_waits", "lock_wait_s")}
+                                                    "layer_waits", "lock_wait_s",
+                                                    "lock_acquisitions")}
         return out
 
     def _kv_device(self) -> Any:
@@ -72,7 +77,7 @@ class DecodeWorker:
         p = next(self.model.parameters(), None)
         return p.device if p is not None and p.device.type == "cuda" else None
 
-    async def _get_layer_kv(self, keys: list[bytes], layer: int, timeout: float,
+    async def _get_layer_kv(self, keys: list[bytes], layer: int | None, timeout: float,
                             device: Any) -> Any:
         """One layer of the request's blocks. With a CUDA model the engine DMAs it straight into
         GPU memory (a CPU get plus a pageable ``.to(cuda)`` cost ~8 ms a layer for 213 blocks on
@@ -94,14 +99,16 @@ class DecodeWorker:
         ids = req.prompt_ids
         T = self.cfg.block_tokens
         n_full = len(ids) // T
-        if n_full == 0:
+        if n_full == 0 or self.cfg.mode == "recompute":
             return 0, None
         past_len = decode_past_len(len(ids), T)
         timeout = self.cfg.layer_timeout_s
         if self.engine is not None:
             from tract_async.errors import BlockEvicted, BlockNotFound
             from tract_async.errors import TransferTimeout as RegionTimeout
-            salt = (req.request_id,) if self.cfg.mode == "region-transfer" else None
+            if self.cfg.mode == "rdma-model":
+                return past_len, None   # one get of every layer, in read_modelled
+            salt = (req.request_id,) if self.cfg.mode in SALTED_MODES else None
             keys = self.engine.block_keys(list(ids), extra_keys=salt)[:n_full]
             layer_bytes = n_full * self.layout.layer_bytes
 
@@ -137,6 +144,32 @@ class DecodeWorker:
             return kv[layer]
         return get_layer
 
+    async def read_modelled(self, req: DecodeRequest, events: list[tuple[str, float]]) -> Any:
+        """rdma-model: every layer of the KV in one get, available no earlier than a modelled
+        RDMA transfer of its bytes would deliver it (``kv_model_due``). Raises KVUnavailable."""
+        from tract_async.errors import BlockEvicted, BlockNotFound
+        from tract_async.errors import TransferTimeout as RegionTimeout
+        from tract_async.serving.rdma_model import sleep_until, transfer_s
+        n_full = len(req.prompt_ids) // self.cfg.block_tokens
+        keys = self.engine.block_keys(list(req.prompt_ids), extra_keys=(req.request_id,))[:n_full]
+        t0 = now()
+        nbytes = n_full * self.layout.block_bytes
+        due = t0 + transfer_s(nbytes, gbps=self.cfg.rdma_gbps, latency_us=self.cfg.rdma_latency_us)
+        events += [("kv_load_begin", t0), ("kv_model_due", due)]
+        try:
+            kv = await self._get_layer_kv(keys, None, self.cfg.layer_timeout_s, self._kv_device())
+        except (BlockEvicted, BlockNotFound, RegionTimeout) as exc:
+            raise KVUnavailable(f"request {req.request_id}: {n_full} blocks: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        await sleep_until(due)
+        events.append(("kv_load_done", now()))
+        self.metrics.add_bytes_moved(nbytes, transport="region", direction="get")
+
+        async def get_layer(layer: int) -> Any:
+            events.append((f"got_L{layer}", now()))
+            return kv[layer]
+        return get_layer
+
     async def stream(self, req: DecodeRequest, resp: web.StreamResponse) -> None:
         """Generate and write NDJSON lines to ``resp`` (already prepared)."""
         from tract_async.serving.streaming import generate_streaming
@@ -158,7 +191,8 @@ class DecodeWorker:
             try:
                 past_len, get_layer = self.layer_source(req, events)
                 if past_len and get_layer is None:
-                    get_layer = await self.read_http(req, events)
+                    read = self.read_modelled if self.cfg.mode == "rdma-model" else self.read_http
+                    get_layer = await read(req, events)
                 async with self.compute:
                     events.append(("decode_compute_start", now()))
                     await generate_streaming(self.model, list(req.prompt_ids), get_layer=get_layer,
@@ -207,7 +241,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             w.importer = KVImporter(w.agent, tasks=w.tasks)
             await w.agent.start()
             stack.push_async_callback(w.agent.close)
-        else:
+        elif cfg.mode in REGION_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
         stack.push_async_callback(w.tasks.close)

@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from tract_async.serving.errors import ServiceStartFailed
-from tract_async.serving.protocol import READY_PREFIX, SECRET_ENV
+from tract_async.serving.protocol import READY_PREFIX, REGION_MODES, SECRET_ENV
 from tract_async.serving.service import ServiceConfig, config_to_argv
 
 
@@ -108,7 +108,7 @@ class Rack:
     def __init__(self, *, mode: str, region: str | None, log_dir: str, start_timeout_s: float = 120.0,
                  stop_timeout_s: float = 10.0, **options: Any) -> None:
         self.mode = mode
-        self.region = region if mode != "http" else None
+        self.region = region if mode in REGION_MODES else None
         self.log_dir = log_dir
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -152,6 +152,13 @@ class Rack:
     @property
     def router_url(self) -> str:
         return self._by_role("router").url
+
+    def url_of(self, role: str) -> str:
+        """The URL of the started service of ``role`` (its ``/health`` carries engine counters).
+
+        Raises KeyError: no such service has started.
+        """
+        return self._by_role(role).url
 
     def _by_role(self, role: str) -> ServiceProcess:
         for s in self.services:

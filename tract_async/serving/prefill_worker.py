@@ -11,7 +11,12 @@ ones with keys) to where the decode worker will read it:
 * ``region-transfer``: no lookup, no reuse; every full block is put layer by layer under keys
   salted with the request id (a block lives until its one consumer has read it);
 * ``http``: every full block's KV is written into a span of the agent's registered pool, layer
-  by layer; after the last layer the reply names the span for the decode worker's READ.
+  by layer; after the last layer the reply names the span for the decode worker's READ;
+* ``rdma-model``: puts as ``region-transfer`` does, keys salted, into a cache-mode engine (the
+  region only carries the bytes; the decode worker holds their arrival back to a modelled RDMA
+  transfer: :mod:`.rdma_model`; ``protocol.engine_mode`` says why cache mode);
+* ``recompute``: nothing is stored; the router does not call this worker (the decode worker
+  computes the prompt itself), which stays up only so that every mode has the same rack.
 
 The reply carries the first token the prefill computed, the hit, and timing events. ``GET
 /health`` and ``GET /metrics`` (Prometheus text) are served too.
@@ -29,7 +34,8 @@ from aiohttp import web
 from tract_async.errors import TractError
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import PrefillReply, PrefillRequest, error_body, now
+from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, PrefillReply,
+                                          PrefillRequest, error_body, now)
 from tract_async.serving.service import (KVDevice, ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
                                          worker_app)
@@ -67,7 +73,8 @@ class PrefillWorker:
         if self.engine is not None:
             st = self.engine.stats()
             out["engine"] = {k: st.get(k) for k in ("hits", "misses", "bytes_put", "bytes_got",
-                                                    "blocks_stored", "evictions", "lock_wait_s")}
+                                                    "blocks_stored", "evictions", "lock_wait_s",
+                                                    "lock_acquisitions")}
         return out
 
     # -- the request --------------------------------------------------------------------------
@@ -81,7 +88,7 @@ class PrefillWorker:
         hit, past_kv, past_len = 0, None, 0
         keys: list[bytes] = []
         if self.engine is not None:
-            salt = (req.request_id,) if self.cfg.mode == "region-transfer" else None
+            salt = (req.request_id,) if self.cfg.mode in SALTED_MODES else None
             keys = self.engine.block_keys(ids, extra_keys=salt)
             if self.cfg.mode == "region-cache" and keys:
                 hit = self.engine.lookup(keys)
@@ -101,6 +108,9 @@ class PrefillWorker:
 
         async def put_layer(layer: int, kv_layer: Any) -> None:
             nonlocal moved
+            # store_begin_L / put_L bracket the store of one layer: the load benchmark's
+            # "KV store" is their sum (the stores overlap the compute of the next layers)
+            events.append((f"store_begin_L{layer}", now()))
             if span is not None:
                 span[1][layer].copy_(kv_layer[:, :n_full * T])
                 moved += span[1][layer].numel() * span[1][layer].element_size()
@@ -193,7 +203,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             w.exporter = KVExporter(w.agent, cfg.kv_pool_bytes, hold_s=cfg.kv_hold_s, tasks=w.tasks)
             await w.agent.start()
             stack.push_async_callback(w.agent.close)
-        else:
+        elif cfg.mode in REGION_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
             w.kvdev = KVDevice(w.engine)

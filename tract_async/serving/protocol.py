@@ -33,6 +33,20 @@ from tract_async.serving.tokenizer import ByteTokenizer
 
 #: Transports of one run: the HTTP agent (baseline), the region without and with prefix cache.
 MODES: tuple[str, ...] = ("http", "region-transfer", "region-cache")
+#: Every mode a rack can serve in: ``MODES`` (what ``tract demo`` compares) and two baselines of
+#: the load benchmark (``tract bench serve``): ``recompute`` (no transfer: the decode worker
+#: computes the whole prompt itself) and ``rdma-model`` (the KV moves through the region once
+#: the prefill is done, and its arrival is held back to what an RDMA NIC would take:
+#: :mod:`tract_async.serving.rdma_model`; a model, not a measurement).
+SERVING_MODES: tuple[str, ...] = (*MODES, "recompute", "rdma-model")
+#: Modes whose KV travels through a shared region (the workers need ``--region``).
+REGION_MODES: tuple[str, ...] = ("region-transfer", "region-cache", "rdma-model")
+#: Modes where the router starts decode only after the prefill has answered (the KV can only be
+#: fetched once it is complete), instead of both at once with layer streaming.
+SEQUENTIAL_MODES: tuple[str, ...] = ("http", "rdma-model")
+#: Modes whose block keys are salted with the request id: each request's KV is its own, never a
+#: prefix another request could find.
+SALTED_MODES: tuple[str, ...] = ("region-transfer", "rdma-model")
 ROLES: tuple[str, ...] = ("prefill", "decode", "router")
 #: The line a service prints on stdout once it listens: ``TRACT-READY {json}``.
 READY_PREFIX = "TRACT-READY "
@@ -49,8 +63,14 @@ def now() -> float:
 
 
 def engine_mode(mode: str) -> str:
-    """EngineConfig.mode for a region run mode."""
-    return {"region-transfer": "transfer", "region-cache": "cache"}[mode]
+    """EngineConfig.mode for a region run mode.
+
+    rdma-model runs the engine in cache mode (with salted keys, so nothing is shared): a
+    transfer-mode get frees the blocks it consumed under the global lock, and under load that
+    lock wait (milliseconds on a busy 2-core host) would count as the modelled NIC's time;
+    a cache-mode get takes no lock. Its blocks leave by LRU eviction instead.
+    """
+    return {"region-transfer": "transfer", "region-cache": "cache", "rdma-model": "cache"}[mode]
 
 
 def new_request_id() -> str:

@@ -7,8 +7,9 @@ transport:
 * region modes: both at once. The decode worker's first forward pass waits in the region for
   each layer of the prompt's KV as the prefill worker puts it, so the transfer of layer ``i``
   overlaps the compute of layer ``i + 1`` and decode's own compute;
-* http mode: decode starts when the prefill has answered with the descriptor of its KV (the
-  bytes can only be READ once they are all there).
+* http and rdma-model: decode starts when the prefill has answered (with the descriptor of its
+  KV for http: the bytes can only be READ once they are all there);
+* recompute: the prefill worker is not called; the decode worker computes the whole prompt.
 
 TTFT is measured here, from the moment the request arrives to the moment the first token has
 been written to the client (streaming; without streaming, the whole reply). The reply's ``tract``
@@ -27,9 +28,9 @@ from aiohttp import web
 
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull, UpstreamFailed
 from tract_async.serving.metrics import ServiceMetrics, metrics_handler
-from tract_async.serving.protocol import (CompletionRequest, DecodeRequest, PrefillReply,
-                                          PrefillRequest, completion_body, completion_chunk,
-                                          error_body, now, parse_completion)
+from tract_async.serving.protocol import (SEQUENTIAL_MODES, CompletionRequest, DecodeRequest,
+                                          PrefillReply, PrefillRequest, completion_body,
+                                          completion_chunk, error_body, now, parse_completion)
 from tract_async.serving.service import ServiceConfig
 from tract_async.serving.tokenizer import ByteTokenizer
 
@@ -122,7 +123,14 @@ class Router:
 
         failure: BaseException | None = None
         try:
-            if self.cfg.mode == "http":
+            if self.cfg.mode == "recompute":
+                await run_decode(None)
+                n_full = len(req.prompt_ids) // self.cfg.block_tokens
+                prefill_box.append(PrefillReply(
+                    request_id=req.request_id, first_token=-1, prompt_tokens=len(req.prompt_ids),
+                    full_blocks=n_full, hit_blocks=0, computed_tokens=0, kv_bytes=0,
+                    kv_source=None, events=[]))
+            elif self.cfg.mode in SEQUENTIAL_MODES:
                 reply = await run_prefill()
                 await run_decode(reply.kv_source)
             else:
@@ -150,8 +158,9 @@ class Router:
         self.served += 1
         self.metrics.count_request("ok")
         self.metrics.add_prefix_hit_blocks(pre.hit_blocks)
-        self.metrics.add_bytes_moved(pre.kv_bytes, transport="http" if self.cfg.mode == "http"
-                                     else "region", direction="put")
+        if self.cfg.mode != "recompute":
+            self.metrics.add_bytes_moved(pre.kv_bytes, transport="http" if self.cfg.mode == "http"
+                                         else "region", direction="put")
         if req.stream:
             if resp is None:   # no token at all (cannot happen with max_tokens >= 1)
                 raise UpstreamFailed("the decode worker produced no token")

@@ -27,7 +27,8 @@ from typing import Any
 from aiohttp import web
 
 from tract_async.serving.errors import ServiceConfigError
-from tract_async.serving.protocol import MODES, READY_PREFIX, ROLES, SECRET_ENV
+from tract_async.serving.protocol import (READY_PREFIX, REGION_MODES, ROLES, SECRET_ENV,
+                                          SERVING_MODES)
 
 MODELS = ("tiny", "llama3-8b")
 
@@ -58,6 +59,9 @@ class ServiceConfig:
     # the HTTP agent (http mode)
     kv_pool_bytes: int = 64 << 20
     kv_hold_s: float = 60.0           # an un-READ span is freed after this long
+    # the RDMA model (rdma-model mode; constants documented in serving/rdma_model.py)
+    rdma_gbps: float = 25.0
+    rdma_latency_us: float = 20.0
     # deadlines
     layer_timeout_s: float = 30.0     # decode: wait for one layer's KV
     request_timeout_s: float = 120.0  # router: one whole request
@@ -69,16 +73,19 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ServiceConfigError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.mode not in MODES:
-            raise ServiceConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in SERVING_MODES:
+            raise ServiceConfigError(f"mode must be one of {SERVING_MODES}, got {self.mode!r}")
         if self.model not in MODELS:
             raise ServiceConfigError(f"model must be one of {MODELS}, got {self.model!r}")
-        if self.role != "router" and self.mode != "http" and not self.region:
+        if self.role != "router" and self.mode in REGION_MODES and not self.region:
             raise ServiceConfigError(f"mode {self.mode!r} needs --region (a path in /dev/shm)")
         if self.role == "router" and not (self.prefill_url and self.decode_url):
             raise ServiceConfigError("the router needs --prefill-url and --decode-url")
         if self.block_tokens <= 0:
             raise ServiceConfigError(f"block_tokens must be positive, got {self.block_tokens}")
+        if self.rdma_gbps <= 0 or self.rdma_latency_us < 0:
+            raise ServiceConfigError(f"the RDMA model needs rdma_gbps > 0 and rdma_latency_us >= 0, "
+                                     f"got {self.rdma_gbps} and {self.rdma_latency_us}")
 
     @property
     def namespace(self) -> str:
