@@ -43,7 +43,6 @@ import socket
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -53,10 +52,8 @@ from tract_kernels.intrinsics import aload64, monotonic_ns, realtime_ns, usleep
 
 from ..errors import NodeEvicted, NodeIdInUse, NodeIdOutOfRange
 from . import layout as L
+from .memview import MemView
 from .ofd import ofd_lock, ofd_unlock
-
-if TYPE_CHECKING:
-    from .region import Region
 
 S_NODE_WRITE = K.site("nodes.line.flush")
 S_NODE_STATE = K.site("nodes.state.flush")
@@ -180,9 +177,14 @@ def _node_info(node_id: int, rec: tuple, now_ns: int, timeout_s: float,
 class NodeTable:
     """The region's node table. Obtained as ``region.nodes``."""
 
-    def __init__(self, region: "Region") -> None:
-        self._region = region
-        self._offset = int(region.header["node_table_offset"])
+    def __init__(self, view: MemView, *, path: str, offset_bytes: int, max_nodes: int) -> None:
+        """``view``: the region, for its memory (read on every access: ``memview``); ``path``:
+        the region file, whose bytes past the end carry the per-node OFD locks; ``offset_bytes``,
+        ``max_nodes``: where the table lies and how many lines it has (from the header)."""
+        self._view = view
+        self._path = path
+        self._offset = offset_bytes
+        self._max_nodes = max_nodes
         self._handles: list[NodeHandle] = []
         # the silence counter behind NodeInfo.dead (module docstring):
         self._beating: dict[int, tuple[int, float]] = {}
@@ -195,7 +197,7 @@ class NodeTable:
 
     def line_offset(self, node_id: int) -> int:
         """Byte offset of node ``node_id``'s line. Raises NodeIdOutOfRange."""
-        n = self._region.max_nodes
+        n = self._max_nodes
         if not isinstance(node_id, (int, np.integer)) or not 0 <= node_id < n:
             raise NodeIdOutOfRange(f"node id {node_id!r} out of range: this region has "
                                    f"max_nodes={n}, so ids 0..{n - 1}")
@@ -206,7 +208,7 @@ class NodeTable:
         """Read node ``node_id``'s line from memory (invalidate first). Takes no lock."""
         off = self.line_offset(node_id)
         raw = np.zeros(L.NODE.itemsize, dtype=np.uint8)
-        K.read_bytes(self._region.mem, off, raw.ctypes.data, raw.size, S_NODE_READ)
+        K.read_bytes(self._view.mem, off, raw.ctypes.data, raw.size, S_NODE_READ)
         now = time.time_ns() if now_ns is None else now_ns
         return _node_info(int(node_id), raw.view(L.NODE.dtype)[0].tolist(), now, timeout_s)
 
@@ -218,9 +220,9 @@ class NodeTable:
         Each call also advances the silence counts behind ``NodeInfo.dead`` (module
         docstring). ``confirm=False`` gives the snapshot verdict (``dead = not live``): for an
         operator's repair, which must not wait for a count to build up."""
-        n = self._region.max_nodes
+        n = self._max_nodes
         raw = np.zeros(n * L.NODE.itemsize, dtype=np.uint8)
-        K.read_bytes(self._region.mem, self._offset, raw.ctypes.data, raw.size, S_NODE_READ)
+        K.read_bytes(self._view.mem, self._offset, raw.ctypes.data, raw.size, S_NODE_READ)
         now = time.time_ns()
         recs = raw.view(L.NODE.dtype).tolist()
         silent = self._silence(recs, timeout_s)
@@ -277,8 +279,7 @@ class NodeTable:
         lock; elsewhere, by a fresh heartbeat).
         """
         off = self.line_offset(node_id)
-        region = self._region
-        lock_fd = os.open(region.path, os.O_RDWR)
+        lock_fd = os.open(self._path, os.O_RDWR)
         try:
             if not ofd_lock(lock_fd, NODE_LOCK_BASE + node_id):
                 raise NodeIdInUse(f"node id {node_id} is held by a live process on this host "
@@ -295,7 +296,7 @@ class NodeTable:
         nonce = secrets.randbits(63) | 1
         epoch = cur.epoch + 1
         now = time.time_ns()
-        mem = region.mem
+        mem = self._view.mem
         K.store(mem, off + _F["epoch"], epoch)
         K.store(mem, off + _F["owner_nonce"], nonce)
         K.store(mem, off + _F["pid"], os.getpid())
@@ -316,7 +317,7 @@ class NodeTable:
         One beat, for callers that drive their own schedule; the engine and
         ``heartbeat_forever`` beat with ``beat_until_stopped`` (no GIL, no event loop)."""
         self._check_owner(handle)
-        _stamp(self._region.mem, self.line_offset(handle.node_id))
+        _stamp(self._view.mem, self.line_offset(handle.node_id))
 
     def beat_until_stopped(self, handle: NodeHandle, interval_s: float, stop: np.ndarray) -> None:
         """Heartbeat every ``interval_s`` from the calling thread, without the GIL, until
@@ -329,7 +330,7 @@ class NodeTable:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self._beating[handle.node_id] = (handle.owner_nonce, float(interval_s))
         try:
-            rc = _beat_loop(self._region.mem, self.line_offset(handle.node_id),
+            rc = _beat_loop(self._view.mem, self.line_offset(handle.node_id),
                             np.uint64(handle.owner_nonce), int(interval_s * 1e9),
                             stop.ctypes.data)
         finally:
@@ -359,7 +360,7 @@ class NodeTable:
             cur = self.info(handle.node_id)
             if cur.owner_nonce == handle.owner_nonce:
                 off = self.line_offset(handle.node_id)
-                K.store_flush(self._region.mem, off + _F["state"], L.NODE_LEFT, S_NODE_STATE)
+                K.store_flush(self._view.mem, off + _F["state"], L.NODE_LEFT, S_NODE_STATE)
         finally:
             handle.left = True
             self._release(handle)

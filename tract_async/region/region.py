@@ -54,7 +54,9 @@ from ..errors import (RegionCorrupt, RegionExists, RegionInitializing, RegionLay
                       RegionNotFound, RegionPermissionError, RegionTooSmall, RegionTruncated,
                       RegionVersionMismatch)
 from . import layout as L
+from .nodes import NodeTable
 from .ofd import ofd_held_elsewhere, ofd_lock, ofd_unlock
+from .rootdir import RootDirectory
 
 S_HEADER_READ = K.site("region.header.read.invalidate")
 S_HEADER_WRITE = K.site("region.header.write.flush")
@@ -294,10 +296,10 @@ class Region:
         self._header = header
         self.backing = backing
         self.readonly = readonly
-        from .nodes import NodeTable
-        from .rootdir import RootDirectory
-        self.nodes = NodeTable(self)
-        self.root = RootDirectory(self)
+        self.nodes = NodeTable(self, path=path, offset_bytes=int(header["node_table_offset"]),
+                               max_nodes=self.max_nodes)
+        self.root = RootDirectory(self, path=path, offset_bytes=int(header["rootdir_offset"]),
+                                  slots=self.root_slots, region_bytes=self.size_bytes)
 
     # -- properties ---------------------------------------------------------------------------
     @property

@@ -11,7 +11,6 @@ Readers take no lock: invalidate the line, read state; READY entries are immutab
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,9 +18,7 @@ import tract_kernels as K
 
 from ..errors import RootDirectoryFull, RootNameInvalid, RootNameNotFound
 from . import layout as L
-
-if TYPE_CHECKING:
-    from .region import Region
+from .memview import MemView
 
 S_ROOT_WRITE = K.site("rootdir.entry.flush")
 S_ROOT_STATE = K.site("rootdir.state.flush")
@@ -52,16 +49,22 @@ def _encode(name: str) -> bytes:
 class RootDirectory:
     """Name -> offset table in the region. Obtained as ``region.root``."""
 
-    def __init__(self, region: "Region") -> None:
-        self._region = region
-        self._offset = int(region.header["rootdir_offset"])
-        self._slots = region.root_slots
+    def __init__(self, view: MemView, *, path: str, offset_bytes: int, slots: int,
+                 region_bytes: int) -> None:
+        """``view``: the region, for its memory (read on every access: ``memview``); ``path``:
+        for messages; ``offset_bytes``, ``slots``: where the directory lies and its entry count;
+        ``region_bytes``: the bound on what an entry may point at (all from the header)."""
+        self._view = view
+        self._path = path
+        self._offset = offset_bytes
+        self._slots = slots
+        self._region_bytes = region_bytes
 
     def _slot_offset(self, slot_index: int) -> int:
         return self._offset + slot_index * L.ROOT_ENTRY.itemsize
 
     def _read(self, slot_index: int) -> np.void:
-        mem = self._region.mem
+        mem = self._view.mem
         raw = np.zeros(L.ROOT_ENTRY.itemsize, dtype=np.uint8)
         K.read_bytes(mem, self._slot_offset(slot_index), raw.ctypes.data, raw.size, S_ROOT_READ)
         return raw.view(L.ROOT_ENTRY.dtype)[0]
@@ -83,7 +86,7 @@ class RootDirectory:
         for e in self.entries():
             if e.name == name:
                 return e
-        raise RootNameNotFound(f"no root object named {name!r} in {self._region.path} "
+        raise RootNameNotFound(f"no root object named {name!r} in {self._path} "
                                f"(published: {[e.name for e in self.entries()]})")
 
     def publish(self, name: str, offset_bytes: int, nbytes: int, kind: int = 0, *,
@@ -100,7 +103,7 @@ class RootDirectory:
 
     def _publish_unlocked(self, name: str, offset_bytes: int, nbytes: int, kind: int) -> RootEntry:
         raw_name = _encode(name)
-        size = self._region.size_bytes
+        size = self._region_bytes
         if offset_bytes < 0 or nbytes < 0 or offset_bytes + nbytes > size:
             raise ValueError(f"root object {name!r} [{offset_bytes}, {offset_bytes + nbytes}) is "
                              f"outside the region (0..{size})")
@@ -114,7 +117,7 @@ class RootDirectory:
                 free = i
         if free is None:
             raise RootDirectoryFull(f"all {self._slots} root-directory slots are in use")
-        mem = self._region.mem
+        mem = self._view.mem
         rec = np.zeros(1, dtype=L.ROOT_ENTRY.dtype)
         rec["name"] = raw_name
         rec["offset_bytes"] = offset_bytes

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
 
@@ -38,15 +38,19 @@ from tract_async.transport.errors import (
     TransportConfigError,
 )
 
-if TYPE_CHECKING:
-    from tract_async.transport.xfer import XferHandle
-
 HEAD_BYTES = 64 << 10       # bound on a response head (status line + headers)
 ERR_BODY_BYTES = 64 << 10   # bound on an error response body we read
 SCATTER_BYTES = 256 << 10   # reads land in a scratch buffer and are scattered when spans are small
 DIRECT_MIN = 64 << 10       # a span remainder at least this large is read into directly
 
 _IDLE, _HEAD, _BODY, _ERRBODY, _DEAD = range(5)
+
+
+class Progress(Protocol):
+    """What a READ reports the bytes it landed to (an ``xfer.XferHandle``). A Protocol, so that
+    this module stays below ``xfer``, which uses it (issue 16: no import back)."""
+
+    bytes_done: int
 
 
 class _Response:
@@ -107,7 +111,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._ti = 0                 # current target
         self._tpos = 0               # position in the current target
         self._left = 0               # body bytes still expected
-        self._handle: XferHandle | None = None
+        self._handle: Progress | None = None
         self._got = 0                # response bytes seen since the request was sent (any state)
         self._watchdog: asyncio.TimerHandle | None = None
         self._seen_at_check = -1
@@ -285,7 +289,7 @@ class _Conn(asyncio.BufferedProtocol):
             self._watchdog.cancel()
             self._watchdog = None
 
-    def send(self, request: bytes, spans: list[Span], total: int, handle: XferHandle | None,
+    def send(self, request: bytes, spans: list[Span], total: int, handle: Progress | None,
              io_timeout: float) -> asyncio.Future[_Response]:
         """Write ``request``; the future resolves with the response once its body is in ``spans``
         (status 200) or in the error buffer (other statuses)."""
@@ -326,7 +330,7 @@ class ReadPool:
         return conn
 
     async def read(self, host: str, port: int, peer: str, request: bytes, spans: list[Span], total: int,
-                   handle: XferHandle | None, io_timeout: float) -> tuple[_Response, bytes]:
+                   handle: Progress | None, io_timeout: float) -> tuple[_Response, bytes]:
         """One request/response on a pooled connection; returns the response and, for a non-200
         status, its body. A reused connection that the peer closed before answering (its
         keep-alive ran out) is retried once on a fresh one: a READ changes nothing remotely.

@@ -43,7 +43,6 @@ import dataclasses
 import ipaddress
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -52,6 +51,7 @@ from aiohttp import web
 
 from tract_async.transport import wire
 from tract_async.transport.auth import Signer, Verifier, coerce_secret, key_id, new_instance
+from tract_async.transport.config import AgentConfig
 from tract_async.transport.conn import ReadPool
 from tract_async.transport.descs import MemoryRegistry, RegionInfo, StagingPool, XferDescList
 from tract_async.transport.errors import (
@@ -74,29 +74,6 @@ from tract_async.transport.server import (
 from tract_async.transport.xfer import XferHandle, call_remote, fetch_metadata, run_xfer, send_notif
 
 __all__ = ["Agent", "AgentConfig", "XferHandle", "XferDescList", "RegionInfo"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentConfig:
-    """Settings of one Agent. Defaults suit a KV fallback path on a trusted rack network."""
-
-    host: str = "127.0.0.1"             # address the server binds
-    port: int = 0                       # 0: the OS picks (read it back from Agent.port)
-    advertise_host: str | None = None   # address peers should dial (default: host)
-    secret: bytes | str | None = None   # shared HMAC secret, >= 16 bytes; required unless ...
-    allow_unauthenticated: bool = False  # ... this is set, which is allowed on loopback only
-    chunk_bytes: int = 4 << 20          # piece size written from / staged for registered memory
-    max_request_bytes: int = 1 << 32    # largest READ or WRITE (sum of descriptor lengths)
-    max_descs: int = 1 << 16            # most descriptors in one request
-    max_doc_bytes: int = 8 << 20        # largest descriptor document
-    max_notif_bytes: int = 64 << 10     # largest notification message
-    max_app_body_bytes: int = 1 << 20   # largest body of an application (add_json_route) request
-    replay_window_s: float = 30.0       # accepted clock skew and nonce memory
-    io_timeout_s: float = 30.0          # longest wait for one chunk on a live connection
-    connect_timeout_s: float = 5.0      # longest wait to open a connection to a peer
-    transfer_timeout_s: float = 120.0   # default deadline of transfer() and call()
-    max_connections_per_peer: int = 8   # pooled keep-alive connections per remote agent
-    staging_buffers: int = 2            # pinned buffers of the CUDA path (each chunk_bytes)
 
 
 def _is_loopback(host: str) -> bool:
@@ -359,7 +336,10 @@ class Agent:
         """
         if self.closing:
             raise AgentClosed(f"agent {self.name!r} is closed")
-        return XferHandle.create(self, operation, local_descs, remote_descs, remote_name, bytes(notif_msg))
+        handle = XferHandle.create(self, operation, local_descs, remote_descs, remote_name, bytes(notif_msg),
+                                   on_release=self._handles.discard)
+        self._handles.add(handle)   # close() releases what the caller did not
+        return handle
 
     def post_xfer(self, handle: XferHandle) -> str:
         """Start the transfer in the background (NIXL's ``transfer``); returns "PROC".

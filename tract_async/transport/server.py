@@ -1,4 +1,4 @@
-"""Server side of the HTTP transport: the aiohttp request handlers of an Agent.
+"""Server side of the HTTP transport: the aiohttp handlers of an Agent (a ``roles.ServingAgent``).
 
 Every handler follows one order, so that bad input is refused before it can touch memory:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -40,11 +40,10 @@ from tract_async.transport.errors import (
     TransportError,
     TruncatedBody,
 )
+from tract_async.transport.roles import AgentCore, ServingAgent
 
-if TYPE_CHECKING:
-    from tract_async.transport.http import Agent
-
-AGENT_KEY: web.AppKey[Agent] = web.AppKey("tract_agent", "Agent")  # type: ignore[arg-type]
+# The handlers see the agent only as a ServingAgent (``roles``): this module never imports ``http``.
+AGENT_KEY: web.AppKey[ServingAgent] = web.AppKey("tract_agent", "ServingAgent")  # type: ignore[arg-type]
 
 DOC_LEN_KEY = web.RequestKey("tract_doc_len", int)    # length of the request's descriptor document
 STARTED_KEY = web.RequestKey("tract_started", bool)   # response bytes are on the wire: abort, don't answer
@@ -85,7 +84,7 @@ def guarded(handler: Handler) -> Handler:
     return wrapper
 
 
-async def _read_doc(agent: Agent, request: web.Request) -> bytes:
+async def _read_doc(agent: ServingAgent, request: web.Request) -> bytes:
     cfg = agent.config
     async with asyncio.timeout(cfg.io_timeout_s):
         try:
@@ -98,7 +97,7 @@ async def _read_doc(agent: Agent, request: web.Request) -> bytes:
             raise TruncatedBody("request body ended inside the descriptor document") from None
 
 
-async def _authenticated_doc(agent: Agent, request: web.Request) -> wire.TransferDoc:
+async def _authenticated_doc(agent: ServingAgent, request: web.Request) -> wire.TransferDoc:
     if agent.closing:
         raise AgentClosed(f"agent {agent.name!r} is closing")
     agent.verifier.precheck(request.headers)
@@ -158,7 +157,7 @@ async def handle_read(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _stream_read(request: web.Request, agent: Agent, spans: list[Span], total: int,
+async def _stream_read(request: web.Request, agent: ServingAgent, spans: list[Span], total: int,
                        pieces: Iterator[memoryview | bytes] | None) -> web.StreamResponse:
     """A READ response of several pieces (DRAM ``pieces``) or staged through pinned memory (VRAM)."""
     timeout = agent.config.io_timeout_s
@@ -241,7 +240,7 @@ async def handle_write(request: web.Request) -> web.StreamResponse:
     return web.Response(body=b'{"ok":true}', content_type="application/json")
 
 
-async def fill_spans(spans: list[Span], readany: Callable[[], Awaitable[bytes]], agent: Agent,
+async def fill_spans(spans: list[Span], readany: Callable[[], Awaitable[bytes]], agent: AgentCore,
                      short: type[TransportError]) -> None:
     """Fill ``spans`` in order from a byte stream; shared by the server (WRITE) and client (READ).
 

@@ -3,12 +3,14 @@
 A transfer runs as one task owned by its agent (``Agent._tasks``; ``close`` cancels and awaits
 them). Cancellation is honest: a handle reports cancelled or timed out only after its task has
 finished, i.e. when no more bytes can land in the destination.
+
+The agent is seen only as a ``roles.SendingAgent``: this module never imports ``http``.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
@@ -36,10 +38,8 @@ from tract_async.transport.errors import (
     TransportError,
     TruncatedBody,
 )
+from tract_async.transport.roles import SendingAgent
 from tract_async.transport.server import fill_spans
-
-if TYPE_CHECKING:
-    from tract_async.transport.http import Agent
 
 
 class XferHandle:
@@ -50,9 +50,11 @@ class XferHandle:
     counts payload bytes moved so far (a progress gauge, reset on each post).
     """
 
-    def __init__(self, agent: Agent, op: str, local: XferDescList, remote: XferDescList,
-                 remote_name: str, notif: bytes, local_spans: list[Span]) -> None:
+    def __init__(self, agent: SendingAgent, op: str, local: XferDescList, remote: XferDescList,
+                 remote_name: str, notif: bytes, local_spans: list[Span],
+                 on_release: Callable[[XferHandle], None]) -> None:
         self.agent = agent
+        self._on_release = on_release
         self.op = op
         self.local = local
         self.remote = remote
@@ -71,8 +73,14 @@ class XferHandle:
         self._reported = True   # the outcome of the last post was seen by transfer() or a poll
 
     @classmethod
-    def create(cls, agent: Agent, op: str, local: XferDescList, remote: XferDescList,
-               remote_name: str, notif: bytes) -> XferHandle:
+    def create(cls, agent: SendingAgent, op: str, local: XferDescList, remote: XferDescList,
+               remote_name: str, notif: bytes, *, on_release: Callable[[XferHandle], None]) -> XferHandle:
+        """A checked handle. ``on_release`` runs once, on the first ``release()``: the agent
+        keeps its live handles (``close`` releases them) and passes how to forget one.
+
+        Raises InvalidOperation, InvalidDescriptors, DescriptorOutOfRange, UnknownRemoteAgent,
+        MemoryNotRegistered.
+        """
         if op not in ("READ", "WRITE"):
             raise InvalidOperation(f'operation must be "READ" or "WRITE", got {op!r}')
         if not isinstance(local, XferDescList) or not isinstance(remote, XferDescList):
@@ -86,9 +94,7 @@ class XferHandle:
         md = agent.remote_agent(remote_name)
         _check_remote(md, remote, for_write=op == "WRITE")
         spans = agent.registry.spans(local.rows, local.mem_type, for_write=False, local=True)
-        h = cls(agent, op, local, remote, remote_name, notif, spans)
-        agent._handles.add(h)
-        return h
+        return cls(agent, op, local, remote, remote_name, notif, spans, on_release)
 
     def __repr__(self) -> str:
         return f"XferHandle({self.op} {self.total_bytes} B with {self.remote_name!r}, {self.state})"
@@ -177,7 +183,7 @@ class XferHandle:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self.state = "RELEASED"
-        self.agent._handles.discard(self)
+        self._on_release(self)
 
 
 def _check_remote(md: wire.AgentMetadata, remote: XferDescList, *, for_write: bool) -> None:
@@ -198,7 +204,7 @@ def _check_remote(md: wire.AgentMetadata, remote: XferDescList, *, for_write: bo
 class _SpansPayload(aio_payload.Payload):
     """A request body written straight from registered memory, chunk by chunk, with a known size."""
 
-    def __init__(self, head: bytes, spans: list[Span], agent: Agent, handle: XferHandle) -> None:
+    def __init__(self, head: bytes, spans: list[Span], agent: SendingAgent, handle: XferHandle) -> None:
         super().__init__(None, content_type="application/octet-stream")
         self._head, self._spans, self._agent, self._handle = head, spans, agent, handle
         self._size = len(head) + sum(s.nbytes for s in spans)
@@ -217,7 +223,7 @@ class _SpansPayload(aio_payload.Payload):
                 self._handle.bytes_done += len(piece)
 
 
-def _client_timeout(agent: Agent) -> aiohttp.ClientTimeout:
+def _client_timeout(agent: SendingAgent) -> aiohttp.ClientTimeout:
     cfg = agent.config
     return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.io_timeout_s)
 
@@ -249,7 +255,7 @@ async def _mapped(peer: str, what: str, coro: Callable[[], Awaitable[Any]]) -> A
         raise TransferTimeout(f"{what} with {peer!r}: no data for {e or 'the io timeout'}") from e
 
 
-async def run_xfer(agent: Agent, session: aiohttp.ClientSession, h: XferHandle) -> None:
+async def run_xfer(agent: SendingAgent, session: aiohttp.ClientSession, h: XferHandle) -> None:
     """The body of one transfer task (see XferHandle)."""
     md = agent.remote_agent(h.remote_name)
     doc = wire.encode_doc(h.remote.to_wire(), h.remote.mem_type, h.notif if h.op == "WRITE" else b"")
@@ -267,7 +273,7 @@ async def run_xfer(agent: Agent, session: aiohttp.ClientSession, h: XferHandle) 
     agent.stats["bytes_moved"] += h.total_bytes
 
 
-async def _read_direct(agent: Agent, md: wire.AgentMetadata, h: XferHandle, head: bytes, doc: bytes) -> None:
+async def _read_direct(agent: SendingAgent, md: wire.AgentMetadata, h: XferHandle, head: bytes, doc: bytes) -> None:
     """A READ into DRAM: the response body lands straight in the local spans (see ``conn``)."""
     headers = agent.signer.headers("POST", wire.PATH_READ, doc, to=md.name, to_instance=md.instance)
     request = build_request(wire.PATH_READ, md.http_host, headers, head)
@@ -277,7 +283,7 @@ async def _read_direct(agent: Agent, md: wire.AgentMetadata, h: XferHandle, head
         raise_for_error(resp, err, md.name)
 
 
-async def _read(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
+async def _read(agent: SendingAgent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
                 h: XferHandle, head: bytes, doc: bytes) -> None:
     headers = agent.signer.headers("POST", wire.PATH_READ, doc, to=md.name, to_instance=md.instance)
     async with session.post(md.base_url + wire.PATH_READ, data=head, headers=headers,
@@ -297,7 +303,7 @@ async def _read(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMeta
         await fill_spans(h.local_spans, readany, agent, TruncatedBody)
 
 
-async def _write(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
+async def _write(agent: SendingAgent, session: aiohttp.ClientSession, md: wire.AgentMetadata,
                  h: XferHandle, head: bytes, doc: bytes) -> None:
     headers = agent.signer.headers("POST", wire.PATH_WRITE, doc, to=md.name, to_instance=md.instance)
     body = _SpansPayload(head, h.local_spans, agent, h)
@@ -309,7 +315,7 @@ async def _write(agent: Agent, session: aiohttp.ClientSession, md: wire.AgentMet
         await resp.read()
 
 
-async def _small(agent: Agent, method: str, url: str, path: str, body: bytes, peer: str,
+async def _small(agent: SendingAgent, method: str, url: str, path: str, body: bytes, peer: str,
                  timeout: float, session: aiohttp.ClientSession | None = None, *,
                  to: tuple[str, str] | None, not_found: str | None = None) -> bytes:
     """A small request/response exchange (notification, metadata, application call), signed for
@@ -331,13 +337,13 @@ async def _small(agent: Agent, method: str, url: str, path: str, body: bytes, pe
     return await _mapped(peer, f"{method} {path}", go)
 
 
-async def send_notif(agent: Agent, md: wire.AgentMetadata, msg: bytes, timeout: float,
+async def send_notif(agent: SendingAgent, md: wire.AgentMetadata, msg: bytes, timeout: float,
                      session: aiohttp.ClientSession | None = None) -> None:
     await _small(agent, "POST", md.base_url, wire.PATH_NOTIF, msg, md.name, timeout, session,
                  to=(md.name, md.instance))
 
 
-async def call_remote(agent: Agent, md: wire.AgentMetadata, path: str, body: bytes, timeout: float) -> Any:
+async def call_remote(agent: SendingAgent, md: wire.AgentMetadata, path: str, body: bytes, timeout: float) -> Any:
     reply = await _small(agent, "POST", md.base_url, path, body, md.name, timeout, to=(md.name, md.instance))
     try:
         return orjson.loads(reply)
@@ -345,7 +351,7 @@ async def call_remote(agent: Agent, md: wire.AgentMetadata, path: str, body: byt
         raise RemoteError(f"{md.name}: {path} replied with invalid JSON ({e})") from None
 
 
-async def fetch_metadata(agent: Agent, base_url: str, timeout: float) -> bytes:
+async def fetch_metadata(agent: SendingAgent, base_url: str, timeout: float) -> bytes:
     """The metadata of the agent serving at ``base_url``, under one deadline: its identity
     (unsigned), then its metadata, signed for the name and instance the identity gave."""
     url = base_url.rstrip("/")
