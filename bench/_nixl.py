@@ -1,6 +1,6 @@
 """Shared NIXL helpers for the benchmarks: environment, agents, and a two-process handoff.
 
-The settings are those of ``bench/transport.py``: UCX on loopback only (``UCX_NET_DEVICES=lo``,
+The settings, which ``bench/transport.py`` uses too: UCX on loopback only (``UCX_NET_DEVICES=lo``,
 InfiniBand modules off), the NIXL progress thread off (each side progresses its own worker by
 polling), DRAM to DRAM. ``UCX_TLS`` picks the transport: ``"tcp"``, or ``"shm,cma,tcp"`` for
 shared memory (NIXL asks UCX for peer error handling, which the pure shm transports lack, so UCX
@@ -20,7 +20,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from multiprocessing.connection import Connection
 from typing import Any
+
+import _procs
 
 ENV = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "UCX_LOG_LEVEL": "error",
        "NIXL_LOG_LEVEL": "WARN"}
@@ -61,81 +64,86 @@ def make_agent(name: str) -> Any:
 # to completion; the consumer stamps t1 when the notification is seen and checks the last byte.
 
 
-def _consumer(tls: str, max_bytes: int, cases: list, conn: Any, res: Any) -> None:
-    nixl_env(tls)
-    try:
-        import numpy as np
-        agent = make_agent("consumer")
-        dst = np.zeros(max_bytes, dtype=np.uint8)
-        reg = agent.register_memory([(dst.ctypes.data, max_bytes, 0, "")], "DRAM")
-        conn.send((agent.get_agent_metadata(), dst.ctypes.data))
-        agent.add_remote_agent(conn.recv())
-        out: dict[str, list[int]] = {}
-        for label, nbytes, count, warm, _delay in cases:
-            t1s = []
-            for i in range(warm + count):
-                want = f"{label}:{i}".encode()
-                conn.send(i)
-                seen = False
-                while not seen:
-                    for msgs in agent.get_new_notifs().values():
-                        if want in msgs:
-                            seen = True
-                t1 = time.perf_counter_ns()
-                if dst[nbytes - 1] != (i & 0xFF) or dst[0] != (i & 0xFF):
-                    raise RuntimeError(f"{label} handoff {i}: notification before the data")
-                if i >= warm:
-                    t1s.append(t1)
-            out[label] = t1s
-        agent.deregister_memory(reg)
-        res.send(("ok", out))
-    except BaseException as e:  # report, never hang the parent
-        res.send(("error", f"{type(e).__name__}: {e}"))
+def _consume(max_bytes: int, cases: list, conn: Connection) -> dict[str, list[int]]:
+    import numpy as np
+    agent = make_agent("consumer")
+    dst = np.zeros(max_bytes, dtype=np.uint8)
+    reg = agent.register_memory([(dst.ctypes.data, max_bytes, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), dst.ctypes.data))
+    agent.add_remote_agent(conn.recv())
+    out: dict[str, list[int]] = {}
+    for label, nbytes, count, warm, _delay in cases:
+        t1s = []
+        for i in range(warm + count):
+            want = f"{label}:{i}".encode()
+            conn.send(i)
+            seen = False
+            while not seen:
+                for msgs in agent.get_new_notifs().values():
+                    if want in msgs:
+                        seen = True
+            t1 = time.perf_counter_ns()
+            if dst[nbytes - 1] != (i & 0xFF) or dst[0] != (i & 0xFF):
+                raise RuntimeError(f"{label} handoff {i}: notification before the data")
+            if i >= warm:
+                t1s.append(t1)
+        out[label] = t1s
+    agent.deregister_memory(reg)
+    return out
 
 
-def _producer(tls: str, max_bytes: int, cases: list, conn: Any, res: Any) -> None:
+def _produce(max_bytes: int, cases: list, conn: Connection) -> dict[str, list[int]]:
+    import numpy as np
+    agent = make_agent("producer")
+    src = np.full(max_bytes, 0x5A, dtype=np.uint8)
+    reg = agent.register_memory([(src.ctypes.data, max_bytes, 0, "")], "DRAM")
+    md, dst_addr = conn.recv()
+    peer = agent.add_remote_agent(md)
+    conn.send(agent.get_agent_metadata())
+    out: dict[str, list[int]] = {}
+    for label, nbytes, count, warm, delay in cases:
+        local = agent.get_xfer_descs([(src.ctypes.data, nbytes, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(dst_addr, nbytes, 0)], "DRAM")
+        h = None
+        deadline = time.monotonic() + 60
+        while h is None:  # the remote metadata may take a moment to be usable
+            try:
+                h = agent.initialize_xfer("WRITE", local, remote, peer, b"")
+            except Exception:  # noqa: BLE001
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        t0s = []
+        for i in range(warm + count):
+            conn.recv()
+            src[0] = src[nbytes - 1] = i & 0xFF
+            if delay:
+                time.sleep(delay)
+            t0 = time.perf_counter_ns()
+            state = agent.transfer(h, f"{label}:{i}".encode())
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL WRITE of {nbytes} bytes: {state}")
+            if i >= warm:
+                t0s.append(t0)
+        agent.release_xfer_handle(h)
+        out[label] = t0s
+    agent.deregister_memory(reg)
+    return out
+
+
+def _consumer(tls: str, max_bytes: int, cases: list, conn: Connection, res: Connection) -> None:
+    """Polls for each WRITE's notification and stamps t1 (the environment first: nixl reads it
+    when it is imported)."""
     nixl_env(tls)
-    try:
-        import numpy as np
-        agent = make_agent("producer")
-        src = np.full(max_bytes, 0x5A, dtype=np.uint8)
-        reg = agent.register_memory([(src.ctypes.data, max_bytes, 0, "")], "DRAM")
-        md, dst_addr = conn.recv()
-        peer = agent.add_remote_agent(md)
-        conn.send(agent.get_agent_metadata())
-        out: dict[str, list[int]] = {}
-        for label, nbytes, count, warm, delay in cases:
-            local = agent.get_xfer_descs([(src.ctypes.data, nbytes, 0)], "DRAM")
-            remote = agent.get_xfer_descs([(dst_addr, nbytes, 0)], "DRAM")
-            h = None
-            deadline = time.monotonic() + 60
-            while h is None:  # the remote metadata may take a moment to be usable
-                try:
-                    h = agent.initialize_xfer("WRITE", local, remote, peer, b"")
-                except Exception:  # noqa: BLE001
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
-            t0s = []
-            for i in range(warm + count):
-                conn.recv()
-                src[0] = src[nbytes - 1] = i & 0xFF
-                if delay:
-                    time.sleep(delay)
-                t0 = time.perf_counter_ns()
-                state = agent.transfer(h, f"{label}:{i}".encode())
-                while state == "PROC":
-                    state = agent.check_xfer_state(h)
-                if state != "DONE":
-                    raise RuntimeError(f"NIXL WRITE of {nbytes} bytes: {state}")
-                if i >= warm:
-                    t0s.append(t0)
-            agent.release_xfer_handle(h)
-            out[label] = t0s
-        agent.deregister_memory(reg)
-        res.send(("ok", out))
-    except BaseException as e:  # report, never hang the parent
-        res.send(("error", f"{type(e).__name__}: {e}"))
+    _procs.send_outcome(res, lambda: _consume(max_bytes, cases, conn))
+
+
+def _producer(tls: str, max_bytes: int, cases: list, conn: Connection, res: Connection) -> None:
+    """Stamps t0 and WRITEs each handoff once the consumer says it waits."""
+    nixl_env(tls)
+    _procs.send_outcome(res, lambda: _produce(max_bytes, cases, conn))
 
 
 def handoff(tls: str, cases: list, timeout_s: float = 300.0) -> dict[str, list[float]] | str:
@@ -153,18 +161,11 @@ def handoff(tls: str, cases: list, timeout_s: float = 300.0) -> dict[str, list[f
     cons.start()
     prod.start()
     try:
-        got = {}
-        for name, r in (("consumer", res_c), ("producer", res_p)):
-            if not r.poll(timeout_s):
-                return f"NIXL ({tls}) handoff: no result from the {name} within {timeout_s} s"
-            got[name] = r.recv()
-            if got[name][0] != "ok":
-                return f"NIXL ({tls}) handoff failed in the {name}: {got[name][1]}"
-        t1, t0 = got["consumer"][1], got["producer"][1]
+        got = _procs.gather({"consumer": res_c, "producer": res_p}, timeout_s,
+                            f"NIXL ({tls}) handoff")
+        if isinstance(got, str):
+            return got
+        t1, t0 = got["consumer"], got["producer"]
         return {k: [(x1 - x0) / 1e9 for x0, x1 in zip(t0[k], t1[k])] for k in t0}
     finally:
-        for p in (prod, cons):
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _procs.reap((prod, cons), 10)

@@ -35,6 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _nixl  # noqa: E402
+import _procs  # noqa: E402
+from _common import human_bytes  # noqa: E402
+
 SECRET = b"bench-secret-0123456789abcdef!!"
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -127,23 +132,15 @@ def bench_agent(sizes: list[int], quick: bool) -> dict[int, list[float]]:
         return res
     finally:
         stop.set()
-        tgt.join(60)
-        if tgt.is_alive():
-            tgt.kill()
+        _procs.reap((tgt,), 60)
 
 
 # --- NIXL ----------------------------------------------------------------------------------------------
-def _nixl_env(tls: str) -> None:
-    os.environ.update({"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "UCX_TLS": tls,
-                       "UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN"})
-
-
 def _nixl_target(tls: str, max_bytes: int, md_q: Any, peer_q: Any) -> None:
-    _nixl_env(tls)
+    _nixl.nixl_env(tls)
     import numpy as np
-    from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent("target", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent = _nixl.make_agent("target")
     src = np.full(max_bytes, 0x5A, dtype=np.uint8)
     reg = agent.register_memory([(src.ctypes.data, max_bytes, 0, "")], "DRAM")
     md_q.put((agent.get_agent_metadata(), src.ctypes.data))
@@ -159,11 +156,10 @@ def _nixl_target(tls: str, max_bytes: int, md_q: Any, peer_q: Any) -> None:
 
 def _nixl_initiator(tls: str, md: bytes, src_addr: int, sizes: list[int], quick: bool, peer_q: Any,
                     res_q: Any) -> None:
-    _nixl_env(tls)
+    _nixl.nixl_env(tls)
     import numpy as np
-    from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent("initiator", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent = _nixl.make_agent("initiator")
     dst = np.zeros(max(sizes), dtype=np.uint8)
     reg = agent.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
     peer = agent.add_remote_agent(md)
@@ -205,10 +201,9 @@ def _nixl_initiator(tls: str, md: bytes, src_addr: int, sizes: list[int], quick:
 
 def bench_nixl(tls: str, sizes: list[int], quick: bool) -> dict[int, list[float]] | str:
     """Median-able samples, or a string saying exactly why NIXL could not run."""
-    try:
-        import nixl  # noqa: F401
-    except ImportError as e:
-        return f"nixl is not installed ({e}); pip install nixl nixl-cu12 --no-deps"
+    why = _nixl.available()
+    if why:
+        return why
     ctx = mp.get_context("spawn")
     md_q, peer_q, res_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     tgt = ctx.Process(target=_nixl_target, args=(tls, max(sizes), md_q, peer_q))
@@ -225,11 +220,7 @@ def bench_nixl(tls: str, sizes: list[int], quick: bool) -> dict[int, list[float]
     except Exception as e:  # noqa: BLE001 - the reason goes into the table and the JSON
         return f"NIXL ({tls}) did not run: {type(e).__name__}: {e}"
     finally:
-        for p in (ini, tgt):
-            if p is not None:
-                p.join(60)
-                if p.is_alive():
-                    p.kill()
+        _procs.reap((ini, tgt), 60)
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -244,19 +235,10 @@ def machine() -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    try:
-        from importlib.metadata import version
-        nixl_v = version("nixl")
-    except Exception:  # noqa: BLE001
-        nixl_v = None
     return {"cpu_model": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0],
             "torch": torch.__version__, "aiohttp": aiohttp.__version__, "uvloop": uvloop.__version__,
-            "nixl": nixl_v, "platform": platform.platform(),
+            "nixl": _nixl.version(), "platform": platform.platform(),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-
-
-def fmt_size(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
 def main() -> None:
@@ -268,7 +250,7 @@ def main() -> None:
     sizes = sizes_for(args.max_mib * MiB)
 
     systems: dict[str, dict[int, list[float]] | str] = {}
-    print(f"sizes: {[fmt_size(s) for s in sizes]}", flush=True)
+    print(f"sizes: {[human_bytes(s) for s in sizes]}", flush=True)
     print("agent (HTTP, uvloop) ...", flush=True)
     systems["agent"] = bench_agent(sizes, args.quick)
     # Pure UCX_TLS=shm (or posix / cma) is refused when NIXL creates its UCX backend on this UCX:
@@ -305,7 +287,7 @@ def main() -> None:
     for row in rows:
         lat = f"{row['latency_ratio_vs_nixl_tcp']:6.2f}" if "latency_ratio_vs_nixl_tcp" in row else f"{'-':>6}"
         bw = f"{row['bw_ratio_vs_nixl_tcp']:5.2f}" if "bw_ratio_vs_nixl_tcp" in row else f"{'-':>5}"
-        print(f"{fmt_size(row['bytes']):>8} | {cell(row, 'agent')} | {cell(row, 'nixl_tcp')} | "
+        print(f"{human_bytes(row['bytes']):>8} | {cell(row, 'agent')} | {cell(row, 'nixl_tcp')} | "
               f"{cell(row, 'nixl_shm')} | {lat} | {bw} | {'n/a (hook: region_path_bench)' if not region else ''}")
     for name, res in systems.items():
         if isinstance(res, str):
