@@ -92,6 +92,11 @@ class ConfigError(TractError, ValueError):
     """An EngineConfig / KVLayout field is invalid; the message names the field."""
 
 
+class NixlUnavailable(ConfigError):
+    """``transport="nixl"`` was asked for but the nixl package is not importable; the message
+    says how to install it (the ``[nixl]`` extra)."""
+
+
 # --- global lock, lock manager, allocator (added with issue 3) -----------------------------------
 class LockError(TractError):
     """Base of global-lock errors."""
