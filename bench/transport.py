@@ -21,7 +21,7 @@ Targets: nixl within 1.2x of nixl_bare at every size (median latency); the agent
 32 KiB p50 within 1.5x of bare aiohttp. The JSON (``bench/results/transport-<time>.json``) keeps
 every sample and the machine.
 
-UCX runs on loopback only (``UCX_NET_DEVICES=lo``) with ``UCX_TLS=tcp``, the NixlAgent's default
+Each target runs on CPU 0, each initiator on CPU 1 (``_pinned`` says why). UCX runs on loopback only (``UCX_NET_DEVICES=lo``) with ``UCX_TLS=tcp``, the NixlAgent's default
 on a host without CUDA. ``--gpu`` (for the H200; this development VM has no GPU) puts both
 sides' buffers in GPU memory (VRAM) for the NIXL systems and the agent, and UCX_TLS=tcp,cuda_copy.
 
@@ -62,10 +62,13 @@ def sizes_for(max_bytes: int) -> list[int]:
     return out
 
 
+ROUNDS = int(os.environ.get("TRACT_BENCH_ROUNDS", "1"))   # --rounds (spawned processes inherit it)
+
+
 def iters_for(nbytes: int, quick: bool) -> int:
     # enough samples for a stable median; bounded bytes per size (~1 GiB, ~256 MiB quick)
     budget = (256 if quick else 1024) * MiB
-    return max(5, min(50 if quick else 200, budget // nbytes))
+    return max(5, min(50 if quick else 200, budget // nbytes) // ROUNDS)
 
 
 def buffer(nbytes: int, fill: int, gpu: bool) -> Any:
@@ -117,24 +120,29 @@ async def _cold(once: Callable[[], Any], ctl: Any) -> list[float]:
         t0 = time.perf_counter()
         await once()
         out.append(time.perf_counter() - t0)
+    ctl.send("heat")                       # the next sizes measure a target kept hot again
+    ctl.recv()
     return out
 
 
 def _finish(ctl: Any) -> dict[str, Any]:
-    """Ask the target for its idle CPU, then stop it; its extras."""
+    """Cool the target down, ask for its CPU while idle, then stop it; its extras."""
+    ctl.send("cool")
+    ctl.recv()
     ctl.send("idle")
     extras = ctl.recv()
     ctl.send("stop")
     return extras
 
 
-async def _serve_async(ctl: Any, on_cool: Callable[[], None], extras: Callable[[], dict]) -> None:
-    """A target's command loop on its event loop: cool / idle / stop."""
+async def _serve_async(ctl: Any, extras: Callable[[], dict],
+                       heat: Callable[[bool], None] = lambda hot: None) -> None:
+    """A target's command loop on its event loop: cool / heat / idle / stop."""
     loop = asyncio.get_running_loop()
     while True:
         cmd = await loop.run_in_executor(None, ctl.recv)
-        if cmd == "cool":
-            on_cool()
+        if cmd in ("cool", "heat"):
+            heat(cmd == "heat")
             ctl.send("ok")
         elif cmd == "idle":
             ctl.send({**extras(), "idle_cpu_cores": await loop.run_in_executor(None, cpu_while_idle)})
@@ -152,7 +160,7 @@ def agent_target(max_bytes: int, gpu: bool, md_q: Any, ctl: Any) -> None:
         agent.register_memory(buffer(max_bytes, 0x5A, gpu), name="src", writable=False)
         await agent.start()
         md_q.put(agent.get_agent_metadata())
-        await _serve_async(ctl, lambda: None, dict)
+        await _serve_async(ctl, dict)
         await agent.close()
     uvloop.run(main())
 
@@ -201,7 +209,7 @@ def aiohttp_target(max_bytes: int, gpu: bool, md_q: Any, ctl: Any) -> None:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         md_q.put(f"http://127.0.0.1:{runner.addresses[0][1]}/read".encode())
-        await _serve_async(ctl, lambda: None, dict)
+        await _serve_async(ctl, dict)
         await runner.cleanup()
     uvloop.run(main())
 
@@ -242,8 +250,15 @@ def nixl_target(max_bytes: int, gpu: bool, md_q: Any, ctl: Any, progress_thread:
         src = buffer(max_bytes, 0x5A, gpu)
         info = agent.register_memory(src, name="src", writable=False)
         await agent.start()
-        if not progress_thread:
-            agent.keep_hot(3600.0)            # as a store does while its peers read
+        def heat(hot: bool) -> None:          # hot as a store keeps it while its peers read
+            if progress_thread:
+                return
+            if hot:
+                agent.keep_hot(3600.0)
+            else:
+                agent.cool_down()
+
+        heat(True)
         lag = {"max_s": 0.0, "samples": []}
 
         async def watch() -> None:           # how long the loop stalls (a NIXL poll drains)
@@ -263,7 +278,7 @@ def nixl_target(max_bytes: int, gpu: bool, md_q: Any, ctl: Any, progress_thread:
             return {"loop_lag_max_s": lag["max_s"], "loop_lag_p99_s": s[int(0.99 * (len(s) - 1))],
                     "agent": agent.describe()}
 
-        await _serve_async(ctl, agent.cool_down, extras)
+        await _serve_async(ctl, extras, heat)
         await agent.close()
     uvloop.run(main())
 
@@ -321,7 +336,7 @@ def nixl_bare_target(max_bytes: int, gpu: bool, md_q: Any, ctl: Any) -> None:
         agent.get_new_notifs()
         if ctl.poll():
             cmd = ctl.recv()
-            if cmd == "cool":
+            if cmd in ("cool", "heat"):
                 ctl.send("ok")
             elif cmd == "idle":
                 t0, w0 = time.process_time(), time.monotonic()
@@ -387,7 +402,18 @@ PAIRS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-def run_system(name: str, sizes: list[int], quick: bool, gpu: bool) -> dict[str, Any] | str:
+def _pinned(cpu: int, fn: Callable, *args: Any) -> None:
+    """Run ``fn`` on one CPU. Both sides of the NIXL systems busy-poll: on two cores the
+    scheduler sometimes put both pollers on one core (and left them there), and every READ then
+    waited for a tick to switch between them, 4-8 ms (seen on both our and bare NIXL, in
+    alternate runs); one side per core removes that."""
+    if (os.cpu_count() or 1) > cpu:
+        os.sched_setaffinity(0, {cpu})
+    fn(*args)
+
+
+def run_system(name: str, sizes: list[int], quick: bool, gpu: bool,
+               rounds: int = 1) -> dict[str, Any] | str:
     """One system's samples and extras, or a string saying exactly why it did not run."""
     if name.startswith("nixl") and (why := _nixl.available()):
         return why
@@ -395,12 +421,14 @@ def run_system(name: str, sizes: list[int], quick: bool, gpu: bool) -> dict[str,
     ctx = mp.get_context("spawn")
     md_q, res_q = ctx.Queue(), ctx.Queue()
     ctl_t, ctl_i = ctx.Pipe()
-    tgt = ctx.Process(target=target_fn, args=(max(sizes), gpu, md_q, ctl_t), daemon=True)
+    os.environ["TRACT_BENCH_ROUNDS"] = str(rounds)       # the spawned processes' iters_for
+    tgt = ctx.Process(target=_pinned, args=(0, target_fn, max(sizes), gpu, md_q, ctl_t), daemon=True)
     tgt.start()
     ini = None
     try:
         md = md_q.get(timeout=120)
-        ini = ctx.Process(target=initiator_fn, args=(md, sizes, quick, gpu, ctl_i, res_q), daemon=True)
+        ini = ctx.Process(target=_pinned, args=(1, initiator_fn, md, sizes, quick, gpu, ctl_i, res_q),
+                          daemon=True)
         ini.start()
         return res_q.get(timeout=900)
     except Exception as e:  # noqa: BLE001 - the reason goes into the table and the JSON
@@ -444,6 +472,9 @@ def main() -> None:
     ap.add_argument("--max-mib", type=int, default=128)
     ap.add_argument("--only", default=",".join(SYSTEMS), help="comma-separated systems")
     ap.add_argument("--gpu", action="store_true", help="buffers in GPU memory (the H200)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the systems this many times, interleaved (a shared machine's load "
+                         "moves between systems otherwise); samples are merged")
     args = ap.parse_args()
     sizes = sizes_for(args.max_mib * MiB)
     names = [s for s in args.only.split(",") if s]
@@ -452,11 +483,24 @@ def main() -> None:
     load_before = os.getloadavg()
     systems: dict[str, dict[str, Any] | str] = {}
     print(f"sizes: {[fmt_size(s) for s in sizes]}; systems: {names}; load {load_before}", flush=True)
-    for name in names:
-        t0 = time.monotonic()
-        systems[name] = run_system(name, sizes, args.quick, args.gpu)
-        print(f"  {name}: {time.monotonic() - t0:.1f} s"
-              + ("" if isinstance(systems[name], dict) else f" ({systems[name]})"), flush=True)
+    per_round: dict[str, list[dict[int, float]]] = {}
+    for r in range(args.rounds):
+        for name in names:
+            if isinstance(systems.get(name), str):
+                continue
+            t0 = time.monotonic()
+            got = run_system(name, sizes, args.quick, args.gpu, args.rounds)
+            print(f"  {name} (round {r + 1}): {time.monotonic() - t0:.1f} s"
+                  + ("" if isinstance(got, dict) else f" ({got})"), flush=True)
+            if isinstance(got, str):
+                systems[name] = got
+                continue
+            per_round.setdefault(name, []).append({n: statistics.median(got["samples"][n]) for n in sizes})
+            if name not in systems:
+                systems[name] = got
+            else:
+                for n in sizes:
+                    systems[name]["samples"][n] += got["samples"][n]
 
     def med(name: str, n: int) -> float | None:
         r = systems.get(name)
@@ -519,6 +563,8 @@ def main() -> None:
                        "load_after": os.getloadavg()},
            "args": vars(args), "sizes": sizes, "ucx_tls": "tcp,cuda_copy" if args.gpu else "tcp",
            "rows": rows, "extras": extras, "agent_auth_us": auth,
+           "per_round_p50_s": {k: [{str(n): v for n, v in d.items()} for d in rs]
+                               for k, rs in per_round.items()},
            "not_measured": {k: v for k, v in systems.items() if isinstance(v, str)},
            "raw_seconds": {k: {str(n): v["samples"][n] for n in sizes} | {"cold_4k": v.get("cold_4k")}
                            for k, v in systems.items() if isinstance(v, dict)}}

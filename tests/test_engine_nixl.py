@@ -112,6 +112,24 @@ def test_layer_hints_only_grow_known_entries_without_nixl() -> None:
     assert d.add_layers("a", p(0, 1, full)) == 0 and k not in d.entries                # no resurrection
 
 
+def test_transfers_are_cut_into_pieces_without_nixl() -> None:
+    """Rows split at piece boundaries pair up byte for byte, in order (``nixl_agent._cut``)."""
+    from tract_async.transport.nixl_agent import _cut
+    local = np.array([[1000, 5, 0], [2000, 9, 0], [3000, 2, 0]], dtype=np.int64)
+    remote = np.array([[7000, 5, 1], [8000, 9, 1], [9000, 2, 1]], dtype=np.int64)
+    pieces = _cut(local, remote, 4)
+    assert [int(p[0][:, 1].sum()) for p in pieces] == [4, 4, 4, 4]
+    flat_l = [tuple(r) for p in pieces for r in p[0].tolist()]
+    flat_r = [tuple(r) for p in pieces for r in p[1].tolist()]
+    assert flat_l == [(1000, 4, 0), (1004, 1, 0), (2000, 3, 0), (2003, 4, 0), (2007, 2, 0),
+                      (3000, 2, 0)]
+    assert [(a - 6000, n) for a, n, _ in flat_r] == [
+        (a, n) for a, n, _ in flat_l]
+    assert all(d == 1 for _, _, d in flat_r)
+    one = _cut(local, remote, 1 << 20)                  # fits: one piece, rows as given
+    assert len(one) == 1 and one[0][0].tolist() == local.tolist()
+
+
 # -- in one process ------------------------------------------------------------------------------
 async def test_layer_readiness_travels_in_nixl_notifications() -> None:
     """Layer 0's acknowledged announcement creates the entries; each later layer wakes the
