@@ -5,8 +5,8 @@ each has its own incoherent cache), so these tests exercise the cross-node proto
 cross-process versions are in test_engine_xproc.py.
 
 The transport-independent tests run over both transports: the region ("region-hw",
-"region-sim") and the HTTP agents ("http": two engines with Agents on 127.0.0.1, port 0, the
-second naming the first as its peer). Region internals (re-attach after close, RegionExists)
+"region-sim"), the HTTP agents ("http": two engines with Agents on 127.0.0.1, port 0, the
+second naming the first as its peer) and NIXL ("nixl": the same, with NIXL agents for the bytes). Region internals (re-attach after close, RegionExists)
 stay region-only; their HTTP counterparts are in test_engine_http.py.
 """
 from __future__ import annotations
@@ -20,40 +20,43 @@ from numba import njit
 
 import tract_async as tract
 from tract_async import errors as E
-from tests.engine_http_util import http_cfg, http_pair
+from tests.engine_http_util import http_cfg, http_pair, needs_nixl
 from tests.engine_util import TINY, block_matches, cfg, kv_for_keys
 from tract_async.keys import keys_to_words
 from tract_kernels.intrinsics import monotonic_ns
 
 
-@pytest.fixture(params=["region-hw", "region-sim", "http"])
+NET = ("http", "nixl")     # the network transports
+
+
+@pytest.fixture(params=["region-hw", "region-sim", "http", pytest.param("nixl", marks=needs_nixl)])
 def flavor(request: pytest.FixtureRequest) -> tuple[str, str]:
     """(transport, memory backend): the backend only matters for the region."""
     transport, _, backend = request.param.partition("-")
     return transport, backend or "hw"
 
 
-@pytest.fixture(params=["region", "http"])
+@pytest.fixture(params=["region", "http", pytest.param("nixl", marks=needs_nixl)])
 def transport(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
 async def _pair(path: str, backend: str, transport: str = "region", **kw):
-    if transport == "http":
-        return await http_pair(**kw)
+    if transport in NET:
+        return await http_pair(transport=transport, **kw)
     a = await tract.Engine.open(cfg(path, 0, create=True, backend=backend, **kw))
     b = await tract.Engine.open(cfg(path, 1, backend=backend, **kw))
     return a, b
 
 
 async def _one(path: str, transport: str, **kw) -> tract.Engine:
-    if transport == "http":
-        return await tract.Engine.open(http_cfg(0, **kw))
+    if transport in NET:
+        return await tract.Engine.open(http_cfg(0, transport=transport, **kw))
     return await tract.Engine.open(cfg(path, 0, create=True, **kw))
 
 
 def _index_state(eng: tract.Engine) -> tuple[list, int]:
-    if eng.stats()["transport"] == "http":   # the local pool: (slot, version, layers) per block
+    if eng.stats()["transport"] in NET:   # the local pool: (slot, version, layers) per block
         pool = eng._store.pool
         return sorted((b.slot, b.version, b.mask) for _, b in pool.items()), pool.nslots - pool.free_slots
     table = eng._store.index.scan()
@@ -180,7 +183,7 @@ async def test_region_full_is_all_or_nothing(region_path: str, transport: str) -
 
 async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str) -> None:
     # HTTP: a pool of 4 MiB (128 slots) fills within the rounds below, as the region does
-    extra = {"http_pool_bytes": 4 << 20} if transport == "http" else {}
+    extra = {"http_pool_bytes": 4 << 20} if transport in NET else {}
     a = await _one(region_path, transport, region_bytes=6 << 20, **extra)
     try:
         per = 16

@@ -14,6 +14,7 @@ from tract_async import errors as E
 from tract_async.stores.http import ROUTE_ANNOUNCE, ROUTE_CHECK, ROUTE_HELLO
 from tract_async.transport import errors as TE
 from tract_async.transport.http import Agent
+from tests import engine_http_util as U
 from tests.engine_http_util import SECRET, http_cfg, http_pair
 from tests.engine_util import TINY, block_matches, kv_for_keys
 
@@ -70,7 +71,7 @@ async def test_peering_is_symmetric_and_lookup_is_local() -> None:
         assert a.lookup(keys) == 3 and a.lookup(keys[:1] + a.block_keys(range(5000, 5016))) == 1
         assert torch.equal(await a.get_kv(keys), kv)
         sa = a.stats()
-        assert sa["transport"] == "http" and sa["remote_reads"] == 1
+        assert sa["transport"] == U.TRANSPORT and sa["remote_reads"] == 1
         assert sa["blocks_read_remote"] == 3 and list(sa["peers"]) == [b._store.agent.name]
         # a third engine joining a late gets b's blocks in the hello reply
         c = await tract.Engine.open(http_cfg(2, peers=[a.url, b.url]))
@@ -121,7 +122,7 @@ async def test_peer_gone_without_bye_is_a_miss() -> None:
 async def test_closed_engine_and_stats() -> None:
     a = await tract.Engine.open(http_cfg(0))
     s = a.stats()
-    assert s["open"] and s["transport"] == "http" and s["fallbacks"] == {}
+    assert s["open"] and s["transport"] == U.TRANSPORT and s["fallbacks"] == {}
     assert s["url"] == a.url and a.url.startswith("http://127.0.0.1:") and a.region is None
     await a.close()
     await a.close()   # idempotent

@@ -13,20 +13,21 @@ import torch
 
 import tract_async as tract
 from tract_async import errors as E
+from tests import engine_http_util as U
 from tests.engine_http_util import http_cfg
 from tests.engine_util import TINY, kv_for_keys
 
 
 async def test_attach_failure_runs_the_engine_on_http(region_path: str) -> None:
     a = await tract.Engine.open(http_cfg(0, region=region_path, create=True))
-    assert a.stats()["transport"] == "region+http"
+    assert a.stats()["transport"] == f"region+{U.TRANSPORT}"
     missing = region_path + "-missing"
     with pytest.raises(E.RegionNotFound):      # fallback=False: the error stands
         await tract.Engine.open(http_cfg(1, region=missing, peers=[a.url], fallback=False))
     b = await tract.Engine.open(http_cfg(1, region=missing, peers=[a.url]))
     try:
         sb = b.stats()
-        assert sb["transport"] == "http" and sb["fallbacks"] == {"attach": 1}
+        assert sb["transport"] == U.TRANSPORT and sb["fallbacks"] == {"attach": 1}
         assert "RegionNotFound" in b.fallback_reason and b.region is None
         # a sees b outside its rack: a's puts also go to its HTTP pool, b reads them there
         keys = a.block_keys(range(64))

@@ -5,13 +5,14 @@ with a message naming the field (``ConfigError``), never later inside the engine
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, NixlUnavailable
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
            torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
@@ -123,6 +124,11 @@ class EngineConfig:
     allow_unauthenticated: bool = False
     fallback: bool = True                    # with a region: HTTP per transfer where it cannot serve
     http_pool_bytes: int | None = None       # HTTP block pool (default: region_bytes)
+    # network transport: "http" (the aiohttp agent) or "nixl" (NIXL over UCX for the bytes,
+    # the aiohttp agent for the directory; peers without NIXL are read over HTTP). README.
+    transport: str = "http"
+    nixl_progress_thread: bool = False       # NIXL's own progress thread (it spins: README)
+    nixl_pool_device: str = "cpu"            # "cuda[:N]": the block pool in GPU memory (VRAM)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -161,5 +167,14 @@ class EngineConfig:
         if not self.attach_timeout_s >= 0:
             raise ConfigError(f"EngineConfig.attach_timeout_s must be >= 0, got "
                               f"{self.attach_timeout_s!r}")
+        if self.transport not in ("http", "nixl"):
+            raise ConfigError(f"EngineConfig.transport must be 'http' or 'nixl', got {self.transport!r}")
+        if self.transport == "nixl" and importlib.util.find_spec("nixl") is None:
+            raise NixlUnavailable("EngineConfig.transport='nixl' needs the nixl package: pip "
+                                  "install 'tract-async[nixl]', or for a light CPU-only install "
+                                  "pip install --no-deps nixl nixl-cu12")
+        if self.nixl_pool_device != "cpu" and not self.nixl_pool_device.startswith("cuda"):
+            raise ConfigError(f"EngineConfig.nixl_pool_device must be 'cpu' or 'cuda[:N]', got "
+                              f"{self.nixl_pool_device!r}")
         if self.copy_threads < 1:
             raise ConfigError(f"EngineConfig.copy_threads must be >= 1, got {self.copy_threads}")

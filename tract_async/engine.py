@@ -95,9 +95,9 @@ class Engine(CudaEngineMixin):
             return await self._start_http(region_uuid=None)
         if want_http:
             from .stores.fallback import FallbackStore
-            from .stores.http import HttpStore
+            from .stores.http import network_store
             try:
-                self._http = HttpStore(cfg, region_uuid=str(self._region.uuid))
+                self._http = network_store(cfg, region_uuid=str(self._region.uuid))
                 await self._http.open()
                 self._xfer = FallbackStore(self._store, self._http, self.fallbacks)
             except BaseException:
@@ -105,9 +105,9 @@ class Engine(CudaEngineMixin):
                 raise
 
     async def _start_http(self, *, region_uuid: str | None) -> None:
-        from .stores.http import HttpStore
+        from .stores.http import network_store
         try:
-            self._http = HttpStore(self.cfg, region_uuid=region_uuid)
+            self._http = network_store(self.cfg, region_uuid=region_uuid)
             await self._http.open()
             self._store = self._xfer = self._http
             await self._enter_task_group()
@@ -391,9 +391,12 @@ class Engine(CudaEngineMixin):
         self._check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
-        if isinstance(kv, torch.Tensor) and kv.is_cuda:  # CUDA hook (tract_async.cuda.api)
+        # a network store whose pool is in GPU memory takes CUDA tensors as they are; otherwise
+        # CUDA tensors take the CUDA hook (region DMA, or host staging on a network store)
+        gpu_pool = self._region is None and getattr(self._xfer, "takes_cuda", False)
+        if isinstance(kv, torch.Tensor) and kv.is_cuda and not gpu_pool:  # CUDA hook (cuda.api)
             return await self._put_kv_cuda(ks, kv, layer, timeout)
-        kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv")
+        kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv", allow_cuda=gpu_pool)
         if not ks:
             return 0
         return await self._xfer.put(ks, kv, layer, timeout if timeout is not None
@@ -411,15 +414,18 @@ class Engine(CudaEngineMixin):
         self._check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
-        if (out.is_cuda if isinstance(out, torch.Tensor) else  # CUDA hook (tract_async.cuda.api)
-                device is not None and torch.device(device).type == "cuda"):
+        gpu_pool = self._region is None and getattr(self._xfer, "takes_cuda", False)
+        if not gpu_pool and (out.is_cuda if isinstance(out, torch.Tensor) else  # CUDA hook
+                             device is not None and torch.device(device).type == "cuda"):
             return await self._get_kv_cuda(ks, out, layer, timeout, device)
-        if device is not None and torch.device(device).type != "cpu":
+        if device is not None and torch.device(device).type not in (
+                ("cpu", "cuda") if gpu_pool else ("cpu",)):
             raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
         if out is None:
-            out = torch.empty(self.layout.kv_shape(len(ks), layer), dtype=self.layout.dtype)
+            out = torch.empty(self.layout.kv_shape(len(ks), layer), dtype=self.layout.dtype,
+                              device=device if gpu_pool and device is not None else "cpu")
         else:
-            kvplan.check_tensor(out, self.layout, len(ks), layer, what="out")
+            kvplan.check_tensor(out, self.layout, len(ks), layer, what="out", allow_cuda=gpu_pool)
             if not out.is_contiguous():
                 raise kvplan.TensorMismatch("out must be contiguous")
         if not ks:
@@ -428,8 +434,9 @@ class Engine(CudaEngineMixin):
 
     def stats(self) -> dict[str, Any]:
         """Counters: hits, misses, bytes, evictions, lock waits, ... (a fresh dict)."""
-        transport = ("region+http" if self._region is not None and self._http is not None
-                     else "http" if self._http is not None else "region")
+        net = self._http.transport_name if self._http is not None else "http"
+        transport = (f"region+{net}" if self._region is not None and self._http is not None
+                     else net if self._http is not None else "region")
         out: dict[str, Any] = {"node_id": self.cfg.node_id, "transport": transport,
                                "open": not self._closed, "fallbacks": dict(self.fallbacks),
                                "uptime_s": time.monotonic() - self._opened_at if self._opened_at else 0.0}

@@ -105,6 +105,11 @@ class MissingExtra(TractError, ImportError):
     telemetry) is not installed; the message names the extra to install."""
 
 
+class NixlUnavailable(ConfigError):
+    """``transport="nixl"`` was asked for but the nixl package is not importable; the message
+    says how to install it (the ``[nixl]`` extra)."""
+
+
 # --- global lock, lock manager, allocator (added with issue 3) -----------------------------------
 class LockError(TractError):
     """Base of global-lock errors."""

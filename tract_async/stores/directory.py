@@ -104,7 +104,14 @@ class Directory:
         for op in parsed:
             if op[0] == "p":
                 _, key, slot, version, mask, complete = op
-                self.entries.setdefault(key, {})[peer] = Held(slot, version, mask, complete)
+                held = self.entries.setdefault(key, {}).get(peer)
+                if held is not None and held.slot == slot and held.version == version:
+                    # the same reservation: its layers only ever grow (a reordered or a second
+                    # channel's older op must not take a landed layer back)
+                    held.mask |= mask
+                    held.complete = held.complete or complete
+                else:
+                    self.entries[key][peer] = Held(slot, version, mask, complete)
             elif op[0] == "e":
                 held = self.entries.get(op[1], {}).get(peer)
                 if held is not None and held.slot == op[2] and held.version == op[3]:
@@ -113,6 +120,27 @@ class Directory:
                 bye = True
         self.wake()
         return bye
+
+    def add_layers(self, peer: str, parsed: list[tuple]) -> int:
+        """Merge the layers of put ops into entries that already exist at the same slot and
+        version; returns how many entries gained layers. For an unacknowledged fast channel
+        (NIXL notifications): it never creates, resurrects or rewinds an entry, so a late or
+        forged op changes nothing that the acknowledged announcements did not create."""
+        changed = 0
+        for op in parsed:
+            if op[0] != "p":
+                continue
+            _, key, slot, version, mask, complete = op
+            held = self.entries.get(key, {}).get(peer)
+            if held is None or held.slot != slot or held.version != version:
+                continue
+            if held.mask | mask != held.mask or (complete and not held.complete):
+                held.mask |= mask
+                held.complete = held.complete or complete
+                changed += 1
+        if changed:
+            self.wake()
+        return changed
 
     def forget(self, key: bytes, peer: str, version: int | None = None) -> None:
         """Drop ``peer``'s entry for ``key`` (only at ``version`` when given)."""

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -73,14 +75,33 @@ class _Peer:
     uuid: str | None
     node_id: int
     pool_addr: int
+    pool_mem_type: str = "DRAM"      # where the peer's pool lives: DRAM, or VRAM of ``pool_dev``
+    pool_dev: int = 0
     outbox: list[list[Any]] = dataclasses.field(default_factory=list)
     waiters: list[asyncio.Future[None]] = dataclasses.field(default_factory=list)
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     alive: bool = True
 
 
+def network_store(cfg: EngineConfig, *, region_uuid: str | None) -> HttpStore:
+    """The store of ``cfg.transport``: HttpStore, or NixlStore (which imports nixl).
+    Raises NixlUnavailable, NixlError (NIXL could not start)."""
+    if cfg.transport == "nixl":
+        from .nixl import NixlStore
+        return NixlStore(cfg, region_uuid=region_uuid)
+    return HttpStore(cfg, region_uuid=region_uuid)
+
+
 class HttpStore:
-    """put / get / lookup over agents for one engine. Created and owned by the Engine."""
+    """put / get / lookup over agents for one engine. Created and owned by the Engine.
+
+    Subclasses change the data path and keep the rest (``stores/nixl.py``): the hooks are
+    ``_hello_extra`` / ``_peer_joined`` / ``_peer_left`` (what peering exchanges beyond the
+    directory), ``_fetch`` (how the bytes of a remote get arrive), ``_publishing`` (a put is about
+    to announce) and ``_served_check`` (a peer has just read from this pool).
+    """
+
+    transport_name = "http"
 
     def __init__(self, cfg: EngineConfig, *, region_uuid: str | None = None) -> None:
         self.cfg = cfg
@@ -88,7 +109,7 @@ class HttpStore:
         self.region_uuid = region_uuid
         self.stats = HttpStats()
         self.pool = BlockPool(cfg.layout, cfg.http_pool_bytes or cfg.region_bytes, mode=cfg.mode,
-                              deadline_s=cfg.transfer_deadline_s)
+                              deadline_s=cfg.transfer_deadline_s, device=self._pool_device())
         self.agent = Agent(f"tract-n{cfg.node_id}-{secrets.token_hex(4)}", host=cfg.listen_host,
                            port=cfg.listen_port, secret=cfg.secret,
                            allow_unauthenticated=cfg.allow_unauthenticated)
@@ -106,6 +127,10 @@ class HttpStore:
         """Check versions after each remote READ. Only the stale-entry test's negative control
         turns this off, to show that without it wrong bytes get through."""
         self.announce_timeout_s = max(2.0, 4 * cfg.liveness_timeout_s)
+
+    def _pool_device(self) -> str:
+        """Where the block pool lives (a subclass may keep it in GPU memory)."""
+        return "cpu"
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -129,23 +154,35 @@ class HttpStore:
         if not isinstance(reply, dict):
             raise TE.RemoteError(f"{name}: hello reply is not an object")
         self._add_peer(name, reply.get("uuid"), reply.get("node"))
+        self._peer_joined(name, reply)
         self._apply(name, ops_list(reply.get("blocks"), "hello blocks"))
         return name
 
     def _hello_payload(self) -> dict[str, Any]:
         md = base64.b64encode(self.agent.get_agent_metadata()).decode()
         return {"md": md, "uuid": self.region_uuid, "node": self.cfg.node_id,
-                "blocks": [put_op(k, b) for k, b in self.pool.items()]}
+                "blocks": [put_op(k, b) for k, b in self.pool.items()], **self._hello_extra()}
+
+    def _hello_extra(self) -> dict[str, Any]:
+        """Fields a subclass adds to the hello and to its reply (e.g. its NIXL metadata)."""
+        return {}
+
+    def _peer_joined(self, name: str, hello: dict[str, Any]) -> None:
+        """A peer was added from its hello (or hello reply); raise MalformedRequest to refuse it."""
+
+    def _peer_left(self, name: str) -> None:
+        """A peer was dropped (bye, failure, close)."""
 
     def _add_peer(self, name: str, uuid: Any, node: Any) -> None:
         if uuid is not None and not isinstance(uuid, str):
             raise TE.MalformedRequest("hello: uuid must be a string or null")
         node_id = parse_uint(node, "hello: node", 1 << 16)
-        pool_addr = self.agent.remote_region(name, POOL_NAME).addr
+        pool = self.agent.remote_region(name, POOL_NAME)
         old = self.peers.get(name)
         if old is not None:
             self._drop_peer(old, count=False)
-        peer = _Peer(name=name, uuid=uuid, node_id=node_id, pool_addr=pool_addr)
+        peer = _Peer(name=name, uuid=uuid, node_id=node_id, pool_addr=pool.addr,
+                     pool_mem_type=pool.mem_type, pool_dev=pool.dev_id)
         self.peers[name] = peer
         assert self._tg is not None, "HttpStore: peer added before open()"
         self._tg.create_task(self._sender(peer), name=f"tract-announce-{name}")
@@ -162,6 +199,7 @@ class HttpStore:
                 f.set_result(None)
         peer.waiters.clear()
         self.dir.forget_peer(peer.name)
+        self._peer_left(peer.name)
 
     async def close(self, timeout: float) -> None:
         """Tell peers this node's blocks are gone, stop the senders, close the agent."""
@@ -246,12 +284,15 @@ class HttpStore:
         self.agent.add_remote_agent(md)
         try:
             self._add_peer(sender, payload.get("uuid"), payload.get("node"))
+            self._peer_joined(sender, payload)
         except BaseException:
+            if sender in self.peers:
+                self._drop_peer(self.peers[sender], count=False)
             self.agent.remove_remote_agent(sender)
             raise
         self._apply_parsed(sender, parsed)
         return {"uuid": self.region_uuid, "node": self.cfg.node_id,
-                "blocks": [put_op(k, b) for k, b in self.pool.items()]}
+                "blocks": [put_op(k, b) for k, b in self.pool.items()], **self._hello_extra()}
 
     async def _on_announce(self, sender: str, payload: Any) -> Any:
         if sender not in self.peers:
@@ -303,7 +344,11 @@ class HttpStore:
             elif good:
                 self.pool.touch(key)
         self._announce_nowait([evict_op(k, b) for k, b in gone if b is not None])
+        self._served_check(sender)
         return {"ok": ok}
+
+    def _served_check(self, sender: str) -> None:
+        """A peer has just read from this pool (it checks after each READ)."""
 
     # -- lookup -------------------------------------------------------------------------------
     def has(self, key: bytes) -> bool:
@@ -328,10 +373,12 @@ class HttpStore:
     async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
                   timeout: float | None) -> int:
         """Store blocks not yet held by this node or announced by a peer; returns how many this
-        call stored (or filled). A CUDA ``kv`` is staged through host memory (the pool is host
-        memory; this is the network path, where a device-to-host copy is not what costs).
-        Raises RegionFull (the pool is full)."""
-        kv = kv.cpu() if kv.is_cuda else kv.contiguous()
+        call stored (or filled). A ``kv`` on another device than the pool is copied there first
+        (this is the network path, where that copy is not what costs). Raises RegionFull (the
+        pool is full)."""
+        kv = kv.contiguous()
+        if kv.device != self.pool.blocks.device:
+            kv = kv.to(self.pool.blocks.device)
         todo: list[int] = []
         new: list[int] = []
         seen: set[bytes] = set()
@@ -373,8 +420,13 @@ class HttpStore:
                                                  else self.layout.layer_bytes)
             self._wake()
         self.stats.puts += 1
+        self._publishing(ops, layer)
         await self._announce(ops, timeout=timeout)
         return len(todo)
+
+    def _publishing(self, ops: list[list[Any]], layer: int | None) -> None:
+        """A put (of ``layer``, or all layers) is about to announce ``ops`` to every peer and
+        wait for their answers."""
 
     # -- get ----------------------------------------------------------------------------------
     def _source(self, key: bytes, layer: int | None) -> tuple[str | None, Any] | None:
@@ -406,11 +458,12 @@ class HttpStore:
 
     async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
                   timeout: float | None) -> torch.Tensor:
-        """Read ``keys`` into ``out``; a CUDA ``out`` is filled from host staging."""
-        if out.is_cuda:
-            host = torch.empty(out.shape, dtype=out.dtype)
-            await self.get(keys, host, layer, timeout)
-            out.copy_(host)
+        """Read ``keys`` into ``out``; an ``out`` on another device than the pool is filled
+        through a staging tensor on the pool's device."""
+        if out.device != self.pool.blocks.device:
+            stage = torch.empty(out.shape, dtype=out.dtype, device=self.pool.blocks.device)
+            await self.get(keys, stage, layer, timeout)
+            out.copy_(stage)
             return out
         n = len(keys)
         if timeout is not None and timeout > 0:
@@ -467,6 +520,8 @@ class HttpStore:
     def _copy_out(outv: torch.Tensor, pos: list[int], layer: int | None,
                   src: torch.Tensor) -> None:
         """``src``: (m, L, 2, T, H, D) or (m, 2, T, H, D) blocks for positions ``pos``."""
+        if src.device != outv.device:          # a pool in GPU memory, a CPU tensor (or back)
+            src = src.to(outv.device)
         p = torch.tensor(pos, dtype=torch.long)
         if layer is None:
             outv[:, :, p] = src.permute(1, 2, 0, 3, 4, 5)
@@ -495,26 +550,74 @@ class HttpStore:
         lay = self.layout
         span = lay.block_bytes if layer is None else lay.layer_bytes
         skip = 0 if layer is None else layer * lay.layer_bytes
-        m = len(keys)
+        deadline = timeout if timeout is not None and timeout > 0 else None
+        consume = [self.cfg.mode == "transfer" and self._would_consume(k, layer) for k in keys]
+        remote_addrs = [peer.pool_addr + h.slot * lay.block_bytes + skip for h in helds]
+        async with self._fetch_guarded(peer_name, remote_addrs, span, deadline) as staging:
+            await self._check_and_copy(peer_name, peer, keys, helds, pos, outv, layer, consume,
+                                       staging, deadline)
+
+    @contextlib.asynccontextmanager
+    async def _fetch_guarded(self, peer_name: str, remote_addrs: list[int], span: int,
+                             deadline: float | None) -> AsyncIterator[torch.Tensor]:
+        """``_fetch`` with the transport's failures turned into the store's: TransferTimeout,
+        or (the peer went away) BlockEvicted after dropping the peer."""
+        try:
+            async with self._fetch(peer_name, remote_addrs, span, deadline) as staging:
+                yield staging
+        except TE.TransferTimeout as e:
+            raise TransferTimeout(f"READ of {len(remote_addrs)} blocks from {peer_name!r} timed "
+                                  f"out: {e}") from e
+        except (TE.PeerUnreachable, TE.PeerDisconnected, TE.AgentClosed) as e:
+            raise self._went_away(peer_name, e) from e
+
+    def _went_away(self, peer_name: str, e: BaseException) -> BlockEvicted:
+        """Drop a peer that failed mid-read; the error the get raises (a miss)."""
+        if peer_name in self.peers and not self.agent.closing:
+            self._drop_peer(self.peers[peer_name])
+        return BlockEvicted(f"peer {peer_name!r} went away during the read ({e}); treat as a miss")
+
+    @contextlib.asynccontextmanager
+    async def _fetch(self, peer_name: str, remote_addrs: list[int], span: int,
+                     deadline: float | None) -> AsyncIterator[torch.Tensor]:
+        """READ ``span`` bytes at each of ``remote_addrs`` in the peer's pool into a fresh staging
+        tensor (``len * span`` bytes, in order), valid inside the context. Raises the transport's
+        errors (``transport.errors``)."""
+        m = len(remote_addrs)
         staging = torch.empty(m * span, dtype=torch.uint8)
         self._rx += 1
         name = f"tract-rx-{self._rx}"
-        deadline = timeout if timeout is not None and timeout > 0 else None
-        consume = [self.cfg.mode == "transfer" and self._would_consume(k, layer) for k in keys]
+        self.agent.register_memory(staging, name=name)
         try:
-            self.agent.register_memory(staging, name=name)
-            try:
-                base = staging.data_ptr()
-                local = XferDescList([(base + j * span, span, 0) for j in range(m)], "DRAM")
-                remote = XferDescList([(peer.pool_addr + h.slot * lay.block_bytes + skip, span, 0)
-                                       for h in helds], "DRAM")
-                h = self.agent.initialize_xfer("READ", local, remote, peer_name)
-                try:
-                    await self.agent.transfer(h, timeout=deadline)
-                finally:
-                    h.release()
-            finally:
-                self.agent.deregister_memory(name)
+            await self._read_into(self.agent, peer_name, staging.data_ptr(), "DRAM", 0,
+                                  remote_addrs, span, deadline)
+        finally:
+            self.agent.deregister_memory(name)
+        yield staging
+
+    async def _read_into(self, agent: Any, peer_name: str, base: int, mem_type: str, dev: int,
+                         remote_addrs: list[int], span: int, deadline: float | None) -> None:
+        """One READ of ``span`` bytes at each remote address into consecutive spans from
+        ``base``, through ``agent`` (the HTTP Agent, or a NixlAgent: the same calls)."""
+        peer = self.peers[peer_name]
+        local = XferDescList([(base + j * span, span, dev) for j in range(len(remote_addrs))],
+                             mem_type)
+        remote = XferDescList([(a, span, peer.pool_dev) for a in remote_addrs], peer.pool_mem_type)
+        x = agent.initialize_xfer("READ", local, remote, peer_name)
+        try:
+            await agent.transfer(x, timeout=deadline)
+        finally:
+            x.release()
+
+    async def _check_and_copy(self, peer_name: str, peer: _Peer, keys: list[bytes],
+                              helds: list[Held], pos: list[int], outv: torch.Tensor,
+                              layer: int | None, consume: list[bool], staging: torch.Tensor,
+                              deadline: float | None) -> None:
+        """After the bytes arrived: ask the holder whether they are still the blocks' (and
+        consume them in transfer mode), then copy them out. Raises BlockEvicted, TransferTimeout."""
+        lay = self.layout
+        m = len(keys)
+        try:
             self.stats.remote_reads += 1
             ok = [True] * m
             if self.validate_reads or any(consume):
@@ -527,12 +630,9 @@ class HttpStore:
                 if not self.validate_reads:
                     ok = [True] * m
         except TE.TransferTimeout as e:
-            raise TransferTimeout(f"READ of {m} blocks from {peer_name!r} timed out: {e}") from e
+            raise TransferTimeout(f"check of {m} blocks with {peer_name!r} timed out: {e}") from e
         except (TE.PeerUnreachable, TE.PeerDisconnected, TE.AgentClosed) as e:
-            if peer_name in self.peers and not self.agent.closing:
-                self._drop_peer(self.peers[peer_name])
-            raise BlockEvicted(f"peer {peer_name!r} went away during the read ({e}); "
-                               f"treat as a miss") from e
+            raise self._went_away(peer_name, e) from e
         bad = [j for j in range(m) if not ok[j]]
         if bad:
             for j in bad:

@@ -42,13 +42,14 @@ class LocalBlock:
 class BlockPool:
     """Slots, a free list, versions and LRU order of this node's HTTP-served blocks."""
 
-    def __init__(self, layout: KVLayout, pool_bytes: int, *, mode: str, deadline_s: float) -> None:
+    def __init__(self, layout: KVLayout, pool_bytes: int, *, mode: str, deadline_s: float,
+                 device: str | torch.device = "cpu") -> None:
         self.layout = layout
         self.nslots = pool_bytes // layout.block_bytes
         if self.nslots < 1:
             raise RegionFull(f"an HTTP pool of {pool_bytes} bytes holds no {layout.block_bytes}-byte "
                              f"block; raise http_pool_bytes")
-        self.bytes = torch.zeros(self.nslots * layout.block_bytes, dtype=torch.uint8)
+        self.bytes = torch.zeros(self.nslots * layout.block_bytes, dtype=torch.uint8, device=device)
         L, T, H, D = layout.num_layers, layout.block_tokens, layout.kv_heads, layout.head_dim
         self.blocks = self.bytes.view(layout.dtype).view(self.nslots, L, 2, T, H, D)
         self.mode = mode

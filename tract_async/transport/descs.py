@@ -359,6 +359,14 @@ class MemoryRegistry:
             raise InvalidDescriptors(f"region {name!r} is {reg.info.mem_type}; only DRAM has a host view")
         return reg.access
 
+    def in_use(self, name: str) -> bool:
+        """Does a transfer still hold the range registered under ``name``?
+        Raises MemoryNotRegistered."""
+        reg = self._by_name.get(name)
+        if reg is None:
+            raise MemoryNotRegistered(f"no region named {name!r} is registered")
+        return reg.users > 0
+
     def infos(self) -> list[RegionInfo]:
         return [r.info for r in self._regs]
 

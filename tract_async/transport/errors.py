@@ -1,6 +1,8 @@
-"""Exceptions of the HTTP transport: one class per condition, all deriving from TractError.
+"""Exceptions of the network transports (the HTTP agent, and the NIXL agent of ``nixl_agent``):
+one class per condition, all deriving from TractError.
 
-The transport has one error channel: a failed call or transfer raises one of these. Status
+A transport has one error channel: a failed call or transfer raises one of these (the NIXL agent
+maps NIXL's status codes onto the same classes). Status
 strings ("DONE", "PROC") only ever describe progress, never failure. The server maps each
 condition to an error code on the wire (``ERROR_CODES``) and the client raises the same class,
 so a caller sees the same exception whether its own agent or the remote one found the problem.
@@ -112,6 +114,11 @@ class NotificationTimeout(TransportError, TimeoutError):
 
 class RemoteError(TransportError):
     """The remote agent failed the request for a reason without a more specific class."""
+
+
+class NixlError(TransportError):
+    """A NIXL call failed for a reason without a more specific class; the message carries NIXL's
+    status and what was being done (the NIXL transport, ``transport.nixl_agent``)."""
 
 
 #: Wire error code <-> exception class. The server sends the code; the client raises the class.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -20,7 +20,7 @@ from aiohttp.abc import AbstractStreamWriter
 from tract_async.transport import wire
 from tract_async.transport.auth import PROTOCOL
 from tract_async.transport.conn import build_request, raise_for_error
-from tract_async.transport.descs import Span, XferDescList
+from tract_async.transport.descs import RegionInfo, Span, XferDescList
 from tract_async.transport.errors import (
     ERROR_CODES,
     DescriptorOutOfRange,
@@ -81,18 +81,11 @@ class XferHandle:
         Raises InvalidOperation, InvalidDescriptors, DescriptorOutOfRange, UnknownRemoteAgent,
         MemoryNotRegistered.
         """
-        if op not in ("READ", "WRITE"):
-            raise InvalidOperation(f'operation must be "READ" or "WRITE", got {op!r}')
-        if not isinstance(local, XferDescList) or not isinstance(remote, XferDescList):
-            raise InvalidDescriptors("pass descriptor lists from get_xfer_descs")
-        if len(local) != len(remote) or (local.rows[:, 1] != remote.rows[:, 1]).any():
-            raise InvalidDescriptors(
-                f"local and remote lists must pair up one to one with equal lengths "
-                f"({len(local)} local, {len(remote)} remote descriptors)")
+        check_pairing(op, local, remote)
         if len(notif) > agent.config.max_notif_bytes:
             raise InvalidDescriptors(f"notif_msg of {len(notif)} bytes, the limit is {agent.config.max_notif_bytes}")
         md = agent.remote_agent(remote_name)
-        _check_remote(md, remote, for_write=op == "WRITE")
+        check_remote(md, remote, for_write=op == "WRITE")
         spans = agent.registry.spans(local.rows, local.mem_type, for_write=False, local=True)
         return cls(agent, op, local, remote, remote_name, notif, spans, on_release)
 
@@ -186,8 +179,29 @@ class XferHandle:
         self._on_release(self)
 
 
-def _check_remote(md: wire.AgentMetadata, remote: XferDescList, *, for_write: bool) -> None:
-    """Check remote descriptors against the peer's published ranges (it checks again itself)."""
+def check_pairing(op: str, local: XferDescList, remote: XferDescList) -> None:
+    """A READ or WRITE of descriptor lists that pair up one to one with equal lengths.
+    Raises InvalidOperation, InvalidDescriptors."""
+    if op not in ("READ", "WRITE"):
+        raise InvalidOperation(f'operation must be "READ" or "WRITE", got {op!r}')
+    if not isinstance(local, XferDescList) or not isinstance(remote, XferDescList):
+        raise InvalidDescriptors("pass descriptor lists (XferDescList, from get_xfer_descs)")
+    if len(local) != len(remote) or (local.rows[:, 1] != remote.rows[:, 1]).any():
+        raise InvalidDescriptors(
+            f"local and remote lists must pair up one to one with equal lengths "
+            f"({len(local)} local, {len(remote)} remote descriptors)")
+
+
+class PublishedRanges(Protocol):
+    """What ``check_remote`` needs of a peer: its name and the ranges it published (the HTTP
+    agent's ``wire.AgentMetadata``, the NIXL agent's record of a peer)."""
+    name: str
+    regions: tuple[RegionInfo, ...]
+
+
+def check_remote(md: PublishedRanges, remote: XferDescList, *, for_write: bool) -> None:
+    """Check remote descriptors against the peer's published ranges (it checks again itself).
+    Raises DescriptorOutOfRange."""
     regions = [r for r in md.regions if r.mem_type == remote.mem_type]
     for k, (addr, n, dev) in enumerate(remote.rows.tolist()):
         for r in regions:
