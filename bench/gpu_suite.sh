@@ -76,7 +76,7 @@ step() {  # step NAME SECONDS CMD...  (output to $OUT/NAME.log)
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
 # (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
 step warmup 180 $PY -m tract_async.warmup
-step gpu_tests 270 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/test_cuda_gpu.py --maxfail=10
+step gpu_tests 270 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/cuda/test_cuda_gpu.py --maxfail=10
 step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
 step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
 # diagnostic: the same short prefills with a 200 µs GIL switch interval (see --help)
@@ -84,7 +84,7 @@ step gpu_pipeline_si 100 $PY bench/gpu_pipeline.py --budget-s 60 --tokens 1024 2
   --timeline-tokens 0 --switch-interval-us 200 --name gpu_pipeline_si
 if $PY -c "import pytest_asyncio, orjson" 2>/dev/null; then
   step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
-    --continue-on-collection-errors tests/test_transport_gpu.py
+    --continue-on-collection-errors tests/transport/test_transport_gpu.py
 fi
 
 # -- results -----------------------------------------------------------------------------------

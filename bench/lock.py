@@ -16,8 +16,8 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import pct, table, write_json  # noqa: E402
-from tests import procs_lock as P  # noqa: E402
-from tests.test_lock import run_counter  # noqa: E402
+from tests.support import procs_lock as P  # noqa: E402
+from tests.sync.test_lock import run_counter  # noqa: E402
 from tract_async.sync import GlobalLock, LockManager, heartbeat_forever  # noqa: E402
 
 

@@ -36,7 +36,7 @@ def _warm_numba_cache() -> None:
     import mmap
     import numpy as np
     import tract_kernels as K
-    from tests import procs_lock   # its jitted critical section, used by spawned lock workers
+    from tests.support import procs_lock   # its jitted critical section, used by spawned lock workers
     procs_lock.sleep_us(0)
     page = mmap.mmap(-1, 4096)     # page-aligned scratch memory
     procs_lock.increment(K.make_mem(np.frombuffer(page, dtype=np.uint8), "hw"), 64, 0)

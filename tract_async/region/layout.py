@@ -2,7 +2,7 @@
 
 Every structure stored in the region is described twice, on purpose: a human table (offset,
 size, type, field, writer) that documents who may write each word, and a numpy dtype the code
-uses. ``tests/test_layout.py`` checks that the two agree, so the documentation cannot drift.
+uses. ``tests/region/test_layout.py`` checks that the two agree, so the documentation cannot drift.
 
 Rules every table follows (DESIGN.md invariants 1, 2, 9):
 * Offsets only, never pointers: a field that refers to another place holds ``*_offset_bytes``

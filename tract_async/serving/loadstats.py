@@ -1,6 +1,6 @@
 """The load benchmark's metrics: what the paper reports, computed from request records.
 
-Definitions (every one is checked against hand-computed values in ``tests/test_loadgen.py``):
+Definitions (every one is checked against hand-computed values in ``tests/serving/test_loadgen.py``):
 
 * **TTFT**: client-side, request written -> first token read (:class:`RequestRecord.ttft_s`);
   mean and p50/p90/p99 over the completed requests, percentiles linearly interpolated

@@ -1,0 +1,465 @@
+"""The Engine API on the CPU path: put_kv, get_kv, lookup, layer streaming, modes, bad input.
+
+Two Engines in one process are two nodes (each maps the region itself; with the sim backend
+each has its own incoherent cache), so these tests exercise the cross-node protocol; the
+cross-process versions are in test_engine_xproc.py.
+
+The transport-independent tests run over both transports: the region ("region-hw",
+"region-sim"), the HTTP agents ("http": two engines with Agents on 127.0.0.1, port 0, the
+second naming the first as its peer) and NIXL ("nixl": the same, with NIXL agents for the bytes). Region internals (re-attach after close, RegionExists)
+stay region-only; their HTTP counterparts are in test_engine_http.py.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+import tract_async as tract
+from tract_async import errors as E
+from tests.support.engine_http_util import http_cfg, http_pair, needs_nixl
+from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
+from tract_async.keys import keys_to_words
+from tract_kernels.intrinsics import monotonic_ns
+
+
+NET = ("http", "nixl")     # the network transports
+
+
+@pytest.fixture(params=["region-hw", "region-sim", "http", pytest.param("nixl", marks=needs_nixl)])
+def flavor(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(transport, memory backend): the backend only matters for the region."""
+    transport, _, backend = request.param.partition("-")
+    return transport, backend or "hw"
+
+
+@pytest.fixture(params=["region", "http", pytest.param("nixl", marks=needs_nixl)])
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+async def _pair(path: str, backend: str, transport: str = "region", **kw):
+    if transport in NET:
+        return await http_pair(transport=transport, **kw)
+    a = await tract.Engine.open(cfg(path, 0, create=True, backend=backend, **kw))
+    b = await tract.Engine.open(cfg(path, 1, backend=backend, **kw))
+    return a, b
+
+
+async def _one(path: str, transport: str, **kw) -> tract.Engine:
+    if transport in NET:
+        return await tract.Engine.open(http_cfg(0, transport=transport, **kw))
+    return await tract.Engine.open(cfg(path, 0, create=True, **kw))
+
+
+def _index_state(eng: tract.Engine) -> tuple[list, int]:
+    if eng.stats()["transport"] in NET:   # the local pool: (slot, version, layers) per block
+        pool = eng._store.pool
+        return sorted((b.slot, b.version, b.mask) for _, b in pool.items()), pool.nslots - pool.free_slots
+    table = eng._store.index.scan()
+    return sorted(table[:, 0].tolist()), eng._store.alloc.statistics().slots_used
+
+
+async def test_put_then_get_on_another_node(region_path: str, flavor: tuple[str, str]) -> None:
+    a, b = await _pair(region_path, flavor[1], flavor[0])
+    try:
+        keys = a.block_keys(range(16 * 5 + 3))
+        assert len(keys) == 5 and b.block_keys(range(83)) == keys   # same on every node
+        assert b.lookup(keys) == 0
+        kv = kv_for_keys(keys)
+        assert await a.put_kv(keys, kv) == 5
+        assert b.lookup(keys) == 5
+        got = await b.get_kv(keys)
+        assert torch.equal(got, kv)
+        # a longer prompt sharing the prefix: partial hit
+        longer = b.block_keys(list(range(16 * 5)) + list(range(500, 548)))
+        assert longer[:5] == keys and b.lookup(longer) == 5
+        # keys already present are not stored twice
+        assert await b.put_kv(keys, kv) == 0
+        assert b.stats()["blocks_skipped"] == 5
+        out = torch.empty_like(kv)
+        assert (await b.get_kv(keys[1:3], out=out[:, :, 16:48].contiguous())).shape == (4, 2, 32, 2, 32)
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_layer_by_layer_and_waiting_consumer(region_path: str, flavor: tuple[str, str]) -> None:
+    a, b = await _pair(region_path, flavor[1], flavor[0])
+    try:
+        keys = a.block_keys(range(64))
+        kv = kv_for_keys(keys)
+        waiter = asyncio.create_task(b.get_kv(keys, layer=2, timeout=30.0))
+        full = asyncio.create_task(b.get_kv(keys, timeout=30.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and not full.done()
+        for layer in range(TINY.num_layers):
+            await a.put_kv(keys, kv[layer].contiguous(), layer=layer)
+            if layer < TINY.num_layers - 1:
+                assert b.lookup(keys) == 0          # not complete: lookup does not count it
+            got = await b.get_kv(keys, layer=layer)  # landed layers are readable at once
+            assert torch.equal(got, kv[layer])
+            if layer == 1:
+                await asyncio.sleep(0.05)
+                assert not waiter.done()            # layer 2 not yet there
+        assert torch.equal(await asyncio.wait_for(waiter, 30), kv[2])
+        assert torch.equal(await asyncio.wait_for(full, 30), kv)
+        assert b.lookup(keys) == 4
+        assert b.stats()["layer_waits"] >= 2
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_bad_input_changes_nothing(region_path: str, transport: str) -> None:
+    a, b = await _pair(region_path, "hw", transport)
+    try:
+        keys = a.block_keys(range(32))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv)
+        before = _index_state(a)
+        with pytest.raises(E.TensorMismatch, match=r"expected \(4, 2, 32, 2, 32\)"):
+            await a.put_kv(keys, kv[:, :, :16])
+        with pytest.raises(E.TensorMismatch, match="dtype torch.float16"):
+            await a.put_kv(keys, kv.half())
+        with pytest.raises(E.TensorMismatch, match="one layer"):
+            await a.put_kv(keys, kv, layer=0)
+        with pytest.raises(E.TensorMismatch, match="layer must be in 0..3"):
+            await a.put_kv(keys, kv[0], layer=7)
+        with pytest.raises(E.TensorMismatch, match="meta"):
+            await a.put_kv(keys, kv.to("meta"))
+        with pytest.raises(E.KeyMismatch, match="32-byte"):
+            await a.put_kv([b"x" * 31, keys[1]], kv)
+        with pytest.raises(E.KeyMismatch, match="single bytes"):
+            a.lookup(keys[0])
+        unknown = a.block_keys(range(1000, 1032))
+        with pytest.raises(E.BlockNotFound, match="not in the region"):
+            await b.get_kv(unknown)
+        with pytest.raises(E.TransferTimeout, match="did not appear"):
+            await b.get_kv(unknown, timeout=0.2)
+        with pytest.raises(E.TensorMismatch, match="out has shape"):
+            await b.get_kv(keys, out=torch.empty(3))
+        assert _index_state(a) == before
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_layer_not_ready_and_timeout(region_path: str, transport: str) -> None:
+    a, b = await _pair(region_path, "sim", transport)
+    try:
+        keys = a.block_keys(range(16))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv[0].contiguous(), layer=0)
+        with pytest.raises(E.LayerNotReady, match="layer 1"):
+            await b.get_kv(keys, layer=1)
+        with pytest.raises(E.LayerNotReady, match="still being produced"):
+            await b.get_kv(keys)
+        with pytest.raises(E.TransferTimeout, match="layer 3"):
+            await b.get_kv(keys, layer=3, timeout=0.2)
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_region_full_is_all_or_nothing(region_path: str, transport: str) -> None:
+    # 4 MiB region with 1 MiB chunks: a few dozen 32 KiB blocks at most (HTTP: a 4 MiB pool,
+    # 128 slots, and transfer mode evicts nothing for space)
+    a = await _one(region_path, transport, region_bytes=4 << 20, mode="transfer")
+    try:
+        keys = a.block_keys(range(16 * 200))
+        before = _index_state(a)
+        with pytest.raises(E.RegionFull):
+            await a.put_kv(keys, kv_for_keys(keys))
+        assert _index_state(a) == before, "a failed put must leave the index and heaps as they were"
+        small = keys[:4]
+        assert await a.put_kv(small, kv_for_keys(small)) == 4   # still usable afterwards
+    finally:
+        await a.close()
+
+
+async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str) -> None:
+    # HTTP: a pool of 4 MiB (128 slots) fills within the rounds below, as the region does
+    extra = {"http_pool_bytes": 4 << 20} if transport in NET else {}
+    a = await _one(region_path, transport, region_bytes=6 << 20, **extra)
+    try:
+        per = 16
+        first = a.block_keys(range(16 * per))
+        await a.put_kv(first, kv_for_keys(first))
+        hot = first[:4]
+        for _ in range(3):
+            await a.get_kv(hot)
+        await a._store.maintain(timeout=5)     # touches reach the region under the lock
+        stored = list(first)
+        for r in range(1, 12):               # keep putting until the region has evicted
+            more = a.block_keys(range(10_000 * r, 10_000 * r + 16 * per))
+            await a.put_kv(more, kv_for_keys(more))
+            stored += more
+            for _ in range(2):
+                await a.get_kv(hot)
+            await a._store.maintain(timeout=5)
+            if a.stats()["evictions_for_space"] > 2 * per:
+                break
+        st = a.stats()
+        assert st["evictions_for_space"] > 0
+        assert a.lookup(hot) == 4, "recently used blocks must survive sampled-LRU eviction"
+        cold_left = sum(a.lookup([k]) for k in first[4:])
+        assert cold_left < len(first) - 4
+        got = await a.get_kv(hot)
+        assert all(block_matches(hot, got))
+    finally:
+        await a.close()
+
+
+async def _fill_with_node0(a: tract.Engine) -> list[bytes]:
+    stored: list[bytes] = []
+    for r in range(40):                                   # until node 0 owns every chunk
+        keys = a.block_keys(range(10_000 * r, 10_000 * r + 16 * 16))
+        await a.put_kv(keys, kv_for_keys(keys))
+        stored += keys
+        if a._store.alloc.table.find_free() is None and a.stats()["evictions_for_space"]:
+            break
+    assert a._store.alloc.table.find_free() is None, "the region never filled"
+    return stored
+
+
+async def test_a_node_without_a_chunk_gets_one_from_the_owner(region_path: str) -> None:
+    """Node 0 owns every chunk of a full region. Node 1's put does not evict node 0's blocks
+    (their slots would go back to node 0: evicting only emptied everyone's cache, ~20 000 blocks
+    in one 30 s stress); it asks for a chunk, and node 0 -- owning more than its fair share --
+    evicts the blocks of its least used chunk and releases it. Node 1's put then succeeds, node
+    0 lost only that chunk's blocks, and reads of the rest still work."""
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=6 << 20))
+    b = None
+    try:
+        stored = await _fill_with_node0(a)
+        chunks_a = len(a._store.alloc.owned_chunks())
+        b = await tract.Engine.open(cfg(region_path, 1))
+        present = [k for k in stored if a.lookup([k])]
+        assert len(present) > 16
+        mine = b.block_keys(range(900_000, 900_000 + 16 * 2))
+        assert await b.put_kv(mine, kv_for_keys(mine), timeout=10) == 2
+        assert all(block_matches(mine, await a.get_kv(mine)))
+        sb, sa = b.stats(), a.stats()
+        assert sb["evictions"] == 0 and sb["full_without_chunk"] >= 1, sb
+        assert len(b._store.alloc.owned_chunks()) == 1
+        assert sa["chunks_given"] == 1 and len(a._store.alloc.owned_chunks()) == chunks_a - 1
+        lost = [k for k in present if not a.lookup([k])]
+        assert len(lost) == sa["evictions_for_others"] <= 32, (len(lost), sa)   # one chunk's
+        rest = [k for k in present if a.lookup([k])][-4:]
+        assert all(block_matches(rest, await b.get_kv(rest)))     # reads still work
+        assert b.stats()["evictions"] == 0
+    finally:
+        if b is not None:
+            await b.close()
+        await a.close()
+
+
+async def test_a_starving_node_gets_a_chunk_while_the_owner_keeps_putting(
+        region_path: str) -> None:
+    """The restarted-node case: the survivor keeps putting (evicting its own LRU blocks) while
+    the newcomer asks; the newcomer's put still succeeds, within the put's wait."""
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=6 << 20))
+    b = None
+    stop = asyncio.Event()
+
+    async def keep_putting() -> int:
+        r = 100
+        while not stop.is_set():
+            keys = a.block_keys(range(10_000 * r, 10_000 * r + 16 * 8))
+            await a.put_kv(keys, kv_for_keys(keys))
+            r += 1
+            await asyncio.sleep(0)
+        return r - 100
+
+    try:
+        await _fill_with_node0(a)
+        b = await tract.Engine.open(cfg(region_path, 1))
+        writer = asyncio.create_task(keep_putting())
+        await asyncio.sleep(0.2)
+        mine = b.block_keys(range(900_000, 900_000 + 16 * 4))
+        assert await b.put_kv(mine, kv_for_keys(mine), timeout=10) == 4
+        stop.set()
+        assert await writer > 2
+        assert all(block_matches(mine, await b.get_kv(mine)))
+        assert b.stats()["evictions"] == 0 and a.stats()["chunks_given"] >= 1
+    finally:
+        stop.set()
+        if b is not None:
+            await b.close()
+        await a.close()
+
+
+async def test_transfer_only_mode_frees_on_consume_and_deadline(region_path: str,
+                                                                 transport: str) -> None:
+    a, b = await _pair(region_path, "hw", transport, mode="transfer", transfer_deadline_s=0.3)
+    try:
+        keys = a.block_keys(range(48))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv)
+        assert b.lookup(keys) == 3
+        assert torch.equal(await b.get_kv(keys), kv)
+        assert b.lookup(keys) == 0 and b.stats()["consumed"] == 3
+        # layer-by-layer consumption frees after the last layer
+        k2 = a.block_keys(range(100, 132))
+        kv2 = kv_for_keys(k2)
+        await a.put_kv(k2, kv2)
+        for layer in range(TINY.num_layers):
+            assert torch.equal(await b.get_kv(k2, layer=layer), kv2[layer])
+        assert b.lookup(k2) == 0
+        # nobody consumes: freed after the deadline by maintenance
+        k3 = a.block_keys(range(200, 232))
+        await a.put_kv(k3, kv_for_keys(k3))
+        assert a.lookup(k3) == 2
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if a.lookup(k3) == 0:
+                break
+        assert a.lookup(k3) == 0
+        assert a.stats()["expired"] + b.stats()["expired"] == 2
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_cancelled_put_releases_its_reservation(region_path: str) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True))
+    try:
+        keys = a.block_keys(range(64))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv[0].contiguous(), layer=0)
+        assert a.stats()["reserved_in_flight"] == 4
+        await a.close()
+        b = await tract.Engine.open(cfg(region_path, 1))
+        try:
+            table = b._store.index.scan()
+            assert not (table[:, 0] == 1).any(), "close must evict unfinished reservations"
+            assert b.lookup(keys) == 0
+        finally:
+            await b.close()
+    finally:
+        await a.close()
+
+
+async def test_closed_engine_and_stats(region_path: str) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True))
+    s = a.stats()
+    assert s["open"] and s["transport"] == "region" and "lock" in s and "index" in s
+    await a.close()
+    await a.close()   # idempotent
+    with pytest.raises(E.EngineClosed):
+        a.lookup([])
+    with pytest.raises(E.RegionExists):
+        await tract.Engine.open(cfg(region_path, 0, create=True))
+
+
+def test_config_errors() -> None:
+    with pytest.raises(E.ConfigError, match="mode"):
+        tract.EngineConfig(layout=TINY, region="/dev/shm/x", mode="bogus")
+    with pytest.raises(E.ConfigError, match="node_id 9 must be below max_nodes 8"):
+        tract.EngineConfig(layout=TINY, region="/dev/shm/x", node_id=9)
+    with pytest.raises(E.ConfigError, match="num_layers"):
+        tract.KVLayout(num_layers=0, block_tokens=16, kv_heads=1, head_dim=8)
+    big = tract.KVLayout(num_layers=32, block_tokens=16, kv_heads=8, head_dim=128)
+    assert big.block_bytes == 2 << 20 and big.layer_bytes == 64 << 10
+    with pytest.raises(E.ConfigError, match="exceeds chunk_bytes"):
+        tract.EngineConfig(layout=big, region="/dev/shm/x", chunk_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validated", "negative-control"])
+async def test_revalidation_is_what_stops_a_torn_read(region_path: str, validate: bool) -> None:
+    """Node B snapshots block X and is paused before its copy; node A evicts X and reuses its slot
+    for another key's bytes; B resumes. With the post-copy revalidation B reports BlockEvicted;
+    without it (the negative control) B returns the other key's bytes as X's."""
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, backend="sim"))
+    b = await tract.Engine.open(cfg(region_path, 1, backend="sim"))
+    try:
+        x = a.block_keys(range(16))
+        await a.put_kv(x, kv_for_keys(x))
+        snap_x = a._store.index.snapshot(keys_to_words(x))
+        slot, x_payload = int(snap_x[0, 0]), int(snap_x[0, 3])
+        at_copy, resume = asyncio.Event(), asyncio.Event()
+
+        async def pause() -> None:
+            at_copy.set()
+            await resume.wait()
+        b._store.blocks.pause_after_snapshot = pause
+        b._store.blocks.validate_reads = validate
+        reader = asyncio.create_task(b.get_kv(x))
+        await asyncio.wait_for(at_copy.wait(), 30)
+        # A evicts X under the lock; its slot goes back to A's free list and is reused at once
+        st = a._store
+        assert await st.blocks.evict(x, timeout=10) == 1
+        y = a.block_keys(range(5000, 5016))
+        await a.put_kv(y, kv_for_keys(y))
+        assert int(st.index.snapshot(keys_to_words(y))[0, 3]) == x_payload, \
+            "Y must have been written into X's old payload slot"
+        resume.set()
+        if validate:
+            with pytest.raises(E.BlockEvicted, match="evicted while being read"):
+                await reader
+            assert b.stats()["validation_failures"] == 1
+        else:
+            got = await reader
+            assert not any(block_matches(x, got)), "X's bytes were read: the slot was not reused"
+            assert all(block_matches(y, got)), "expected exactly Y's bytes in X's place"
+    finally:
+        await b.close()
+        await a.close()
+
+
+@njit(cache=False)            # no nogil: this call keeps the GIL for its whole duration
+def _hold_gil_for(ns: int) -> int:
+    end = monotonic_ns() + ns
+    n = 0
+    while monotonic_ns() < end:
+        n += 1
+    return n
+
+
+async def test_heartbeat_survives_a_stall_that_holds_the_gil(region_path: str) -> None:
+    """A process stalled with the GIL held (a long numba compile, a C call that keeps it) for
+    three liveness timeouts is still live: the heartbeat runs in jitted code without the GIL.
+    (A Python heartbeat thread beat 0-1 times here, and the lock manager revoked the node.)"""
+    # cfg: heartbeat every 50 ms
+    async with tract.Engine.open(cfg(region_path, 0, create=True, liveness_timeout_s=0.4)) as eng:
+        nodes = eng._region.nodes
+        seq0 = nodes.info(0).heartbeat_seq
+        _hold_gil_for(int(1.2e9))
+        after = nodes.info(0, timeout_s=0.4)
+        assert after.live, f"heartbeat age {after.heartbeat_age_s:.3f} s after the stall"
+        assert after.heartbeat_seq - seq0 >= 12, (seq0, after.heartbeat_seq)   # ~24 expected
+        keys = eng.block_keys(range(16))
+        await eng.put_kv(keys, kv_for_keys(keys))            # the node still writes
+
+
+async def test_a_large_put_in_a_fresh_region_is_one_contiguous_run(region_path: str) -> None:
+    """Blocks of one put run up through the freshly claimed chunks in address order, so the
+    whole payload is one contiguous range (one DMA on the GPU path, not one per chunk)."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+        bb = eng.layout.block_bytes
+        per_chunk = (1 << 20) // bb                         # cfg: 1 MiB chunks
+        keys = eng.block_keys(range(TINY.block_tokens * per_chunk * 3))   # three chunks' worth
+        assert await eng.put_kv(keys, kv_for_keys(keys)) == len(keys)
+        snap = eng._store.index.snapshot(keys_to_words(keys))
+        poffs = snap[:, 3]
+        assert (np.diff(poffs) == bb).all(), np.unique(np.diff(poffs))
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+async def test_large_get_is_exact_with_one_or_two_copy_threads(region_path: str,
+                                                               copy_threads: int) -> None:
+    """Reads of >= 8 MiB: with two copy threads one drops the lines ahead while the other
+    copies behind it; the bytes are the same either way."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=copy_threads,
+                                     region_bytes=64 << 20)) as eng:
+        n = (9 << 20) // eng.layout.block_bytes
+        keys = eng.block_keys(range(TINY.block_tokens * n))
+        kv = kv_for_keys(keys)
+        await eng.put_kv(keys, kv)
+        out = torch.empty_like(kv)
+        assert (await eng.get_kv(keys, out=out)) is out
+        assert torch.equal(out, kv)

@@ -1,0 +1,220 @@
+"""Worker processes for the cross-process engine tests (spawned; importable)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import torch
+
+import tract_async as tract
+from tract_async import errors as E
+from tests.support.engine_util import TINY, block_matches, cfg
+from tract_async.keys import keys_to_words
+
+
+def consumer(path: str, backend: str, node_id: int, token_ids: list[int], q_out, q_in) -> None:  # noqa: ANN001
+    """Node 1: waits for blocks node 0 writes later: all layers, then layer by layer."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(path, node_id, backend=backend)) as eng:
+            keys = eng.block_keys(token_ids)
+            q_out.put(("ready", len(keys), 0))
+            got = await eng.get_kv(keys, timeout=60.0)          # produced after we started waiting
+            q_out.put(("all-layers", sum(block_matches(keys, got)), eng.lookup(keys)))
+            keys2 = eng.block_keys([t + 7 for t in token_ids])
+            for layer in range(TINY.num_layers):
+                # the producer writes layer `layer` only after it hears we are waiting for it
+                waiting = asyncio.create_task(eng.get_kv(keys2, layer=layer, timeout=60.0))
+                await asyncio.sleep(0)
+                q_out.put(("waiting", layer, eng.lookup(keys2)))
+                got = await waiting
+                q_out.put(("layer", layer, sum(block_matches(keys2, got, layer=layer))))
+            st = eng.stats()
+            q_out.put(("done", st["hits"], st["layer_waits"]))
+            await asyncio.get_running_loop().run_in_executor(None, q_in.get)
+    tract.run(main())
+
+
+def stress_worker(path: str, backend: str, node_id: int, seconds: float, universe: int,
+                  validate: bool, seed: int, q_out, stop) -> None:  # noqa: ANN001
+    """Put / get / (implicitly) evict random prompts; count every wrong byte seen."""
+    import faulthandler
+    import sys
+    # a worker that outlives its budget by minutes prints every thread's stack (diagnosis)
+    faulthandler.dump_traceback_later(seconds + 150, exit=False, file=sys.stderr)
+
+    async def main() -> dict:
+        rnd = random.Random(seed)
+        c = cfg(path, node_id, backend=backend, liveness_timeout_s=2.0)
+        async with tract.Engine.open(c) as eng:
+            eng._store.blocks.validate_reads = validate
+            prompts = [eng.block_keys([p * 1000 + t for t in range(16 * (1 + p % 8))])
+                       for p in range(universe)]
+            res = {"puts": 0, "gets_ok": 0, "misses": 0, "wrong_blocks": 0, "full": 0}
+            from tests.support.engine_util import kv_for_keys
+            t_end = time.monotonic() + seconds
+            while time.monotonic() < t_end and not stop.is_set():
+                keys = prompts[rnd.randrange(universe)]
+                if rnd.random() < 0.6 and eng.lookup(keys) < len(keys):
+                    try:
+                        await eng.put_kv(keys, kv_for_keys(keys))
+                        res["puts"] += 1
+                    except E.RegionFull:
+                        res["full"] += 1
+                    except E.TransferTimeout:
+                        res["full"] += 1
+                    continue
+                try:
+                    got = await eng.get_kv(keys)
+                except (E.BlockNotFound, E.BlockEvicted, E.LayerNotReady):
+                    res["misses"] += 1
+                    continue
+                ok = block_matches(keys, got)
+                res["gets_ok"] += 1
+                res["wrong_blocks"] += ok.count(False)
+                if not validate and res["wrong_blocks"]:
+                    stop.set()           # the negative control has made its point
+            st = eng.stats()
+            res["evictions"] = st["evictions"]
+            res["validation_failures"] = st["validation_failures"]
+            return res
+    try:
+        q_out.put(("result", node_id, tract.run(main())))
+    except BaseException as e:  # report, don't hang the parent
+        q_out.put(("error", node_id, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def kill_me_later(path: str, backend: str, node_id: int, q_out) -> None:  # noqa: ANN001
+    """Joins, reports, then sleeps until killed."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(path, node_id, backend=backend)):
+            q_out.put(("up", node_id, os.getpid()))
+            await asyncio.sleep(600)
+    tract.run(main())
+
+
+def put_then_hang(path: str, backend: str, node_id: int, token_ids: list[int], create: bool,
+                  q_out, region_kw: dict | None = None) -> None:  # noqa: ANN001
+    """Creates (or joins) the region, stores the blocks of ``token_ids``, reports, then sleeps
+    until killed: a node that dies holding chunks and index entries."""
+    async def main() -> None:
+        c = cfg(path, node_id, create=create, backend=backend, **(region_kw or {}))
+        async with tract.Engine.open(c) as eng:
+            keys = eng.block_keys(token_ids)
+            from tests.support.engine_util import kv_for_keys
+            await eng.put_kv(keys, kv_for_keys(keys))
+            q_out.put(("stored", node_id, eng.lookup(keys)))
+            await asyncio.sleep(600)
+    tract.run(main())
+
+
+def reader_worker(path: str, backend: str, node_id: int, universe: int, seed: int, q_out,
+                  stop, stale) -> None:  # noqa: ANN001
+    """Gets random prompts of the disagreement stress until ``stop``; counts wrong bytes, and
+    the misses that only the slot-tag check caught (entry intact, tag changed)."""
+    async def main() -> dict:
+        rnd = random.Random(seed)
+        async with tract.Engine.open(cfg(path, node_id, backend=backend)) as eng:
+            prompts = [eng.block_keys([p * 1000 + t for t in range(16 * (1 + p % 4))])
+                       for p in range(universe)]
+            res = {"gets_ok": 0, "misses": 0, "wrong_blocks": 0, "tag_misses": 0}
+            q_out.put(("ready", node_id, None))
+            while not stop.is_set():
+                aim = stale.value
+                keys = prompts[aim if aim >= 0 and rnd.random() < 0.5 else rnd.randrange(universe)]
+                words = keys_to_words(keys)
+                snap0 = eng._store.index.snapshot(words)
+                try:
+                    got = await eng.get_kv(keys)
+                except E.BlockEvicted:
+                    res["misses"] += 1
+                    snap1 = eng._store.index.snapshot(words)
+                    # every entry unchanged across the whole get (same slot, version, READY):
+                    # only the slot tag can have failed it
+                    if ((snap0[:, 0] >= 0).all() and (snap0[:, 2] == 2).all()
+                            and (snap0[:, :4] == snap1[:, :4]).all()):
+                        res["tag_misses"] += 1
+                    continue
+                except (E.BlockNotFound, E.LayerNotReady):
+                    res["misses"] += 1
+                    await asyncio.sleep(0.001)
+                    continue
+                res["gets_ok"] += 1
+                res["wrong_blocks"] += block_matches(keys, got).count(False)
+            return res
+    try:
+        q_out.put(("result", node_id, tract.run(main())))
+    except BaseException as e:  # report, don't hang the parent
+        q_out.put(("error", node_id, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def blocking_manager(path: str, backend: str, q_in, q_out) -> None:  # noqa: ANN001
+    """Node 0: creates the region (and so manages the lock), then on "block" runs a blocking
+    call of ``seconds`` on its event loop, as a worker's model step would."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(path, 0, create=True, backend=backend)) as eng:
+            loop = asyncio.get_running_loop()
+            while not eng.stats().get("is_lock_manager"):
+                await asyncio.sleep(0.01)
+            q_out.put(("manager", 0, os.getpid()))
+            cmd, seconds = await loop.run_in_executor(None, q_in.get)
+            assert cmd == "block"
+            t0 = time.monotonic()
+            time.sleep(seconds)                       # the loop is blocked: nothing else runs
+            q_out.put(("unblocked", 0, time.monotonic() - t0))
+            await loop.run_in_executor(None, q_in.get)
+    tract.run(main())
+
+
+def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
+    """Node 0 of the crash-point test (started with TRACT_CRASH_AT set): stores its "before"
+    blocks, arms the crash point, then on "go" runs every kind of step until it dies there --
+    full and layer-wise puts, puts that evict, a cancelled large put (abandon), chunk claims,
+    the takeover and grants of the manager role (node 2, the first manager, is killed before
+    "go"), reclaim of node 2's chunks, and the chunk releases of close. Reports "not-reached"
+    if it gets through all of it alive."""
+    from tract_async import crashpoints as CP
+    from tests.support.engine_util import kv_for_keys
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with tract.Engine.open(cfg(path, 0, region_bytes=8 << 20, chunk_bytes=256 << 10)
+                                     ) as eng:
+            before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * 8))
+            await eng.put_kv(before, kv_for_keys(before))
+            CP.arm()
+            q_out.put(("before", 0, len(before)))
+            assert await loop.run_in_executor(None, q_in.get) == "go"
+            for r in range(200):
+                keys = eng.block_keys(range(r * 100_000, r * 100_000 + 16 * 4))
+                kv = kv_for_keys(keys)
+                if r % 3 == 1:                          # layer by layer
+                    for layer in range(kv.shape[0]):
+                        await eng.put_kv(keys, kv[layer].contiguous(), layer=layer, timeout=10)
+                else:
+                    await eng.put_kv(keys, kv, timeout=10)
+                if r % 5 == 2:                          # a large put cancelled mid-copy
+                    big = eng.block_keys(range(50_000_000 + r * 10_000,
+                                               50_000_000 + r * 10_000 + 16 * 48))
+                    t = asyncio.create_task(eng.put_kv(big, kv_for_keys(big), timeout=10))
+                    for _ in range(10_000):
+                        if eng._store.blocks.in_flight or t.done():
+                            break
+                        await asyncio.sleep(0)
+                    t.cancel()
+                    await asyncio.gather(t, return_exceptions=True)
+                await asyncio.sleep(0.01)
+        q_out.put(("not-reached", 0, None))        # the close above released chunks too
+
+    try:
+        tract.run(main())
+    except BaseException as e:  # report, don't hang the parent
+        q_out.put(("error", 0, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _unused() -> torch.Tensor:  # keep torch import used for type checkers
+    return torch.empty(0)
