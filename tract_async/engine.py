@@ -133,7 +133,8 @@ class Engine(CudaEngineMixin):
                                        index_capacity=cfg.index_capacity)
                 self._region = Region.create(cfg.region, cfg.region_bytes, max_nodes=cfg.max_nodes,
                                              sections=secs, backend=cfg.mem_backend,
-                                             sim_seed=sim_seed, initialize=initialize)
+                                             mode=cfg.region_mode, sim_seed=sim_seed,
+                                             initialize=initialize)
             else:
                 self._region = Region.attach(cfg.region, backend=cfg.mem_backend, sim_seed=sim_seed)
             opened.append(self._region)
