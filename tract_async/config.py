@@ -100,6 +100,8 @@ class EngineConfig:
     remove_on_close: bool = False            # create=True: remove the region on close (class doc)
     attach_timeout_s: float = 60.0           # create=False: how long to wait for a live creator
                                              # still initializing the region (Region.attach)
+    region_mode: int = 0o600                 # permission bits of a created region file; 0o660 for
+                                             # a group (SECURITY.md); never world-writable
     node_id: int = 0
     max_nodes: int = 8
     seed: str = "tract-rack-seed"
@@ -135,6 +137,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.layout must be a KVLayout, got {type(self.layout).__name__}")
         if self.mode not in ("cache", "transfer"):
             raise ConfigError(f"EngineConfig.mode must be 'cache' or 'transfer', got {self.mode!r}")
+        if (not isinstance(self.region_mode, int) or isinstance(self.region_mode, bool)
+                or not 0 <= self.region_mode <= 0o777 or self.region_mode & 0o002):
+            raise ConfigError(f"EngineConfig.region_mode must be permission bits without o+w "
+                              f"(0o600, or 0o660 for a group), got {self.region_mode!r}")
         if not isinstance(self.node_id, int) or self.node_id < 0:
             raise ConfigError(f"EngineConfig.node_id must be a non-negative int, got {self.node_id!r}")
         if self.node_id >= self.max_nodes:

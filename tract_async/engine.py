@@ -142,7 +142,8 @@ class Engine(CudaEngineMixin):
                     self._region = Region.create(cfg.region, cfg.region_bytes,
                                                  max_nodes=cfg.max_nodes, sections=secs,
                                                  backend=cfg.mem_backend, sim_seed=sim_seed,
-                                                 overwrite=cfg.overwrite, initialize=initialize)
+                                                 overwrite=cfg.overwrite, mode=cfg.region_mode,
+                                                 initialize=initialize)
                 except RegionExists:
                     if cfg.overwrite:   # another process is creating one there right now
                         raise

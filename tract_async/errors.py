@@ -29,6 +29,11 @@ class RegionPermissionError(RegionError, PermissionError):
     """The region file or device cannot be opened with the needed access."""
 
 
+class RegionUntrusted(RegionPermissionError):
+    """The region file or device could have been written by someone this process does not
+    trust (another non-root owner, or writable by every user); SECURITY.md says why."""
+
+
 class RegionCorrupt(RegionError):
     """The file is not a tract region (bad magic) or its header is inconsistent."""
 

@@ -24,7 +24,8 @@ attacher on another host sharing a devdax device cannot tell a live creator ther
 one and gets ``RegionCorrupt`` at once.
 
 Attach checks, in this order, each failing with its own error and changing nothing: the file
-exists and opens (``RegionNotFound``, ``RegionPermissionError``); it can hold a header
+exists and opens (``RegionNotFound``, ``RegionPermissionError``); its owner is root or this uid
+and it is not world-writable (``RegionUntrusted``, SECURITY.md); it can hold a header
 (``RegionTruncated``); magic (``RegionCorrupt``); format version (``RegionVersionMismatch``);
 cache-line size and layout signature (``RegionLayoutMismatch``); header checksum
 (``RegionCorrupt``); recorded size against the file (``RegionTruncated``); READY; section bounds.
@@ -44,6 +45,7 @@ import time
 import uuid as uuid_mod
 import zlib
 from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Callable, Sequence
 
 import numpy as np
@@ -52,6 +54,7 @@ import tract_kernels as K
 
 from ..errors import (RegionCorrupt, RegionExists, RegionInitializing, RegionLayoutMismatch,
                       RegionNotFound, RegionPermissionError, RegionTooSmall, RegionTruncated,
+                      RegionUntrusted,
                       RegionVersionMismatch)
 from . import layout as L
 from .nodes import NodeTable
@@ -202,7 +205,42 @@ def _allocate(fd: int, path: str, size_bytes: int) -> None:
             raise
 
 
-def _open(path: str, flags: int, mode: int = 0o660) -> int:
+DEFAULT_MODE = 0o600
+"""Permission bits of a created region file: only its owner may map it (SECURITY.md)."""
+
+
+def check_mode(mode: int) -> None:
+    """Raise ValueError unless ``mode`` is permission bits that no other user can write through."""
+    if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+        raise ValueError(f"mode must be permission bits in 0o000..0o777, got {mode!r}")
+    if mode & stat.S_IWOTH:
+        raise ValueError(f"mode {mode:#o} lets every user write the region (and so rewrite every "
+                         f"node's metadata); use 0o600, or 0o660 and a group (SECURITY.md)")
+
+
+def check_trusted(path: str, fd: int, trusted_uids: Collection[int] = ()) -> None:
+    """Refuse a region file or device that someone this process does not trust could write.
+
+    Whoever can write the mapping can rewrite every node's metadata (SECURITY.md), so the file
+    must belong to root, to this process's effective uid or to one of ``trusted_uids``, and must
+    not be writable by every user. Raises RegionUntrusted, naming what to change.
+    """
+    st = os.fstat(fd)
+    me = os.geteuid()
+    if st.st_uid not in (0, me) and st.st_uid not in trusted_uids:
+        raise RegionUntrusted(
+            f"{path}: owned by uid {st.st_uid}, neither this process's uid {me} nor root: any "
+            f"process of uid {st.st_uid} can rewrite the region; run every node as one uid, or "
+            f"chown the file to root (root:<group>, mode 0660), or pass trusted_uids="
+            f"[{st.st_uid}] if that user is part of the rack")
+    if st.st_mode & stat.S_IWOTH:
+        raise RegionUntrusted(
+            f"{path}: writable by every user (mode {stat.S_IMODE(st.st_mode):04o}): any local "
+            f"process can rewrite the region; chmod o-w {path} (regions are created 0600, or "
+            f"0660 for a group)")
+
+
+def _open(path: str, flags: int, mode: int = DEFAULT_MODE) -> int:
     try:
         return os.open(path, flags, mode)
     except FileNotFoundError:
@@ -223,6 +261,10 @@ def _open(path: str, flags: int, mode: int = 0o660) -> int:
                                     f"{'read/write' if flags & os.O_RDWR else 'read'} ({e.strerror})"
                                     ) from None
     except OSError as e:
+        if e.errno == errno.ELOOP and flags & os.O_NOFOLLOW:
+            raise RegionUntrusted(f"{path}: is a symbolic link, which create() does not follow "
+                                  f"(someone else may have planted it); pass the real path"
+                                  ) from None
         if e.errno != errno.EROFS:
             raise
         raise RegionPermissionError(f"cannot write {path}: {os.path.dirname(os.path.abspath(path))}"
@@ -370,7 +412,7 @@ class Region:
     @classmethod
     def create(cls, path: str, size_bytes: int, *, max_nodes: int = 8, root_slots: int = 64,
                sections: Sequence[SectionSpec] = (), backend: str | None = None,
-               overwrite: bool = False, prefault: bool = True, mode: int = 0o660,
+               overwrite: bool = False, prefault: bool = True, mode: int = DEFAULT_MODE,
                sim_seed: int = 0, sim_evict_prob: float = 1 / 64,
                initialize: "Callable[[Region], None] | None" = None) -> "Region":
         """Create (format) a region and return it attached.
@@ -378,10 +420,19 @@ class Region:
         ``initialize(region)`` runs after the sections are laid out and before the region is
         marked READY, so that an attacher never sees a section its creator has not formatted.
 
+        ``mode`` is the file's permission bits, set exactly (the umask does not apply): 0o600,
+        the default, lets only this uid map the region; 0o660 lets a group share it (then chown
+        the file to root:<group>, or run every node as one uid: ``attach`` trusts only files of
+        root and of its own uid). A world-writable mode is refused. A devdax device keeps the
+        owner and mode its administrator gave it. The last path component is never followed as
+        a symlink (a planted link cannot make ``overwrite`` truncate another file).
+
         Raises RegionExists (a file is there and ``overwrite`` is false), RegionTooSmall (the
         fixed sections and ``sections`` do not fit), RegionPermissionError, RegionNotFound (a
-        devdax device without sysfs size), ValueError for bad arguments.
+        devdax device without sysfs size), RegionUntrusted (``overwrite`` of a file this process
+        does not trust), ValueError for bad arguments.
         """
+        check_mode(mode)
         if not 1 <= max_nodes <= 4096:
             raise ValueError(f"max_nodes must be in 1..4096, got {max_nodes}")
         if not 1 <= root_slots <= 65536:
@@ -406,9 +457,19 @@ class Region:
             fstype, opts = _mount_fstype(os.path.dirname(os.path.abspath(path)) or ".")
             align = _hugepage_bytes(opts) if fstype == "hugetlbfs" else L.PAGE_BYTES
             size_bytes = L.align_up(size_bytes, align)
-            flags = os.O_RDWR | os.O_CREAT | (0 if overwrite else os.O_EXCL)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (0 if overwrite else os.O_EXCL)
             fd = _open(path, flags, mode)
             _lock_for_create(fd, path)
+            try:
+                if overwrite:
+                    check_trusted(path, fd)
+                os.fchmod(fd, mode)   # exactly `mode`, whatever the umask or an old file's mode
+            except BaseException as e:
+                os.close(fd)
+                if isinstance(e, PermissionError) and not isinstance(e, RegionPermissionError):
+                    raise RegionPermissionError(f"{path}: cannot set mode {mode:#o}: "
+                                                f"{e.strerror}") from None
+                raise
             backing = BackingInfo(kind={"hugetlbfs": "hugetlbfs", "tmpfs": "tmpfs"}.get(fstype, "file"),
                                   capacity_bytes=size_bytes, align_bytes=align)
         need = fixed_bytes(max_nodes, root_slots)
@@ -503,16 +564,20 @@ class Region:
     @classmethod
     def attach(cls, path: str, *, backend: str | None = None, readonly: bool = False,
                prefault: bool = True, sim_seed: int = 0, sim_evict_prob: float = 1 / 64,
-               wait_init_s: float = DEFAULT_INIT_WAIT_S) -> "Region":
+               wait_init_s: float = DEFAULT_INIT_WAIT_S,
+               trusted_uids: Collection[int] = ()) -> "Region":
         """Attach to an existing region after validating its header (see the module docstring).
 
-        A region that a live process on this host is still creating is waited for, up to
-        ``wait_init_s`` seconds (0: not at all); this blocks the calling thread (``Engine``
-        waits without blocking its event loop).
+        The file must belong to root, to this process's uid or to one of ``trusted_uids``, and
+        must not be writable by every user (``check_trusted``; SECURITY.md). A region that a
+        live process on this host is still creating is waited for, up to ``wait_init_s``
+        seconds (0: not at all); this blocks the calling thread (``Engine`` waits without
+        blocking its event loop).
 
-        Raises RegionNotFound, RegionPermissionError, RegionTruncated, RegionCorrupt,
-        RegionVersionMismatch, RegionLayoutMismatch, RegionInitializing (the creator is alive
-        and had not finished after ``wait_init_s``). Nothing in the region is written.
+        Raises RegionNotFound, RegionPermissionError, RegionUntrusted, RegionTruncated,
+        RegionCorrupt, RegionVersionMismatch, RegionLayoutMismatch, RegionInitializing (the
+        creator is alive and had not finished after ``wait_init_s``). Nothing in the region is
+        written.
         """
         deadline = time.monotonic() + max(0.0, wait_init_s)
         pause_s = 0.002
@@ -520,14 +585,15 @@ class Region:
             try:
                 return cls._attach_once(path, backend=backend, readonly=readonly,
                                         prefault=prefault, sim_seed=sim_seed,
-                                        sim_evict_prob=sim_evict_prob)
+                                        sim_evict_prob=sim_evict_prob, trusted_uids=trusted_uids)
             except _INCOMPLETE:
                 if not being_created(path):
                     # the creator may have finished between that read and this check: it drops
                     # the lock only after READY is in memory, so one more read is the verdict
                     return cls._attach_once(path, backend=backend, readonly=readonly,
                                             prefault=prefault, sim_seed=sim_seed,
-                                            sim_evict_prob=sim_evict_prob)
+                                            sim_evict_prob=sim_evict_prob,
+                                            trusted_uids=trusted_uids)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RegionInitializing(
@@ -538,11 +604,13 @@ class Region:
 
     @classmethod
     def _attach_once(cls, path: str, *, backend: str | None, readonly: bool, prefault: bool,
-                     sim_seed: int, sim_evict_prob: float) -> "Region":
+                     sim_seed: int, sim_evict_prob: float,
+                     trusted_uids: Collection[int] = ()) -> "Region":
         if not os.path.exists(path):
             raise RegionNotFound(f"{path}: no such region file or device")
         fd = _open(path, os.O_RDONLY if readonly else os.O_RDWR)
         try:
+            check_trusted(path, fd, trusted_uids)
             backing = backing_info(path)
             size = backing.capacity_bytes
             if size < L.HEADER.itemsize:

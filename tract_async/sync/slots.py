@@ -16,8 +16,8 @@ Lines and writers (tables in ``region/layout.py``; DESIGN.md invariant 2):
   can never lose the other party's update. Sequence numbers instead of states also remove the
   ABA of "released and re-requested before the manager looked".
 
-Publish order of a grant (manager): ``LOCK_STATE`` (holder, holder_req, token) stored, flushed,
-fenced; *then* ``LOCK_GRANT[l, j]`` stored, flushed, fenced. So whoever sees the grant also finds
+Publish order of a grant (manager): ``LOCK_STATE`` (holder_req, token, ..., and ``holder`` last)
+stored, flushed, fenced; *then* ``LOCK_GRANT[l, j]`` stored, flushed, fenced. So whoever sees the grant also finds
 the state that names its token, and a manager that dies between the two leaves a state line that
 its successor completes (``manager.py``). Release (holder): every write of the critical section
 flushed by its writer, then ``rel_seq = req_seq`` stored, flushed, fenced.
@@ -229,9 +229,17 @@ def check_token(m, state_off, node_id, token):
 
 @njit(cache=True, nogil=True)
 def write_state(m, state_off, st, term):
-    """Publish the manager's private state of one lock (one line, one flush)."""
+    """Publish the manager's private state of one lock (one line, one flush).
+
+    ``holder`` is stored last. The line can be written back early, between two stores, and a
+    manager that dies before its flush leaves that prefix in memory for its successor's
+    ``_take_over``. With ``holder`` first, the prefix named the new holder next to the previous
+    grant's ``holder_req`` and ``token``; the successor re-issued that grant, and the new holder
+    passed ``check_token`` with a token an earlier holder had used (model/lock.pml,
+    ``MUT_HOLDER_FIRST``). With ``holder`` last, a prefix of a grant names no holder, and
+    releases and revocations change only ``holder``.
+    """
     holder = st[M_HOLDER]
-    K.store(m, state_off + ST_HOLDER, holder + 1 if holder >= 0 else 0)
     K.store(m, state_off + ST_HOLDER_REQ, st[M_HOLDER_REQ])
     K.store(m, state_off + ST_TOKEN, st[M_TOKEN])
     K.store(m, state_off + ST_TERM, term)
@@ -239,6 +247,7 @@ def write_state(m, state_off, st, term):
     K.store(m, state_off + ST_REVOKED, st[M_REVOKED])
     K.store(m, state_off + ST_LAST_REVOKED, st[M_LAST_REVOKED])
     K.store(m, state_off + ST_RR, st[M_RR])
+    K.store(m, state_off + ST_HOLDER, holder + 1 if holder >= 0 else 0)
     K.flush(m, state_off, S_M_STATE_FLUSH)
     K.full_fence(m)
 
