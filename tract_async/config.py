@@ -176,9 +176,9 @@ class EngineConfig:
         if self.transport not in ("http", "nixl"):
             raise ConfigError(f"EngineConfig.transport must be 'http' or 'nixl', got {self.transport!r}")
         if self.transport == "nixl" and importlib.util.find_spec("nixl") is None:
-            raise NixlUnavailable("EngineConfig.transport='nixl' needs the nixl package: pip "
-                                  "install 'tract-async[nixl]', or for a light CPU-only install "
-                                  "pip install --no-deps nixl nixl-cu12")
+            from .transport.nixl_env import INSTALL_HINT
+            raise NixlUnavailable(f"EngineConfig.transport='nixl' needs the nixl package, which "
+                                  f"is not installed: {INSTALL_HINT}")
         if self.nixl_pool_device != "cpu" and not self.nixl_pool_device.startswith("cuda"):
             raise ConfigError(f"EngineConfig.nixl_pool_device must be 'cpu' or 'cuda[:N]', got "
                               f"{self.nixl_pool_device!r}")

@@ -72,14 +72,14 @@ def test_config_without_nixl_says_how_to_install(monkeypatch: pytest.MonkeyPatch
 
 
 def test_import_without_nixl_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tract_async.transport.nixl_agent import import_nixl
+    from tract_async.transport.nixl_env import import_nixl
     monkeypatch.setitem(sys.modules, "nixl", None)       # import nixl now raises ImportError
     with pytest.raises(E.NixlUnavailable, match="not importable.*--no-deps nixl nixl-cu12"):
         import_nixl()
 
 
 def test_ucx_defaults_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tract_async.transport import nixl_agent as N
+    from tract_async.transport import nixl_env as N
     monkeypatch.delenv("UCX_TLS", raising=False)
     monkeypatch.setattr(N, "cuda_present", lambda: False)
     assert N.apply_ucx_defaults()["UCX_TLS"] == "tcp"

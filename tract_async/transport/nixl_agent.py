@@ -27,9 +27,9 @@ its event loop:
 * the initiator of a transfer polls it synchronously for up to ``spin_s`` (a 4-32 KiB READ over
   TCP completes in ~15-40 µs, so small transfers finish without any event-loop hop), then from
   the progress task on every loop iteration until it completes;
-* the progress task polls (``get_new_notifs``, which progresses the worker) on every loop
-  iteration while the agent is *hot*: a transfer in flight, a notification received in the last
-  ``hot_s``, or ``keep_hot()`` (a store calls it when it expects reads: after publishing blocks,
+* the progress task polls (``get_new_notifs``, which progresses the worker) in bursts of up to
+  ``burst_s`` (100 µs) on every loop iteration while the agent is *hot*: a transfer in flight,
+  a notification or a completion in the last ``hot_s``, or ``keep_hot()`` (a store calls it when it expects reads: after publishing blocks,
   after serving a check); otherwise every ``idle_poll_s`` (1 ms: the event loop's timer
   granularity), which costs ~2.5 % of a core here. So a READ that reaches a cold target waits up to
   about a millisecond for its first progress; a READ that carries a notification keeps its
@@ -54,11 +54,7 @@ at once, and its local memory stays *quarantined*: held as in use (``deregister_
 UCX's worker is destroyed and nothing can land any more (DESIGN.md invariant 7). A transfer that
 failed because its peer disconnected is settled normally: the connection is gone.
 
-Environment. UCX reads ``UCX_TLS`` when NIXL creates its UCX backend (at agent creation). Where
-the user did not set it, ``apply_ucx_defaults`` sets ``tcp`` (a network transport that works on
-every host), plus ``cuda_copy`` when CUDA is present (NIXL's UCX backend refuses VRAM without it).
-Set ``UCX_TLS`` yourself for RDMA fabrics (e.g. ``rc,cuda_copy,cuda_ipc``) or for peers on one
-host (``shm,cma,tcp``).
+Environment: ``nixl_env`` (importing nixl, the UCX_TLS defaults, NIXL's errors as ours).
 
 Security. UCX carries no authentication: whoever holds an agent's metadata (its worker address
 and memory keys) can READ, and WRITE, its registered memory. ``writable=False`` is checked on
@@ -76,13 +72,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tract_async.errors import NixlUnavailable
 from tract_async.transport.descs import MemoryRegistry, RegionInfo, Span, XferDescList
 from tract_async.transport.errors import (
     AgentClosed,
-    DescriptorOutOfRange,
     HandleReleased,
-    InvalidDescriptors,
     NixlError,
     PeerDisconnected,
     TransferCancelled,
@@ -91,12 +84,16 @@ from tract_async.transport.errors import (
     TransportError,
     UnknownRemoteAgent,
 )
+from tract_async.transport.nixl_env import (
+    INSTALL_HINT,
+    apply_ucx_defaults,
+    cuda_present,
+    import_nixl,
+    mapped_error,
+)
 from tract_async.transport.xfer import check_pairing, check_remote
 
-__all__ = ["NixlAgent", "NixlXfer", "apply_ucx_defaults", "import_nixl", "nixl_version"]
-
-INSTALL_HINT = ("pip install 'tract-async[nixl]' (nixl from PyPI), or for a light CPU-only "
-                "install: pip install --no-deps nixl nixl-cu12")
+__all__ = ["NixlAgent", "NixlXfer"]
 
 SPIN_S = 100e-6        # synchronous poll after posting: covers a small READ over TCP (15-40 µs)
 PIECE_BYTES = 2 << 20  # one NIXL request at most (see "Pieces" in the module docstring)
@@ -104,63 +101,6 @@ WINDOW = 2             # pieces in flight per transfer
 HOT_S = 0.02           # poll every loop iteration this long after a notification / keep_hot()
 BURST_S = 100e-6       # hot: poll this long per loop iteration (``_burst``)
 IDLE_POLL_S = 0.001    # otherwise: the event loop's timer granularity
-
-
-def import_nixl() -> Any:
-    """``nixl._api``. Raises NixlUnavailable (saying how to install it) when nixl does not import."""
-    try:
-        from nixl import _api
-    except Exception as e:  # noqa: BLE001 - ImportError, or a backend wheel whose libraries fail to load
-        raise NixlUnavailable(f"transport='nixl' needs the nixl package, which is not importable "
-                              f"({type(e).__name__}: {e}); {INSTALL_HINT}") from e
-    return _api
-
-
-def nixl_version() -> str | None:
-    """The installed nixl version (None when it is not installed)."""
-    try:
-        from importlib.metadata import version
-        return version("nixl")
-    except Exception:  # noqa: BLE001 - not installed, or installed without metadata
-        return None
-
-
-def cuda_present() -> bool:
-    """Is there a CUDA device (without creating a CUDA context)?"""
-    try:
-        import torch
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001 - no torch, or a broken driver: no CUDA for UCX either
-        return False
-
-
-def default_ucx_tls() -> str:
-    return "tcp,cuda_copy" if cuda_present() else "tcp"
-
-
-def apply_ucx_defaults() -> dict[str, str]:
-    """Set ``UCX_TLS`` in this process's environment unless the user set it (see the module
-    docstring); returns the UCX settings in force. Called before each NIXL agent is created."""
-    if not os.environ.get("UCX_TLS"):
-        os.environ["UCX_TLS"] = default_ucx_tls()
-    return {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-
-
-_NIXL_ERRORS: dict[str, type[TransportError]] = {
-    "nixlRemoteDisconnectError": PeerDisconnected,
-    "nixlInvalidParamError": InvalidDescriptors,
-    "nixlNotFoundError": DescriptorOutOfRange,
-    "nixlCancelledError": TransferCancelled,
-    "nixlRepostActiveError": TransferInProgress,
-}
-
-
-def _mapped(e: Exception, what: str) -> TransportError:
-    """The transport error for a NIXL exception raised while doing ``what``."""
-    if isinstance(e, TransportError):
-        return e
-    cls = _NIXL_ERRORS.get(type(e).__name__, NixlError)
-    return cls(f"{what}: NIXL says {type(e).__name__}: {e}")
 
 
 @dataclass(frozen=True)
@@ -262,13 +202,15 @@ class NixlAgent:
         self._hot_until = 0.0
         self._kick: asyncio.Future[None] | None = None   # wakes the idle progress task early
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the progress task. Raises AgentClosed (started twice, or after close)."""
         if self._task is not None or self.closing:
             raise AgentClosed(f"NIXL agent {self.name!r} was already started")
-        self._kick = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._kick = self._loop.create_future()
         self._task = asyncio.get_running_loop().create_task(self._progress(),
                                                             name=f"nixl-progress-{self.name}")
         NixlAgent._local.add(self)
@@ -329,7 +271,7 @@ class NixlAgent:
                 [(info.addr, info.nbytes, info.dev_id, "")], info.mem_type)
         except Exception as e:  # noqa: BLE001
             self.registry.deregister(info.name)
-            raise _mapped(e, f"registering {info.nbytes} bytes of {info.mem_type}") from e
+            raise mapped_error(e, f"registering {info.nbytes} bytes of {info.mem_type}") from e
         return info
 
     def deregister_memory(self, name: str) -> None:
@@ -341,7 +283,7 @@ class NixlAgent:
         try:
             nx.deregister_memory(reg)
         except Exception as e:  # noqa: BLE001
-            raise _mapped(e, f"deregistering {name!r}") from e
+            raise mapped_error(e, f"deregistering {name!r}") from e
 
     # --- metadata -----------------------------------------------------------------------------
     def get_agent_metadata(self) -> bytes:
@@ -355,7 +297,7 @@ class NixlAgent:
         try:
             raw = nx.add_remote_agent(bytes(metadata))
         except Exception as e:  # noqa: BLE001
-            raise _mapped(e, "loading a peer's NIXL metadata") from e
+            raise mapped_error(e, "loading a peer's NIXL metadata") from e
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._peers[name] = _Peer(name, tuple(regions))
         return name
@@ -401,7 +343,7 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001
             for h in pieces:
                 nx.release_xfer_handle(h)
-            raise _mapped(e, f"{operation} of {len(local)} descriptors with {remote_name!r}") from e
+            raise mapped_error(e, f"{operation} of {len(local)} descriptors with {remote_name!r}") from e
         x = NixlXfer(self, operation, remote_name, local.total_bytes, bytes(notif_msg), spans,
                      pieces)
         self._xfers.add(x)
@@ -458,7 +400,7 @@ class NixlAgent:
         try:
             status = nx.transfer(h, x.notif if len(x._pieces) == 1 else b"")
         except Exception as e:  # noqa: BLE001
-            self._settle(x, _mapped(e, f"posting {x!r}"))
+            self._settle(x, mapped_error(e, f"posting {x!r}"))
             return
         if status == "ERR":
             self._settle(x, NixlError(f"NIXL refused to post {x!r}"))
@@ -499,8 +441,10 @@ class NixlAgent:
             assert self._kick is not None, "NixlAgent.transfer before start()"
             self._wake()
             try:
+                # the future itself, not a shield of it: a shield adds a hop, and the progress
+                # task's next burst ran before this waiter (+100 µs a transfer, measured)
                 async with asyncio.timeout(timeout):
-                    await asyncio.shield(fut)
+                    await fut
             except TimeoutError:
                 self._abandon(x, TransferTimeout(
                     f"{x.op} of {x.total_bytes} bytes with {x.remote_name!r} did not finish within "
@@ -522,7 +466,7 @@ class NixlAgent:
             try:
                 state = nx.check_xfer_state(h)
             except Exception as e:  # noqa: BLE001
-                self._settle(x, _mapped(e, f"{x!r}"))
+                self._settle(x, mapped_error(e, f"{x!r}"))
                 return
             if state == "DONE":
                 x._live.remove(h)
@@ -540,7 +484,7 @@ class NixlAgent:
             try:
                 self._nx.send_notif(x.remote_name, x.notif)
             except Exception as e:  # noqa: BLE001
-                self._settle(x, _mapped(e, f"notifying {x.remote_name!r} after {x!r}"))
+                self._settle(x, mapped_error(e, f"notifying {x.remote_name!r} after {x!r}"))
                 return
         self._settle(x, None)
 
@@ -582,7 +526,7 @@ class NixlAgent:
         try:
             nx.send_notif(remote_name, bytes(msg))
         except Exception as e:  # noqa: BLE001
-            raise _mapped(e, f"notifying {remote_name!r}") from e
+            raise mapped_error(e, f"notifying {remote_name!r}") from e
         self.stats["notifs_sent"] += 1
         self.keep_hot()
 
@@ -712,7 +656,9 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 def _progress_local(skip: NixlAgent) -> None:
-    """Progress every other started agent of this process once (see the module docstring)."""
+    """Progress every other started agent of this process and event loop once (module
+    docstring). Agents of another loop belong to another thread: NIXL's calls are not
+    thread-safe in its default sync mode, so they are left alone."""
     for agent in list(NixlAgent._local):
-        if agent is not skip:
+        if agent is not skip and agent._loop is skip._loop:
             agent._poll_once()
