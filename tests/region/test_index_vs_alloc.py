@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import tract_async as tract
+import tract_kernels as K
 from tract_async import errors as E
 from tract_async.keys import keys_to_words
 from tract_async.region import index as ix
@@ -119,6 +120,31 @@ def _free_behind_the_index(eng: tract.Engine, keys: list[bytes]) -> None:
     allocs = [st.blocks.allocation_of(int(table[s, 1]), int(table[s, 2]), int(table[s, 6]),
                                       int(table[s, 7])) for s in snap[:, 0].tolist()]
     st.alloc.free_many(allocs)
+
+
+async def test_entry_at_a_freed_slot_is_a_miss_and_closes_cleanly(region_path: str) -> None:
+    """A slot freed behind the index and not yet reused: its tag is zeroed with the free, so
+    the entry reads as a miss, and evicting it (the close evicts all of a node's blocks) drops
+    it without freeing the slot a second time. The clean-up at close once raised
+    AllocationInvalid ("double free") here, because the freed slot still carried the entry's
+    tag."""
+    eng = await tract.Engine.open(cfg(region_path, 0, create=True, backend="sim"))
+    try:
+        a = eng.block_keys(range(16 * 8))
+        await eng.put_kv(a, kv_for_keys(a))
+        _free_behind_the_index(eng, a[:4])
+        table = eng._store.index.scan()
+        snap = eng._store.index.snapshot(keys_to_words(a[:4]))
+        g = eng._store.alloc.geo
+        mem = eng._store.alloc._region.mem
+        for s in snap[:, 0].tolist():
+            assert int(K.load_fresh(mem, g.tag_off(int(table[s, 1])), K.NO_SITE)) == 0
+        assert eng.lookup(a[:4]) == 4            # the index still holds the entries
+        with pytest.raises((E.BlockNotFound, E.BlockEvicted)):
+            await eng.get_kv(a[:4])              # but they read as a miss
+        assert all(block_matches(a[4:], await eng.get_kv(a[4:])))
+    finally:
+        await eng.close()                  # evicts the stale entries: must not double-free
 
 
 async def test_fsck_reports_and_repairs_entries_at_free_and_reused_slots(region_path: str) -> None:

@@ -73,6 +73,7 @@ S_RING_HEAD_FLUSH = K.site("alloc.ring.head.flush")
 S_RING_HEAD_READ = K.site("alloc.ring.head.invalidate")
 S_RING_TAIL_FLUSH = K.site("alloc.ring.tail.flush")
 S_RING_TAIL_READ = K.site("alloc.ring.tail.invalidate")
+S_TAG_CLEAR_FLUSH = K.site("alloc.tag.clear.flush")
 
 GEN_MASK = 0xFFFFFF
 _H = {n: L.HEAP_META.dtype.fields[n][1] for n in ("slot_bytes", "nslots", "generation", "used")}
@@ -109,6 +110,15 @@ def _publish_heap_word(m, word_off, word_val, used_off, used_val):
     K.flush(m, word_off, S_HEAP_FLUSH)
     K.store(m, used_off, np.uint64(used_val))
     K.flush(m, used_off, S_HEAP_FLUSH)
+    K.full_fence(m)
+
+
+@njit(cache=True, nogil=True)
+def _clear_tags(m, tag_offs):
+    """Zero the slot tags of freed slots (owner-only words), flush each, one fence."""
+    for i in range(tag_offs.shape[0]):
+        K.store(m, tag_offs[i], np.uint64(0))
+        K.flush(m, tag_offs[i], S_TAG_CLEAR_FLUSH)
     K.full_fence(m)
 
 
@@ -495,8 +505,20 @@ class Allocator:
         return result
 
     def _release_slots(self, chunk: int, slots: list[int]) -> np.ndarray:
-        """Clear used slots of one of this node's chunks (private state); touched word indices."""
+        """Clear used slots of one of this node's chunks; touched word indices.
+
+        The freed slots' tags are zeroed first: an index entry still naming a freed slot (a
+        disagreement the tags exist to make harmless) then reads as a miss and, when evicted,
+        is dropped without freeing the slot a second time."""
         c = self._chunks[chunk]
+        g = self.geo
+        if g.tags_offset >= 0:
+            base = g.tags_off(chunk)
+            step = c.slot_bytes // g.min_slot_bytes * 8
+            if len(slots) == 1:
+                K.store_flush(self._region.mem, base + slots[0] * step, 0, S_TAG_CLEAR_FLUSH)
+            else:
+                _clear_tags(self._region.mem, base + np.asarray(slots, dtype=np.int64) * step)
         if not c.free:
             self._free[c.slot_bytes].append(chunk)
         c.free.extend(slots)
