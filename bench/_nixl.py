@@ -30,7 +30,11 @@ ENV = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "UCX_LOG_LEVEL": "error",
 
 
 def nixl_env(tls: str) -> None:
-    """Set the UCX/NIXL environment (before nixl is imported in this process)."""
+    """Set the UCX/NIXL environment (before nixl is imported in this process). On a host with a
+    CUDA device ``cuda_copy`` is appended: NIXL's UCX backend refuses to start there without it
+    (the buffers stay in DRAM; cuda_copy is never picked for host-to-host)."""
+    if "cuda_copy" not in tls and os.path.exists("/dev/nvidiactl"):
+        tls += ",cuda_copy"
     os.environ.update({**ENV, "UCX_TLS": tls})
 
 

@@ -9,9 +9,10 @@ set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT="${OUT:-$ROOT/bench/results/gpu_out}"
-mkdir -p "$OUT" bench/results
+LOGS=/tmp/gpu_suite_logs          # logs go into $OUT/results.tgz ($OUT takes at most 8 files)
+rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS" bench/results
 T0=$(date +%s)
-SUMMARY="$OUT/summary.txt"
+SUMMARY="$LOGS/summary.txt"
 : > "$SUMMARY"
 declare -A RC
 
@@ -26,6 +27,13 @@ ln -sfn "$ROOT/kernels" "$SHIM/tract_kernels"        # pyproject maps kernels/ -
 export PYTHONPATH="$ROOT:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
 
+if [ -d .whlnixl ] && ls .whlnixl/*.whl >/dev/null 2>&1 && ! $PY -c "import nixl._api" 2>/dev/null; then
+  log "installing NIXL from .whlnixl/ into /tmp/site-nixl"
+  timeout 120 $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-nixl \
+    .whlnixl/*.whl >>"$LOGS/setup.log" 2>&1
+  RC[setup_nixl]=$?
+  export PYTHONPATH="$PYTHONPATH:/tmp/site-nixl"
+fi
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   need=()
   for mod in pytest pytest_asyncio pytest_timeout cbor2 orjson; do
@@ -34,7 +42,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   if [ ${#need[@]} -gt 0 ]; then
     log "installing from .whl/: ${need[*]}"
     timeout 120 $PY -m pip install -q --no-index --find-links .whl \
-      $(printf '%s\n' "${need[@]}" | sed 's/_/-/g') >>"$OUT/setup.log" 2>&1
+      $(printf '%s\n' "${need[@]}" | sed 's/_/-/g') >>"$LOGS/setup.log" 2>&1
     RC[setup]=$?
   fi
 fi
@@ -54,44 +62,58 @@ import tract_async, tract_kernels, tract_async.cuda.api
 print("tract_async from", tract_async.__file__)
 PY
   df -h /dev/shm | tail -1
-} >>"$OUT/setup.log" 2>&1
+} >>"$LOGS/setup.log" 2>&1
 RC[env]=$?
-cat "$OUT/setup.log" | tee -a "$SUMMARY" >/dev/null
+cat "$LOGS/setup.log" | tee -a "$SUMMARY" >/dev/null
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   log "no CUDA device: skipping the GPU steps (imports: rc=${RC[env]})"
   cat "$SUMMARY"
   exit "${RC[env]}"
 fi
 
-step() {  # step NAME SECONDS CMD...  (output to $OUT/NAME.log)
+# -- results (refreshed after every step: a call cut short keeps what finished) ---------------
+# everything the steps wrote under bench/results, with the logs, in one archive
+finish() {
+  cp "$SUMMARY" "$OUT/summary.txt"
+  { find bench/results -newer "$LOGS/setup.log" -type f; find "$LOGS" -type f; } \
+    | tar -czf "$OUT/results.tgz" -T - 2>/dev/null
+}
+
+step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the archive)
   local name=$1 secs=$2; shift 2
   log "step $name (limit ${secs}s): $*"
-  timeout --kill-after=10 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  timeout --kill-after=10 "$secs" "$@" >"$LOGS/$name.log" 2>&1
   RC[$name]=$?
   log "step $name: rc=${RC[$name]}"
-  tail -25 "$OUT/$name.log" | sed "s/^/  [$name] /" >>"$SUMMARY"
+  tail -25 "$LOGS/$name.log" | sed "s/^/  [$name] /" >>"$SUMMARY"
+  finish
 }
 
 # -- steps -------------------------------------------------------------------------------------
+# STEPS (space-separated) picks steps by name; the default is the GPU set below. Named steps:
+#   warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests
+#   putget_cpu (bench/putget.py on the host's cores, NIXL in the same run)
+#   serve_gpu (bench/serve_gpu.py, three modes)  serve_load (bench/serve_load.py --size h200)
+STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
 # (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
-step warmup 180 $PY -m tract_async.warmup
-step gpu_tests 270 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/cuda/test_cuda_gpu.py --maxfail=10
-step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
-step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
+want warmup && step warmup 180 $PY -m tract_async.warmup
+want gpu_tests && step gpu_tests "${GPU_TESTS_S:-270}" $PY -m pytest -q -m gpu -p no:cacheprovider \
+  -o addopts="" tests/cuda/test_cuda_gpu.py --maxfail=10
+want putget_cpu && step putget_cpu "${PUTGET_S:-240}" $PY bench/putget.py --deadline-s "${PUTGET_S:-240}"
+want gpu_putget && step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
+want gpu_pipeline && step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
 # diagnostic: the same short prefills with a 200 µs GIL switch interval (see --help)
-step gpu_pipeline_si 100 $PY bench/gpu_pipeline.py --budget-s 60 --tokens 1024 2048 \
-  --timeline-tokens 0 --switch-interval-us 200 --name gpu_pipeline_si
-if $PY -c "import pytest_asyncio, orjson" 2>/dev/null; then
+want gpu_pipeline_si && step gpu_pipeline_si 100 $PY bench/gpu_pipeline.py --budget-s 60 \
+  --tokens 1024 2048 --timeline-tokens 0 --switch-interval-us 200 --name gpu_pipeline_si
+if want transport_gpu_tests && $PY -c "import pytest_asyncio, orjson" 2>/dev/null; then
   step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
     --continue-on-collection-errors tests/transport/test_transport_gpu.py
 fi
+want serve_gpu && step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
+want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 
-# -- results -----------------------------------------------------------------------------------
-for f in bench/results/gpu_putget.json bench/results/gpu_pipeline.json \
-         bench/results/gpu_pipeline_si.json; do
-  [ -f "$f" ] && cp "$f" "$OUT/"
-done
 ls /dev/shm | grep -c '^tract-' | xargs -I{} echo "tract files left in /dev/shm: {}" >>"$SUMMARY"
 log "summary of exit codes:"
 fail=0
@@ -100,4 +122,5 @@ for k in "${!RC[@]}"; do
   [ "${RC[$k]}" -ne 0 ] && fail=1
 done
 log "total $(( $(date +%s) - T0 ))s"
+finish
 exit $fail

@@ -287,3 +287,27 @@ async def test_live_holder_with_a_stale_snapshot_keeps_the_lock(region_path: str
         lock.close()
     finally:
         r.close()
+
+
+def test_a_torn_grant_line_is_not_taken(region_path: str) -> None:
+    """A grant line read half old, half new (the new ``grant_seq`` beside the previous grant's
+    token: a line written back or filled word by word, as the incoherent backend does) is not
+    a grant; the settled line is. Found in CI: the sim alloc stress and the soak each once held
+    the lock under the node's previous token (state: same holder, a newer token, no revocation),
+    refused at the first check_token. The control shows the torn line has the old token in it."""
+    r = P.make_region(region_path, "hw")
+    try:
+        geo = S.geometry(r)
+        off, m = geo.grant_off(0, 1), r.mem
+        old_req, old_tok, new_req, new_tok = 7, (1 << 32) | 0x1004, 8, (1 << 32) | 0x1007
+        S.write_grant(m, off, old_req, old_tok, 1)
+        assert int(S.poll_grant(m, off, old_req)) == old_tok
+        K.store_flush(m, off + S.GRANT_SEQ, new_req, K.NO_SITE)     # torn: only the seq is new
+        assert int(K.load(m, off + S.GRANT_TOKEN)) == old_tok          # the control
+        assert int(S.poll_grant(m, off, new_req)) == 0
+        K.store_flush(m, off + S.GRANT_TOKEN, new_tok, K.NO_SITE)   # token new, check still old
+        assert int(S.poll_grant(m, off, new_req)) == 0
+        S.write_grant(m, off, new_req, new_tok, 1)                     # the settled line
+        assert int(S.poll_grant(m, off, new_req)) == new_tok
+    finally:
+        r.close()

@@ -38,7 +38,7 @@ PAGE_BYTES = 4096
 MAGIC = int.from_bytes(b"TRACTRG\x01", "little")
 """First word of every region: ASCII 'TRACTRG' plus 0x01."""
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 HEADER_RESERVED_BYTES = PAGE_BYTES
 """The header occupies the first page; the node table starts on the next page."""
@@ -260,8 +260,11 @@ LOCK_REQ = Struct(name="lock_req", fields=_u8_fields(_LOCK_REQ_NAMES, "node"),
 # |   8 |    8 | u64  | token      | manager |  fencing token of that grant
 # |  16 |    8 | u64  | term       | manager |  manager term that granted it
 # |  24 |    8 | u64  | granted_ns | manager |  CLOCK_REALTIME of the grant
-# |  32 |   32 | V32  | pad        | nobody  |
-_LOCK_GRANT_NAMES = ("grant_seq", "token", "term", "granted_ns")
+# |  32 |    8 | u64  | check      | manager |  grant_check(grant_seq, token): a read that mixes
+# |     |      |      |            |         |  two grants' words (a line written back or filled
+# |     |      |      |            |         |  word by word) fails it and is polled again
+# |  40 |   24 | V24  | pad        | nobody  |
+_LOCK_GRANT_NAMES = ("grant_seq", "token", "term", "granted_ns", "check")
 LOCK_GRANT = Struct(name="lock_grant", fields=_u8_fields(_LOCK_GRANT_NAMES, "manager"),
                     dtype=_u8_dtype(_LOCK_GRANT_NAMES), itemsize=64)
 

@@ -65,18 +65,20 @@ S_M_TERM_READ = K.site("lock.manager.term.invalidate")
 S_M_TAKEOVER_READ = K.site("lock.manager.takeover.invalidate")
 
 _REQ = {n: L.LOCK_REQ.dtype.fields[n][1] for n in ("req_seq", "rel_seq", "epoch", "requested_ns")}
-_GRANT = {n: L.LOCK_GRANT.dtype.fields[n][1] for n in ("grant_seq", "token", "term", "granted_ns")}
+_GRANT = {n: L.LOCK_GRANT.dtype.fields[n][1]
+          for n in ("grant_seq", "token", "term", "granted_ns", "check")}
 _STATE = {n: L.LOCK_STATE.dtype.fields[n][1] for n in L.LOCK_STATE.dtype.names if n != "pad"}
 _MGR = {n: L.MANAGER.dtype.fields[n][1] for n in ("manager", "term", "epoch", "since_ns")}
 
 # word offsets as plain ints (frozen into the jitted code)
 REQ_SEQ, REL_SEQ, REQ_EPOCH, REQ_NS = 0, 8, 16, 24
-GRANT_SEQ, GRANT_TOKEN, GRANT_TERM, GRANT_NS = 0, 8, 16, 24
+GRANT_SEQ, GRANT_TOKEN, GRANT_TERM, GRANT_NS, GRANT_CHECK = 0, 8, 16, 24, 32
 ST_HOLDER, ST_HOLDER_REQ, ST_TOKEN, ST_TERM, ST_GRANTS, ST_REVOKED, ST_LAST_REVOKED, ST_RR = (
     0, 8, 16, 24, 32, 40, 48, 56)
 MGR_MANAGER, MGR_TERM, MGR_EPOCH, MGR_SINCE = 0, 8, 16, 24
 assert (_REQ["req_seq"], _REQ["rel_seq"], _REQ["epoch"], _REQ["requested_ns"]) == (0, 8, 16, 24)
-assert (_GRANT["grant_seq"], _GRANT["token"], _GRANT["term"], _GRANT["granted_ns"]) == (0, 8, 16, 24)
+assert (_GRANT["grant_seq"], _GRANT["token"], _GRANT["term"], _GRANT["granted_ns"],
+        _GRANT["check"]) == (0, 8, 16, 24, 32)
 assert [_STATE[n] for n in ("holder", "holder_req", "token", "term", "grants", "revocations",
                             "last_revoked_token", "rr_cursor")] == [0, 8, 16, 24, 32, 40, 48, 56]
 assert (_MGR["manager"], _MGR["term"], _MGR["epoch"], _MGR["since_ns"]) == (0, 8, 16, 24)
@@ -175,12 +177,31 @@ def post_request(m, req_off, epoch):
     return req + np.uint64(1)
 
 
+GRANT_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def grant_check(req, token):
+    """The grant line's check word. Multiplying by an odd constant is a bijection, so a read that
+    pairs a grant's ``grant_seq`` with another grant's token or check word fails it."""
+    return np.uint64(token) ^ (np.uint64(req) * GRANT_MIX)
+
+
 @njit(cache=True, nogil=True)
 def poll_grant(m, grant_off, req):
-    """One poll: the grant's token when ``grant_seq == req``, else 0."""
+    """One poll: the grant's token when ``grant_seq == req``, else 0.
+
+    The line is read whole and its check word compared: ``grant_seq`` is stored last, but a line
+    can reach memory, or be filled from it, word by word in address order (the incoherent
+    backend does both), so the new ``grant_seq`` can be read beside the *previous* grant's
+    token. A waiter that took that token held the lock under a stale token and was refused as
+    revoked at its first ``check_token``. A torn read fails the check and the next poll (fresh
+    again) reads the settled line."""
     g = K.load_fresh(m, grant_off + GRANT_SEQ, S_GRANT_READ)
     if g == req:
-        return K.load(m, grant_off + GRANT_TOKEN)
+        tok = K.load(m, grant_off + GRANT_TOKEN)
+        if K.load(m, grant_off + GRANT_CHECK) == grant_check(req, tok):
+            return tok
     return np.uint64(0)
 
 
@@ -263,6 +284,7 @@ def write_grant(m, grant_off, req, token, term):
     K.store(m, grant_off + GRANT_TOKEN, token)
     K.store(m, grant_off + GRANT_TERM, term)
     K.store(m, grant_off + GRANT_NS, realtime_ns())
+    K.store(m, grant_off + GRANT_CHECK, grant_check(req, token))
     K.store(m, grant_off + GRANT_SEQ, req)
     K.flush(m, grant_off, S_M_GRANT_FLUSH)
     K.full_fence(m)
