@@ -111,7 +111,7 @@ if want transport_gpu_tests && $PY -c "import pytest_asyncio, orjson" 2>/dev/nul
   step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
     --continue-on-collection-errors tests/transport/test_transport_gpu.py
 fi
-want serve_gpu && step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
+want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 
 ls /dev/shm | grep -c '^tract-' | xargs -I{} echo "tract files left in /dev/shm: {}" >>"$SUMMARY"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -155,9 +156,13 @@ async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
 async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
                      make_plan: PlanFn, layer: int | None, timeout: float | None, *,
                      ready: Any = None, method: str | None = None) -> StreamFuture:
-    b = store.blocks
+    b, ph = store.blocks, store.phases
+    t0 = time.perf_counter_ns() if ph is not None else 0
     words = keys_to_words(keys)
     todo = await b.reserve(keys, words, b.snapshot(words), timeout)
+    if ph is not None:
+        ph.add("reserve_incl_lock", t0)
+        t0 = time.perf_counter_ns()
     if not todo:
         b.stats.puts += 1
         return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
@@ -177,6 +182,8 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             ev, keep, m = copier.put(plan, tensors, planes=planes, ready=ready, method=method)
             fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
                                not_before_s=nbytes / LINK_BYTES_PER_S, label=f"put/{m}")
+            if ph is not None:
+                ph.add("enqueue", t0)
             return cpath.track(fut)
         # fallback: device -> pinned buffer -> CPU copy into the region, then publish
         ev, keep, pinned = copier.d2h_pinned(plan, tensors, planes=planes, ready=ready)
@@ -195,7 +202,13 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
 async def finish_put(store: Any, cpath: CudaPath, keys: list[bytes], fut: StreamFuture) -> int:
     """Await a put's future; on cancellation, stop its publication, wait for the DMA, evict."""
     try:
-        return await fut
+        ph = store.phases
+        if ph is None:
+            return await fut
+        t0 = time.perf_counter_ns()
+        n = await fut
+        ph.add("landed_and_published", t0)
+        return n
     except asyncio.CancelledError:
         if fut.cancel():
             cpath.cancelled += 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -115,7 +116,7 @@ class PrefillWorker:
                 span[1][layer].copy_(kv_layer[:, :n_full * T])
                 moved += span[1][layer].numel() * span[1][layer].element_size()
             elif put_keys:
-                await self.kvdev.put_layer(put_keys, kv_layer[:, lo:hi], layer)
+                await self.kvdev.put_layer(put_keys, kv_layer[:, lo:hi], layer, events)
                 moved += (hi - lo) * self.layout.layer_bytes // T
             events.append((f"put_L{layer}", now()))
 
@@ -206,6 +207,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         elif cfg.mode in REGION_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
+            if os.environ.get("TRACT_PHASES") == "1":   # reserved_L / enqueued_L markers
+                w.engine.time_phases()
             w.kvdev = KVDevice(w.engine)
         # tasks close first (before the agent / engine they use)
         stack.push_async_callback(w.tasks.close)

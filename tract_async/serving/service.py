@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from tract_async.serving.errors import ServiceConfigError
+from tract_async.serving.protocol import now as protocol_now
 from tract_async.serving.protocol import (READY_PREFIX, REGION_MODES, ROLES, SECRET_ENV,
                                           SERVING_MODES)
 
@@ -220,7 +221,12 @@ class KVDevice:
         self.engine = engine
         self.cuda_puts: bool | None = None   # unknown until the first CUDA tensor
 
-    async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int) -> int:
+    async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int,
+                        events: list | None = None) -> int:
+        """Store one layer. With ``events``, appends the layer's timeline markers: ``ready_L``
+        (its compute finished on the GPU) and, where the region store times its phases
+        (``Engine.time_phases``), ``reserved_L`` and ``enqueued_L`` (a CUDA put's reservation,
+        lock included, and its DMA enqueue), before the caller's ``put_L`` (published)."""
         from tract_async.errors import TensorMismatch
         if kv_layer.device.type == "cuda":
             # The layer may still be computing on the compute thread's stream (the default
@@ -229,10 +235,19 @@ class KVDevice:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(kv_layer.device))
             await asyncio.to_thread(done.synchronize)
+            if events is not None:
+                events.append((f"ready_L{layer}", protocol_now()))
         if kv_layer.device.type == "cuda" and self.cuda_puts is not False:
             try:
+                t_ready = protocol_now()
                 n = await self.engine.put_kv(keys, kv_layer.contiguous(), layer=layer)
                 self.cuda_puts = True
+                ph = getattr(getattr(self.engine, "_store", None), "phases", None)
+                if events is not None and ph is not None:
+                    took = ph.take()
+                    t = t_ready + took.get("reserve_incl_lock", 0.0)
+                    events.append((f"reserved_L{layer}", t))
+                    events.append((f"enqueued_L{layer}", t + took.get("enqueue", 0.0)))
                 return n
             except TensorMismatch:
                 if self.cuda_puts:
