@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from tract_async.errors import TractError
+from tract_async.serving.gclog import GcLog
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull
 from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, PrefillReply,
@@ -53,6 +54,7 @@ class PrefillWorker:
         self.layout: Any = None
         self.engine: Any = None
         self.kvdev: KVDevice | None = None
+        self.gclog: GcLog | None = None     # TRACT_PHASES=1: collections on the timeline
         self.agent: Any = None
         self.exporter: Any = None
         self.tasks = TaskOwner()
@@ -130,6 +132,8 @@ class PrefillWorker:
                 await asyncio.shield(self.exporter.discard(span[0]))
             raise
         events.append(("prefill_done", now()))
+        if self.gclog is not None:          # before prefill_done: _observe reads it last
+            events[-1:-1] = self.gclog.events_between(events[0][1], events[-1][1])
         kv_source = None
         if span is not None:
             kv_source = self.exporter.publish(req.request_id, span[0], moved, n_full * T,
@@ -207,8 +211,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         elif cfg.mode in REGION_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
-            if os.environ.get("TRACT_PHASES") == "1":   # reserved_L / enqueued_L markers
+            if os.environ.get("TRACT_PHASES") == "1":   # reserved_L / enqueued_L, gc markers
                 w.engine.time_phases()
+                w.gclog = GcLog(now).install()
             w.kvdev = KVDevice(w.engine)
         # tasks close first (before the agent / engine they use)
         stack.push_async_callback(w.tasks.close)
