@@ -31,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from tract_async.errors import TractError
+from tract_async.serving.prefetch import LayerReads
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, DecodeRequest,
@@ -42,6 +43,9 @@ from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_i
 
 class DecodeWorker:
     """State of one decode worker; built and torn down by :func:`_resources`."""
+
+    PREFETCH_DEPTH = 2
+    """Layers read ahead of the decode step that needs them (``serving/prefetch.py``)."""
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
@@ -114,7 +118,7 @@ class DecodeWorker:
 
             device = self._kv_device()
 
-            async def get_layer(layer: int) -> Any:
+            async def read_layer(layer: int) -> Any:
                 try:
                     kv = await self._get_layer_kv(keys, layer, timeout, device)
                 except (BlockEvicted, BlockNotFound, RegionTimeout) as exc:
@@ -123,7 +127,9 @@ class DecodeWorker:
                 events.append((f"got_L{layer}", now()))
                 self.metrics.add_bytes_moved(layer_bytes, transport="region", direction="get")
                 return kv
-            return past_len, get_layer
+            # layer l+1 and l+2 are read while step l computes (serving/prefetch.py)
+            return past_len, LayerReads(read_layer, self.layout.num_layers,
+                                        depth=self.PREFETCH_DEPTH)
 
         if req.kv_source is None:
             raise BadCompletionRequest(f"http mode: a {len(ids)}-token prompt needs kv_source")
@@ -188,6 +194,7 @@ class DecodeWorker:
         first_seen: list[bool] = []
 
         async def generate() -> None:
+            get_layer: Any = None
             try:
                 past_len, get_layer = self.layer_source(req, events)
                 if past_len and get_layer is None:
@@ -200,6 +207,8 @@ class DecodeWorker:
                                              on_token=on_token, eos_token_id=eos,
                                              layer_timeout=self.cfg.layer_timeout_s)
             finally:
+                if isinstance(get_layer, LayerReads):
+                    await get_layer.aclose()
                 queue.put_nowait(None)
 
         try:
