@@ -33,7 +33,7 @@ Who writes what (layouts in ``layout.py``):
 Starving. Chunks never move while their owner lives, so a node that finds no free chunk
 (a node restarted on a rack whose survivors hold them all) records how many it wants in its
 ``ALLOC_COUNT.wanted`` under the lock and waits. Owners look at the asks whenever they hold the
-lock (every reservation batch, and maintenance when an ask is up): one holding more than its
+lock (a reservation batch at most every few ms, and maintenance when an ask is up): one holding more than its
 fair share (chunks / live nodes) evicts the blocks of its least used chunks and releases them
 (``release_empty_locked``); the asker claims them on its next try and clears its ask. Eviction
 for space takes the evicting node's own blocks first (only those free its own slots).
