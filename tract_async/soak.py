@@ -203,11 +203,19 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
         if progress is not None:
             progress(res, latest, now)
     stop.set()
+    # Keep reading the queue while the workers stop: a process that has put on a
+    # multiprocessing queue exits only once its feeder thread has written everything into the
+    # pipe, so joining without draining can wait for nobody (a CI run once hit the 600 s limit
+    # here under load).
+    deadline = time.monotonic() + 60
+    while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
+        drain(0.1)
     for n, p in procs.items():
-        p.join(60)
         if p.is_alive():
             p.kill()
-            res.errors.append(f"node {n} did not stop")
+            p.join(10)
+            res.errors.append(f"node {n} did not stop within 60 s")
+        p.join()
     drain(0.5)
     for c in done + list(latest.values()):
         for k, v in c.items():
