@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,8 +45,10 @@ from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_i
 class DecodeWorker:
     """State of one decode worker; built and torn down by :func:`_resources`."""
 
-    PREFETCH_DEPTH = 2
-    """Layers read ahead of the decode step that needs them (``serving/prefetch.py``)."""
+    PREFETCH_DEPTH = 2 if (os.cpu_count() or 1) > 4 else 1
+    """Layers read ahead of the decode step that needs them (``serving/prefetch.py``). One on
+    small hosts: each read of a layer not yet published polls in a thread, and more pollers
+    than cores turn microseconds into milliseconds."""
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
