@@ -243,7 +243,11 @@ class RegionStore:
         try:
             await asyncio.shield(asyncio.wait(futs))
         except asyncio.CancelledError:
-            await asyncio.wait(futs)
+            while not all(f.done() for f in futs):     # a second cancel must not cut it short
+                try:
+                    await asyncio.wait(futs)
+                except asyncio.CancelledError:
+                    pass
             for f in futs:                    # retrieved: no "exception never retrieved"
                 if not f.cancelled():
                     f.exception()
