@@ -91,6 +91,8 @@ def _bytes_of(plan: np.ndarray) -> list[tuple[int, int]]:
     ([(i * 50_000, i * 3000, 3000) for i in range(7)], 8),      # fewer bytes than cut spacing
     ([(0, 0, 10)], 4),                                          # tiny: one group
     ([(0, 0, 0), (64, 0, 20_000), (0, 0, 0)], 2),               # empty rows
+    ([(0, 0, 4096)], 2),                                        # the cut rounds to the end
+    ([(0, 0, 4096), (8192, 4096, 4096)], 4),                    # cuts round to row ends
 ])
 def test_split_plan_covers_every_byte_once_in_order(rows: list[tuple[int, int, int]],
                                                    parts: int) -> None:

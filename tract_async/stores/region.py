@@ -86,8 +86,8 @@ MAX_AUTO_COPY_THREADS = 8
 
 def auto_copy_threads(cpus: int | None = None) -> int:
     """Copy threads for ``copy_threads=None``: half the host's cores (the other half runs the
-    loop, the lock manager, the heartbeat and the caller's own work), between 1 and 8 (8
-    threads already exceed what one socket's memory controllers take)."""
+    loop, the lock manager, the heartbeat and the caller's own work), between 1 and 8 (a cap,
+    not a measured optimum: a few streams already draw most of a socket's bandwidth)."""
     n = os.cpu_count() if cpus is None else cpus
     return max(1, min(MAX_AUTO_COPY_THREADS, (n or 1) // 2))
 
@@ -118,7 +118,7 @@ def split_plan(plan: np.ndarray, parts: int, align: int = SPLIT_ALIGN) -> list[n
         within = min(max(addr - roff, 0), int(sizes[r]))
         if within >= int(sizes[r]):
             r, within = r + 1, 0
-        if (r, within) > cuts[-1]:
+        if r < n and (r, within) > cuts[-1]:      # a cut at the very end is the end
             cuts.append((r, within))
     cuts.append((n, 0))
     out: list[np.ndarray] = []
