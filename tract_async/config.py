@@ -119,8 +119,9 @@ class EngineConfig:
     copy_threads: int | None = None          # threads of one large copy (>= 8 MiB, hw; put and
                                              # get): None = from the host (half the cores, 1-8);
                                              # 1 = one thread (stores/region.py says why)
-    copy_read_ahead: bool = False            # with copy_threads=2: a large read on the older
-                                             # pair (one thread drops lines ahead, one copies)
+    copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
+                                             # threads (one drops lines ahead, one copies)
+                                             # instead of copy_threads row groups
     # HTTP transport (region=None, or fallback)
     peers: Sequence[str] = field(default_factory=tuple)
     listen_host: str = "127.0.0.1"

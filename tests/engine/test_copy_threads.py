@@ -20,6 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tract_async as tract
 from tract_async import errors as E
@@ -108,6 +110,31 @@ def test_split_plan_covers_every_byte_once_in_order(rows: list[tuple[int, int, i
             assert b[0, 0] % rs.SPLIT_ALIGN == 0, (a[-1], b[0])
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 2000)), min_size=1, max_size=8),
+       st.integers(1, 9))
+def test_split_plan_properties(gaps_sizes: list[tuple[int, int]], parts: int) -> None:
+    """Any plan of disjoint rows (a gap before each): the groups copy exactly its bytes in its
+    order, at most ``parts`` groups, none empty unless the plan copies nothing, and a row cut
+    between two groups is cut at a multiple of ``align`` of its region address."""
+    align = 64
+    rows, roff, poff = [], 0, 0
+    for gap, size in gaps_sizes:
+        roff += gap
+        rows.append((roff, poff, size))
+        roff += size
+        poff += size + gap // 2
+    plan = np.array(rows, dtype=np.int64)
+    groups = rs.split_plan(plan, parts, align)
+    assert 1 <= len(groups) <= parts
+    assert _bytes_of(np.concatenate(groups)) == _bytes_of(plan)
+    if int(plan[:, 2].sum()):
+        assert all(int(g[:, 2].sum()) > 0 for g in groups)
+    for g, h in zip(groups, groups[1:]):
+        if int(g[-1, 0] + g[-1, 2]) == int(h[0, 0]):    # rows are disjoint: one row, cut
+            assert int(h[0, 0]) % align == 0, (g[-1], h[0])
+
+
 def test_split_plan_of_one_huge_row_is_even() -> None:
     plan = np.array([[1 << 20, 0, 256 << 20]], dtype=np.int64)
     groups = rs.split_plan(plan, 8)
@@ -193,9 +220,15 @@ async def test_layer_puts_and_gets_on_four_threads_are_exact(
         assert all(block_matches(keys, out, MID))
 
 
-async def test_read_ahead_pair_is_exact(region_path: str) -> None:
-    """``copy_read_ahead=True`` keeps the older two-thread read (drop ahead, copy behind)."""
-    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=2,
+@pytest.mark.parametrize("copy_threads", [1, 2, 4])
+async def test_read_ahead_pair_is_exact(region_path: str, monkeypatch: pytest.MonkeyPatch,
+                                        copy_threads: int) -> None:
+    """``copy_read_ahead=True`` keeps the older two-thread read (drop ahead, copy behind) for
+    large gets, whatever ``copy_threads`` says."""
+    ahead, behind = _spy(monkeypatch, "drop_payload_rows_ahead"), _spy(monkeypatch,
+                                                                       "copy_out_behind")
+    groups = _spy(monkeypatch, "copy_out_nt")
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=copy_threads,
                                      copy_read_ahead=True, region_bytes=64 << 20)) as eng:
         n = (9 << 20) // TINY.block_bytes
         keys = eng.block_keys(range(TINY.block_tokens * n))
@@ -204,6 +237,8 @@ async def test_read_ahead_pair_is_exact(region_path: str) -> None:
         out = torch.empty_like(kv)
         await eng.get_kv(keys, out=out)
         assert torch.equal(out, kv)
+    assert len(ahead.calls) == len(behind.calls) == 1 and not groups.calls
+    assert ahead.calls[0][0] != behind.calls[0][0]       # two threads
 
 
 async def test_sim_backend_copies_on_one_thread(region_path: str,

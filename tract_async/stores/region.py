@@ -40,7 +40,8 @@ What each direction keeps:
 
 The sim backend stays on one thread (its caches are per thread: ``waits.ThreadMem``). The older
 two-thread read (one thread drops the lines ahead, the other copies behind: ``_copy_out_split``)
-is kept for ``copy_read_ahead=True`` with ``copy_threads=2``.
+is kept for ``copy_read_ahead=True``: large reads then take that pair whatever ``copy_threads``
+says (puts still follow ``copy_threads``).
 """
 from __future__ import annotations
 
@@ -266,7 +267,7 @@ class RegionStore:
     async def copy_out(self, plan: np.ndarray, dst_addr: int, nbytes: int) -> None:
         """Copy region bytes to private memory at ``dst_addr`` by plan rows; every line is
         invalidated before it is read (on each thread, for a large read: module doc)."""
-        if (nbytes >= NT_READ_BYTES and self.cfg.copy_read_ahead and self.copy_threads == 2
+        if (nbytes >= NT_READ_BYTES and self.cfg.copy_read_ahead
                 and self.mem.backend == K.BACKEND_HW):
             ph = self.phases
             t0 = time.perf_counter_ns() if ph is not None else 0
