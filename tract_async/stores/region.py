@@ -285,6 +285,9 @@ class RegionStore:
         the third session). Returns once both threads are done, also when cancelled or when one
         of them raised."""
         ctl = np.zeros(2, dtype=np.uint64)            # progress, abort: alive until both end
+        # the copying thread spins on the dropping one: both go to the pool in one step, the
+        # dropper first, so with the pool's FIFO queue and >= 2 workers a spinning copier's
+        # dropper has always been taken already (also with other gets' pairs queued)
         _, stopped = await self._run_all([
             (ix.drop_payload_rows_ahead, plan, ctl.ctypes.data),  # IndexError of a bad row
             (ix.copy_out_behind, plan, np.uint64(dst), ctl.ctypes.data, True)],
