@@ -62,7 +62,9 @@ Findings (runs of 2026-11-30 02:27-02:39, load 1.7-5; every target but lookup mi
     500 us; after the put returns it still needs ~380 us at 64 KiB.
   * an intermittent hang in Engine close/open (loop idle, no heartbeat thread) was hit twice.
 
-Usage: ``python bench/putget.py [--quick] [--no-nixl] [--parts 123]``. Writes
+Usage: ``python bench/putget.py [--quick] [--no-nixl] [--parts 123] [--copy-threads N]``
+(``--copy-threads``: ``EngineConfig.copy_threads`` of every engine; default None, from the
+host; the table headers and the JSON say which). Writes
 ``bench/results/putget.json`` (machine details included). Regions are
 ``/dev/shm/tract-bench-<pid>-*`` and are removed on exit. After the run, the "Findings" printed
 at the end say where the time goes; the JSON carries every sample. The parts live in
@@ -86,7 +88,8 @@ import _nixl  # noqa: E402
 import tract_async as tract  # noqa: E402
 
 from _putget import report  # noqa: E402
-from _putget.fixtures import BLOCK, KiB, LAYOUT, MiB, TORCH_THREADS, remove_leftovers  # noqa: E402
+from _putget.fixtures import (BLOCK, COPY_THREADS_ENV, KiB, LAYOUT, MiB, TORCH_THREADS,  # noqa: E402
+                              copy_threads_used, remove_leftovers)
 from _putget.handoff import part_handoff  # noqa: E402
 from _putget.lookup import part_keys  # noqa: E402
 from _putget.throughput import part_putget  # noqa: E402
@@ -120,22 +123,33 @@ def main() -> None:
     ap.add_argument("--parts", default="123")
     ap.add_argument("--deadline-s", type=float, default=600.0,
                     help="dump every thread's stack, remove our regions and exit after this long")
+    ap.add_argument("--copy-threads", type=int, default=None, metavar="N",
+                    help="EngineConfig.copy_threads of every engine (default: from the host)")
     args = ap.parse_args()
+    if args.copy_threads is not None and args.copy_threads < 1:
+        ap.error("--copy-threads must be >= 1")
+    # in the environment: the handoff's child processes build their engines from it too
+    os.environ[COPY_THREADS_ENV] = "" if args.copy_threads is None else str(args.copy_threads)
+    threads_used = copy_threads_used()
     t_start = time.monotonic()
     start_watchdog(args.deadline_s)
     sizes = [64 * KiB, MiB, 16 * MiB] if args.quick else [64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
     load_before = loadavg()
     print(f"load average before: {' '.join(load_before)}; torch threads {TORCH_THREADS}; "
-          f"block {BLOCK} B", flush=True)
+          f"block {BLOCK} B; copy threads {threads_used}"
+          f"{' (from the host)' if args.copy_threads is None else ''}", flush=True)
     out: dict[str, Any] = {"quick": args.quick, "layout": {
         "num_layers": LAYOUT.num_layers, "block_tokens": LAYOUT.block_tokens,
         "kv_heads": LAYOUT.kv_heads, "head_dim": LAYOUT.head_dim, "dtype": "bfloat16",
         "block_bytes": BLOCK}, "backend": "hw", "torch_threads": TORCH_THREADS,
-        "nixl": _nixl.version(), "load_before": load_before}
+        "nixl": _nixl.version(), "load_before": load_before,
+        "copy_threads": {"asked": args.copy_threads, "used": threads_used,
+                         "cpu_count": os.cpu_count()}}
     try:
         if "1" in args.parts:
             print("part 1: put/get vs torch copy_ ...", flush=True)
             out["putget"] = tract.run(part_putget(sizes, args.quick))
+            out["putget"]["copy_threads"] = threads_used
             report.print_putget(out["putget"])
         if "2" in args.parts:
             print("\npart 2: handoff between two processes ...", flush=True)

@@ -116,8 +116,12 @@ class EngineConfig:
     index_capacity: int | None = None        # entries; default 2x the blocks that fit
     heartbeat_interval_s: float = 0.1
     liveness_timeout_s: float = 1.0
-    copy_threads: int = 2                    # large reads (>= 8 MiB, hw): 2 = one thread drops
-                                             # lines ahead while another copies; 1 = one thread
+    copy_threads: int | None = None          # threads of one large copy (>= 8 MiB, hw; put and
+                                             # get): None = from the host (half the cores, 1-8);
+                                             # 1 = one thread (stores/region.py says why)
+    copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
+                                             # threads (one drops lines ahead, one copies)
+                                             # instead of copy_threads row groups
     # HTTP transport (region=None, or fallback)
     peers: Sequence[str] = field(default_factory=tuple)
     listen_host: str = "127.0.0.1"
@@ -182,5 +186,8 @@ class EngineConfig:
         if self.nixl_pool_device != "cpu" and not self.nixl_pool_device.startswith("cuda"):
             raise ConfigError(f"EngineConfig.nixl_pool_device must be 'cpu' or 'cuda[:N]', got "
                               f"{self.nixl_pool_device!r}")
-        if self.copy_threads < 1:
-            raise ConfigError(f"EngineConfig.copy_threads must be >= 1, got {self.copy_threads}")
+        if self.copy_threads is not None and (not isinstance(self.copy_threads, int)
+                                              or isinstance(self.copy_threads, bool)
+                                              or self.copy_threads < 1):
+            raise ConfigError(f"EngineConfig.copy_threads must be None (from the host) or an "
+                              f"int >= 1, got {self.copy_threads!r}")

@@ -344,6 +344,9 @@ class Engine(CudaEngineMixin):
                 except Exception as e:   # unknown who is live: keep the region
                     errors.append(e)
                     others = None
+            stop_copies = getattr(self._store, "shutdown_copies", None)
+            if stop_copies is not None:     # a teardown without store.close: copy threads too
+                stop_copies()
             region.close()
             if self._created and self.cfg.remove_on_close and others is not None:
                 self._created = False

@@ -55,10 +55,29 @@ def remove_leftovers() -> list[str]:
     return left
 
 
+COPY_THREADS_ENV = "TRACT_BENCH_COPY_THREADS"
+"""``--copy-threads`` of ``bench/putget.py``, in the environment so that the handoff's child
+processes build the same EngineConfig; unset or empty: None (the engine sizes it from the host)."""
+
+
+def copy_threads() -> int | None:
+    """``EngineConfig.copy_threads`` for every engine of the run (``COPY_THREADS_ENV``)."""
+    v = os.environ.get(COPY_THREADS_ENV, "")
+    return int(v) if v else None
+
+
+def copy_threads_used() -> int:
+    """The threads a large copy runs on in this run (None resolved as the engine does)."""
+    from tract_async.stores.region import auto_copy_threads
+    n = copy_threads()
+    return auto_copy_threads() if n is None else n
+
+
 def engine_cfg(path: str, node_id: int, region_bytes: int, create: bool) -> tract.EngineConfig:
     """The hw backend on a /dev/shm region: what the figures are about (not the sim model)."""
     return tract.EngineConfig(layout=LAYOUT, region=path, region_bytes=region_bytes, create=create,
-                              node_id=node_id, namespace="bench-putget", mem_backend="hw")
+                              node_id=node_id, namespace="bench-putget", mem_backend="hw",
+                              copy_threads=copy_threads())
 
 
 def make_kv(nblocks: int, salt: int = 0) -> torch.Tensor:

@@ -13,8 +13,9 @@ from _putget.fixtures import KiB
 
 
 def print_putget(p1: dict[str, Any]) -> None:
-    print("\nput/get, GB/s (medians; torch = the better of its default threads and 1 thread; "
-          "floor = bytes / private memcpy of the same size)")
+    print(f"\nput/get, GB/s, copy threads {p1.get('copy_threads', '?')} (medians; torch = the "
+          "better of its default threads and 1 thread; floor = bytes / private memcpy of the "
+          "same size)")
     print(C.table(p1["rows"], ["size", "reps", "put_GBps", "torch_put_GBps", "put/torch",
                                "get_GBps", "torch_get_GBps", "get/torch", "memcpy_GBps",
                                "put_us", "get_us", "put_floor_us"]))

@@ -452,8 +452,8 @@ async def test_a_large_put_in_a_fresh_region_is_one_contiguous_run(region_path: 
 @pytest.mark.parametrize("copy_threads", [1, 2])
 async def test_large_get_is_exact_with_one_or_two_copy_threads(region_path: str,
                                                                copy_threads: int) -> None:
-    """Reads of >= 8 MiB: with two copy threads one drops the lines ahead while the other
-    copies behind it; the bytes are the same either way."""
+    """Reads of >= 8 MiB: with two copy threads the rows are cut into two groups, each read
+    on its own thread (``stores/region.py``); the bytes are the same either way."""
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=copy_threads,
                                      region_bytes=64 << 20)) as eng:
         n = (9 << 20) // eng.layout.block_bytes
