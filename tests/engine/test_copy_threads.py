@@ -238,7 +238,9 @@ async def test_read_ahead_pair_is_exact(region_path: str, monkeypatch: pytest.Mo
         await eng.get_kv(keys, out=out)
         assert torch.equal(out, kv)
     assert len(ahead.calls) == len(behind.calls) == 1 and not groups.calls
-    assert ahead.calls[0][0] != behind.calls[0][0]       # two threads
+    # Not asserted: that the halves ran on two threads. The dropping half is submitted first
+    # and never waits for the copying one, so a pool may run both on one worker when the first
+    # ended before the second was picked up (seen under load); the copy is exact either way.
 
 
 async def test_sim_backend_copies_on_one_thread(region_path: str,
