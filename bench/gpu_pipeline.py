@@ -81,7 +81,7 @@ async def main() -> int:
             eng.cuda_setup()
             events = LayerEvents(model)
 
-            async def noop(i, kv):
+            async def noop(i, kv, ready=None):
                 return None
 
             def make_put(keys, log=None):
@@ -91,7 +91,7 @@ async def main() -> int:
                 every publication (the timings below include it)."""
                 futs = {}
 
-                async def put_layer(i, kv):
+                async def put_layer(i, kv, ready=None):
                     ev = await events.event(i)
                     futs[i] = await eng.start_put_kv(keys, kv, layer=i, ready=ev)
 

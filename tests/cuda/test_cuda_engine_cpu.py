@@ -141,3 +141,26 @@ def test_triton_row_copy_kernel_under_the_interpreter():
     r = subprocess.run([sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "interp-ok" in r.stdout, r.stdout + r.stderr
+
+
+async def test_put_ready_follows_the_task_and_reaches_no_other() -> None:
+    """``cuda.store.put_ready``: the event a CUDA put waits for instead of the current stream
+    (the prefill worker's fix for DMAs that waited for later layers) is seen inside the
+    context, across awaits, and by no task started outside it."""
+    import asyncio
+
+    from tract_async.cuda import store as cs
+    marker = object()
+    seen: dict[str, object] = {}
+
+    async def other() -> None:
+        await asyncio.sleep(0.01)
+        seen["other"] = cs._PUT_READY.get()
+
+    t = asyncio.ensure_future(other())
+    with cs.put_ready(marker):
+        await asyncio.sleep(0)
+        seen["inside"] = cs._PUT_READY.get()
+        await t
+    seen["after"] = cs._PUT_READY.get()
+    assert seen == {"inside": marker, "other": None, "after": None}

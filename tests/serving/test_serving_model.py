@@ -390,7 +390,8 @@ async def test_prefill_streaming_puts_every_layer_in_order(model, prompt, full):
     prefix = prefill(model, prompt[:16])
     puts: list[tuple[int, torch.Tensor]] = []
 
-    async def put_layer(i: int, kv_layer: torch.Tensor) -> None:
+    async def put_layer(i: int, kv_layer: torch.Tensor, ready: object) -> None:
+        assert ready is None                      # a CPU layer carries no CUDA event
         await asyncio.sleep(0)
         puts.append((i, kv_layer))
 
@@ -405,7 +406,7 @@ async def test_prefill_streaming_puts_every_layer_in_order(model, prompt, full):
 async def test_prefill_streaming_put_failure_stops_compute_and_propagates(model, prompt):
     calls: list[int] = []
 
-    async def put_layer(i: int, kv_layer: torch.Tensor) -> None:
+    async def put_layer(i: int, kv_layer: torch.Tensor, ready: object) -> None:
         calls.append(i)
         raise OSError("region full")
 
@@ -415,7 +416,7 @@ async def test_prefill_streaming_put_failure_stops_compute_and_propagates(model,
 
 
 async def test_prefill_streaming_validation_error_propagates_unwrapped(model, prompt, full):
-    async def put_layer(i: int, kv_layer: torch.Tensor) -> None:
+    async def put_layer(i: int, kv_layer: torch.Tensor, ready: object) -> None:
         raise AssertionError("never called")
 
     with pytest.raises(NothingToCompute):

@@ -19,6 +19,8 @@ the outstanding futures (drained before the engine closes), and the counters ``s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -143,6 +145,27 @@ def planes_of(layout: Any, layer: int | None) -> int:
     return 2 if layer is not None else 2 * layout.num_layers
 
 
+_PUT_READY: contextvars.ContextVar[Any] = contextvars.ContextVar("tract_put_ready", default=None)
+
+
+@contextlib.contextmanager
+def put_ready(event: Any) -> Any:
+    """CUDA puts started in this context (``Engine.put_kv`` with a CUDA tensor included) wait
+    for ``event`` instead of an event recorded on the current stream at the call.
+
+    Why: a prefill that hands layer ``i`` to the loop while its thread keeps queueing layers
+    ``i + 1 ..`` on the same stream would otherwise make the DMA of layer ``i`` wait for all of
+    them (the region-transfer stall: layer 2's DMA landed ~140 ms after it was enqueued, once
+    the whole prefill had run). The caller must make sure the tensor is complete once ``event``
+    has completed. A context variable, so that the setting follows the task across its awaits
+    and reaches no other task."""
+    token = _PUT_READY.set(event)
+    try:
+        yield
+    finally:
+        _PUT_READY.reset(token)
+
+
 async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
                     make_plan: PlanFn, layer: int | None, timeout: float | None, *,
                     ready: Any = None, method: str | None = None) -> StreamFuture:
@@ -158,6 +181,8 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                      ready: Any = None, method: str | None = None) -> StreamFuture:
     b, ph = store.blocks, store.phases
     t0 = time.perf_counter_ns() if ph is not None else 0
+    if ready is None:
+        ready = _PUT_READY.get()
     words = keys_to_words(keys)
     todo = await b.reserve(keys, words, b.snapshot(words), timeout)
     if ph is not None:

@@ -109,7 +109,7 @@ class PrefillWorker:
             shape = self.layout.kv_shape(n_full)
             span = await self.exporter.reserve(shape, self.layout.dtype, timeout=self.cfg.layer_timeout_s)
 
-        async def put_layer(layer: int, kv_layer: Any) -> None:
+        async def put_layer(layer: int, kv_layer: Any, ready: Any = None) -> None:
             nonlocal moved
             # store_begin_L / put_L bracket the store of one layer: the load benchmark's
             # "KV store" is their sum (the stores overlap the compute of the next layers)
@@ -118,7 +118,7 @@ class PrefillWorker:
                 span[1][layer].copy_(kv_layer[:, :n_full * T])
                 moved += span[1][layer].numel() * span[1][layer].element_size()
             elif put_keys:
-                await self.kvdev.put_layer(put_keys, kv_layer[:, lo:hi], layer, events)
+                await self.kvdev.put_layer(put_keys, kv_layer[:, lo:hi], layer, events, ready)
                 moved += (hi - lo) * self.layout.layer_bytes // T
             events.append((f"put_L{layer}", now()))
 

@@ -220,27 +220,45 @@ class KVDevice:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.cuda_puts: bool | None = None   # unknown until the first CUDA tensor
+        self._side_streams: dict[Any, Any] = {}  # device -> the stream puts copy on
 
     async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int,
-                        events: list | None = None) -> int:
-        """Store one layer. With ``events``, appends the layer's timeline markers: ``ready_L``
-        (its compute finished on the GPU) and, where the region store times its phases
-        (``Engine.time_phases``), ``reserved_L`` and ``enqueued_L`` (a CUDA put's reservation,
-        lock included, and its DMA enqueue), before the caller's ``put_L`` (published)."""
+                        events: list | None = None, ready: Any = None) -> int:
+        """Store one layer. ``ready``: for a CUDA ``kv_layer``, the event after which it is
+        complete (``streaming.PutLayer``); None records one on the current stream now.
+
+        A CUDA layer is made contiguous on a side stream that waits for ``ready`` only, and the
+        put's DMA waits for that copy only (``cuda.store.put_ready``): an event recorded on the
+        compute stream at put time would also wait for every layer the compute thread queued
+        since (the region-transfer stall of 2026-12-01: layer 2's DMA landed ~140 ms after it
+        was enqueued). With ``events``, appends ``reserved_L`` and ``enqueued_L`` where the
+        region store times its phases (``Engine.time_phases``), before the caller's ``put_L``."""
         from tract_async.errors import TensorMismatch
-        if kv_layer.device.type == "cuda":
-            # The layer may still be computing on the compute thread's stream (the default
-            # stream, shared by threads): wait for an event recorded behind it, off the loop.
-            import torch
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(kv_layer.device))
-            await asyncio.to_thread(done.synchronize)
-            if events is not None:
-                events.append((f"ready_L{layer}", protocol_now()))
         if kv_layer.device.type == "cuda" and self.cuda_puts is not False:
+            import torch
+
+            from tract_async.cuda.store import put_ready
+            dev = kv_layer.device
+            if ready is None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(dev))
+            side = self._side_streams.get(dev)
+            if side is None:
+                side = self._side_streams[dev] = torch.cuda.Stream(dev)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                # the caller keeps kv_layer alive until this put has landed, after this copy
+                kv = kv_layer.contiguous()
+                done = torch.cuda.Event()
+                done.record(side)
+            # whatever reads kv on the current stream later (a full region's spill to the
+            # network path copies it to the host there) runs after the copy; this waits for
+            # layer `layer` only, not for the layers queued since
+            torch.cuda.current_stream(dev).wait_event(done)
             try:
                 t_ready = protocol_now()
-                n = await self.engine.put_kv(keys, kv_layer.contiguous(), layer=layer)
+                with put_ready(done):
+                    n = await self.engine.put_kv(keys, kv, layer=layer)
                 self.cuda_puts = True
                 ph = getattr(getattr(self.engine, "_store", None), "phases", None)
                 if events is not None and ph is not None:

@@ -7,8 +7,9 @@ engine calls (``put_kv``/``get_kv``, which are coroutines) run on the loop; the 
 boundaries:
 
 * :func:`prefill_streaming`: the thread computes layer after layer; after layer ``i``'s K/V
-  projections it queues ``(i, kv_layer)`` to the loop and continues with layer ``i``'s attention
-  and layer ``i + 1`` without waiting. A consumer coroutine awaits ``put_layer(i, kv_layer)`` in
+  projections it queues ``(i, kv_layer, ready)`` to the loop and continues with layer ``i``'s
+  attention and layer ``i + 1`` without waiting. A consumer coroutine awaits
+  ``put_layer(i, kv_layer, ready)`` in
   layer order, so layer ``i`` is being stored while layer ``i + 1`` computes (TraCT's layer
   streaming). The call returns once the compute is done *and* every put has completed.
 * :func:`decode_streaming`: the first decode step reaches layer ``i``'s attention, asks the loop
@@ -43,8 +44,12 @@ from tract_async.serving.model import PrefillResult, TokenIds, _as_ids, greedy_c
 
 T = TypeVar("T")
 
-#: ``put_layer(layer_index, kv_layer)``: store one layer ``(2, new_tokens, kv_heads, head_dim)``.
-PutLayer = Callable[[int, torch.Tensor], Awaitable[object]]
+#: ``put_layer(layer_index, kv_layer, ready)``: store one layer ``(2, new_tokens, kv_heads,
+#: head_dim)``. For a CUDA ``kv_layer``, ``ready`` is a CUDA event recorded on the computing
+#: thread's stream right after the layer's K/V were produced: work ordered after it sees the
+#: layer complete, while an event recorded later on that stream also waits for the layers the
+#: thread has queued since. None for CPU tensors.
+PutLayer = Callable[[int, torch.Tensor, "torch.cuda.Event | None"], Awaitable[object]]
 #: ``get_layer(layer_index)``: that layer's prompt KV ``(2, >= prompt_len, kv_heads, head_dim)``.
 GetLayer = Callable[[int], Awaitable[torch.Tensor]]
 
@@ -133,9 +138,10 @@ async def prefill_streaming(
 ) -> PrefillResult:
     """:func:`~tract_async.serving.model.prefill` in a worker thread, storing layers as they come.
 
-    ``put_layer(i, kv_layer)`` is awaited on the loop for each layer in order, overlapping the
-    compute of the following layers; ``kv_layer`` is a new tensor the callee may keep. Returns
-    after the compute and all puts are done.
+    ``put_layer(i, kv_layer, ready)`` is awaited on the loop for each layer in order,
+    overlapping the compute of the following layers; ``kv_layer`` is a new tensor the callee may
+    keep, ``ready`` its CUDA event (``PutLayer``). Returns after the compute and all puts are
+    done.
 
     Raises:
         Whatever :func:`prefill` raises (TokenIdError, KVShapeError, NothingToCompute), and
@@ -143,11 +149,15 @@ async def prefill_streaming(
     """
     loop = asyncio.get_running_loop()
     abort = _Abort()
-    queue: asyncio.Queue[tuple[int, torch.Tensor] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, torch.Tensor, torch.cuda.Event | None] | None] = asyncio.Queue()
 
     def on_layer(layer_index: int, kv_layer: torch.Tensor) -> None:
         abort.check()
-        loop.call_soon_threadsafe(queue.put_nowait, (layer_index, kv_layer))
+        ready = None
+        if kv_layer.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(kv_layer.device))   # this thread's stream
+        loop.call_soon_threadsafe(queue.put_nowait, (layer_index, kv_layer, ready))
 
     def compute() -> PrefillResult:
         try:
