@@ -17,6 +17,7 @@ The table of points x outcomes is printed (``pytest -s``) and kept in the assert
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -129,5 +130,10 @@ async def test_kill_at_every_crash_point(region_path: str) -> None:
             if os.path.exists(p):
                 os.unlink(p)
     table = _table(rows)
+    times = sorted(r["recovery_s"] for r in rows if "recovery_s" in r)
+    if times:   # the README's recovery figure: nearest-rank percentiles over the points
+        p50 = times[max(0, math.ceil(0.50 * len(times)) - 1)]
+        p99 = times[max(0, math.ceil(0.99 * len(times)) - 1)]
+        table += f"\nrecovery after the kill: p50 {p50:.3f} s, p99 {p99:.3f} s over {len(times)} points"
     print("\ncrash points x outcome\n" + table)
     assert all(_ok(r) for r in rows), table
