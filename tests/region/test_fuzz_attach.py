@@ -41,6 +41,8 @@ from tract_async.region import layout as L
 from tract_async.region.index import PrefixIndex
 from tests.support.engine_util import block_matches, cfg, kv_for_keys
 
+pytestmark = pytest.mark.fsck_dirty    # every example leaves a damaged region, on purpose
+
 REGION_BYTES = 8 << 20
 MAX_NODES = 4
 N_BLOCKS = 6
@@ -117,11 +119,12 @@ def base(request: pytest.FixtureRequest) -> Iterator[Base]:
             os.unlink(path)
     yield b
     total = sum(COUNTS.values())
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
     line = (f"fuzz cases: {total} mutated regions attached "
             f"({', '.join(f'{k} {v}' for k, v in sorted(COUNTS.items()))})")
-    if tr is not None:
-        tr.write_line("\n" + line)
+    cap = request.config.pluginmanager.get_plugin("capturemanager")
+    if cap is not None:     # past the capture, so that the figure shows without -s
+        with cap.global_and_fixture_disabled():
+            print("\n" + line)
     else:
         print(line)
 
