@@ -42,16 +42,50 @@ def _warm_numba_cache() -> None:
     procs_lock.increment(K.make_mem(np.frombuffer(page, dtype=np.uint8), "hw"), 64, 0)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """Keep each phase's report on the item, so that fixtures can see whether the test passed."""
+    rep = yield
+    setattr(item, f"_tract_rep_{rep.when}", rep)
+    return rep
+
+
+def _fsck_findings(path: str) -> list[str]:
+    """fsck's problems for the region at ``path``; none for a file that is not an attachable
+    region (tests of bad files make those on purpose; attach's own tests cover them)."""
+    from tract_async.errors import RegionError
+    from tract_async.fsck import run_fsck
+    try:
+        return list(run_fsck(path).problems)
+    except RegionError:
+        return []
+
+
 @pytest.fixture
-def region_path() -> str:
-    """A fresh /dev/shm path; the file (and any sibling with its prefix) is removed afterwards."""
+def region_path(request: pytest.FixtureRequest) -> str:
+    """A fresh /dev/shm path; the file (and any sibling with its prefix) is removed afterwards.
+
+    Before removal, a test that passed gets an fsck of the region it left: a test that mutates
+    a region and leaves a leaked chunk, a lock held by a dead node or an index entry pointing at
+    a freed slot fails here even when its own asserts did not look. Tests that leave damage on
+    purpose (negative controls) carry ``@pytest.mark.fsck_dirty``."""
     path = f"/dev/shm/tract-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     yield path
-    for p in glob.glob(path + "*"):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+    findings: list[str] = []
+    try:
+        call = getattr(request.node, "_tract_rep_call", None)
+        if (call is not None and call.passed and os.path.exists(path)
+                and request.node.get_closest_marker("fsck_dirty") is None):
+            findings = _fsck_findings(path)
+    finally:
+        for p in glob.glob(path + "*"):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+    if findings:
+        pytest.fail("fsck of the region this test left: " + "; ".join(findings)
+                    + " (intended damage? mark the test @pytest.mark.fsck_dirty)", pytrace=False)
 
 
 @pytest.fixture(params=["hw", "sim"])

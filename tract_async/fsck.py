@@ -118,7 +118,10 @@ def check(region: Region, *, liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOU
         K.read_bytes(m, geo.state_off(lk), raw.ctypes.data, 64, S_FSCK_READ)
         st = raw.view(L.LOCK_STATE.dtype)[0]
         holder = int(st["holder"]) - 1
-        if holder >= 0:
+        if holder >= geo.max_nodes:    # a damaged line: no request line to compare with
+            rep.problems.append(f"lock {lk}: holder {holder} is not a node id (max_nodes "
+                                f"{geo.max_nodes}): the lock state line is damaged")
+        elif holder >= 0:
             released = int(K.load_fresh(m, geo.req_off(lk, holder) + 8, S_FSCK_READ)) >= \
                 int(st["holder_req"])
             if released:   # the holder released; a manager has not looked since

@@ -39,6 +39,7 @@ from numba import njit
 import tract_kernels as K
 
 from .. import crashpoints as CP
+from ..errors import RegionCorrupt
 from . import layout as L
 from .region import SectionSpec
 
@@ -183,9 +184,25 @@ def alloc_geometry(region: "Region") -> AllocGeometry:
     rings = region.section(SEC_RINGS)
     tags = region.section(SEC_TAGS)
     chunks = region.section(SEC_CHUNKS)
-    chunk_bytes, min_slot = int(chunks.kind), int(heaps.kind)
+    chunk_bytes, min_slot, ring_entries = int(chunks.kind), int(heaps.kind), int(rings.kind)
+    # the parameters travel in the sections' kind tags (sections_for): words of the region, so
+    # checked like any other before the kernels compute addresses from them (a fuzzed kind of
+    # 0 was a ZeroDivisionError)
+    if (min_slot < L.LINE_BYTES or chunk_bytes < min_slot or chunk_bytes % min_slot
+            or chunk_bytes // min_slot > 65535 or ring_entries < 8 or ring_entries % 8):
+        raise RegionCorrupt(f"{region.path}: allocator parameters chunk_bytes={chunk_bytes}, "
+                            f"min_slot_bytes={min_slot}, ring_entries={ring_entries} (root "
+                            f"directory kind tags) are inconsistent: the root directory is "
+                            f"damaged")
+    mn = region.max_nodes
     bitmap_lines = math.ceil(chunk_bytes // min_slot / 512)
     tag_lines = tag_lines_per_chunk(chunk_bytes, min_slot)
+    pair = (2 + ring_entries // 8) * L.LINE_BYTES
+    if (meta.nbytes < L.LINE_BYTES + mn * L.ALLOC_COUNT.itemsize
+            or rings.nbytes < mn * mn * pair):
+        raise RegionCorrupt(f"{region.path}: allocator sections {SEC_META} ({meta.nbytes} "
+                            f"bytes) or {SEC_RINGS} ({rings.nbytes} bytes) are too small for "
+                            f"{mn} nodes: the root directory is damaged")
     n = min(chunks.nbytes // chunk_bytes, bitmap.nbytes * 8,
             owners.nbytes // L.CHUNK_OWNER.itemsize,
             heaps.nbytes // ((1 + bitmap_lines) * L.LINE_BYTES),
@@ -493,7 +510,9 @@ class ChunkTable:
         epoch = own["owner_epoch"][held].astype(np.int64)
         # the epoch each node id is live with (-1: not live, or beyond the table)
         live_epoch = np.array([-1 if n.dead else n.epoch for n in nodes] + [-1], dtype=np.int64)
-        dead = live_epoch[np.minimum(node, len(nodes))] != epoch
+        # a damaged owner word may name no node (or be negative as int64): it maps to -1 too
+        node_ix = np.where((node < 0) | (node >= len(nodes)), len(nodes), node)
+        dead = live_epoch[node_ix] != epoch
         out: dict[int, set[int]] = {}
         for n, ep in set(zip(node[dead].tolist(), epoch[dead].tolist())):
             out.setdefault(n, set()).add(ep)

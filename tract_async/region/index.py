@@ -58,6 +58,8 @@ from numba import njit
 
 import tract_kernels as K
 
+from ..errors import RegionCorrupt
+
 from . import layout as L
 
 if TYPE_CHECKING:
@@ -745,19 +747,32 @@ class PrefixIndex:
         self.region = region
         sec = region.section(section_name)
         m = region.mem
+        where = f"{region.path}: index section at {sec.offset_bytes}"
+        if sec.nbytes < section_bytes(1):
+            raise RegionCorrupt(f"{where}: {sec.nbytes} bytes, too small for the index header "
+                                f"and one entry: the root directory is damaged")
         hdr = np.zeros(L.INDEX_HEADER.itemsize, dtype=np.uint8)
         K.read_bytes(m, sec.offset_bytes, hdr.ctypes.data, hdr.size, S_IX_READ)
         rec = hdr.view(L.INDEX_HEADER.dtype)[0]
         if int(rec["magic"]) != L.INDEX_MAGIC:
-            raise AssertionError(f"index section at {sec.offset_bytes} has magic "
-                                 f"{int(rec['magic']):#x}, expected {L.INDEX_MAGIC:#x} "
-                                 f"(region created without an index?)")
-        cap = int(rec["capacity"])
-        self.geo = IndexGeometry(header_offset=sec.offset_bytes,
-                                 entries_offset=int(rec["entries_off"]), capacity=cap,
-                                 max_probe=int(rec["max_probe"]))
-        if sec.offset_bytes + section_bytes(cap) > sec.offset_bytes + sec.nbytes:
-            raise AssertionError("index section smaller than its recorded capacity")
+            raise RegionCorrupt(f"{where} has magic {int(rec['magic']):#x}, expected "
+                                f"{L.INDEX_MAGIC:#x} (region created without an index, or the "
+                                f"index header is damaged)")
+        cap, eoff, probe = int(rec["capacity"]), int(rec["entries_off"]), int(rec["max_probe"])
+        # the jitted probes trust these words for every address they compute (slot & mask,
+        # entries_off + slot * ENTRY_BYTES, max_probe iterations): refuse a header that would
+        # send them outside the section instead of reading wild memory
+        if cap < 1 or cap & (cap - 1) or sec.nbytes < section_bytes(cap):
+            raise RegionCorrupt(f"{where}: capacity {cap} is not a power of two that fits the "
+                                f"section's {sec.nbytes} bytes: the index header is damaged")
+        if eoff != sec.offset_bytes + L.PAGE_BYTES:
+            raise RegionCorrupt(f"{where}: entries at {eoff}, expected "
+                                f"{sec.offset_bytes + L.PAGE_BYTES}: the index header is damaged")
+        if not 1 <= probe <= cap:
+            raise RegionCorrupt(f"{where}: probe window {probe} outside 1..{cap}: the index "
+                                f"header is damaged")
+        self.geo = IndexGeometry(header_offset=sec.offset_bytes, entries_offset=eoff,
+                                 capacity=cap, max_probe=probe)
         self.tgeo = tag_geometry(region)
 
     @staticmethod

@@ -16,7 +16,7 @@ import numpy as np
 
 import tract_kernels as K
 
-from ..errors import RootDirectoryFull, RootNameInvalid, RootNameNotFound
+from ..errors import RegionCorrupt, RootDirectoryFull, RootNameInvalid, RootNameNotFound
 from . import layout as L
 from .memview import MemView
 
@@ -75,8 +75,17 @@ class RootDirectory:
         for i in range(self._slots):
             rec = self._read(i)
             if int(rec["state"]) == L.ROOT_READY:
-                out.append(RootEntry(name=bytes(rec["name"]).rstrip(b"\0").decode("utf-8", "replace"),
-                                     offset_bytes=int(rec["offset_bytes"]), nbytes=int(rec["nbytes"]),
+                off, nb = int(rec["offset_bytes"]), int(rec["nbytes"])
+                name = bytes(rec["name"]).rstrip(b"\0").decode("utf-8", "replace")
+                # every section is read through these bounds by jitted kernels that do not check
+                # them again: an entry pointing past the region would be a wild read (a fuzzed
+                # root directory segfaulted PrefixIndex before this check)
+                if off + nb > self._region_bytes or off % L.LINE_BYTES:
+                    raise RegionCorrupt(f"{self._path}: root object {name!r} (slot {i}) at "
+                                        f"[{off}, {off + nb}) lies outside the region "
+                                        f"(0..{self._region_bytes}) or is not line-aligned: the root directory is "
+                                        f"damaged")
+                out.append(RootEntry(name=name, offset_bytes=off, nbytes=nb,
                                      kind=int(rec["kind"]), slot_index=i))
         return out
 

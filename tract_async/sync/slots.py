@@ -132,6 +132,13 @@ def geometry(region) -> LockGeometry:  # noqa: ANN001 (Region; avoids an import 
     mgr = region.section(MANAGER_SECTION)
     n = region.max_nodes
     num_locks = locks.nbytes // ((1 + 2 * n) * L.LINE_BYTES)
+    # the section sizes are region words: a damaged root directory must not make the lock
+    # protocol (or fsck) address lines past its sections
+    if num_locks < 1 or mgr.nbytes < manager_bytes(n):
+        from ..errors import RegionCorrupt
+        raise RegionCorrupt(f"{region.path}: lock sections {LOCKS_SECTION} ({locks.nbytes} bytes) "
+                            f"or {MANAGER_SECTION} ({mgr.nbytes} bytes) are too small for {n} "
+                            f"nodes: the root directory is damaged")
     return LockGeometry(locks.offset_bytes, mgr.offset_bytes, int(num_locks), int(n))
 
 

@@ -32,4 +32,7 @@ class AgentConfig:
     connect_timeout_s: float = 5.0      # longest wait to open a connection to a peer
     transfer_timeout_s: float = 120.0   # default deadline of transfer() and call()
     max_connections_per_peer: int = 8   # pooled keep-alive connections per remote agent
+    max_inflight_per_peer: int = 64     # server side: requests served at once for one authenticated
+                                        # peer; more are refused with 429 (PeerBusy), so that one
+                                        # peer cannot take every handler and buffer of this agent
     staging_buffers: int = 2            # pinned buffers of the CUDA path (each chunk_bytes)

@@ -112,6 +112,11 @@ class NotificationTimeout(TransportError, TimeoutError):
     """No matching notification arrived before the deadline."""
 
 
+class PeerBusy(TransportError):
+    """The remote agent already serves ``max_inflight_per_peer`` requests from this agent (HTTP
+    429): nothing was done; retry after some of this agent's requests to it have finished."""
+
+
 class RemoteError(TransportError):
     """The remote agent failed the request for a reason without a more specific class."""
 
@@ -132,6 +137,7 @@ ERROR_CODES: dict[str, type[TransportError]] = {
     "too_large": RequestTooLarge,
     "version": MetadataVersionMismatch,
     "closed": AgentClosed,
+    "busy": PeerBusy,
     "remote": RemoteError,
 }
 CODE_OF: dict[type[TransportError], str] = {cls: code for code, cls in ERROR_CODES.items()}

@@ -110,7 +110,8 @@ class Agent:
             if not _is_loopback(cfg.host) or (cfg.advertise_host and not _is_loopback(cfg.advertise_host)):
                 raise TransportConfigError(
                     f"unauthenticated mode is only allowed on loopback, not on host {cfg.host!r}")
-        if cfg.chunk_bytes < 4096 or cfg.max_request_bytes < 1 or cfg.max_descs < 1:
+        if (cfg.chunk_bytes < 4096 or cfg.max_request_bytes < 1 or cfg.max_descs < 1
+                or cfg.max_inflight_per_peer < 1):
             raise TransportConfigError("chunk_bytes must be >= 4096, limits must be positive")
         self.name = name
         self.instance = new_instance()   # this incarnation: requests signed for another are refused
@@ -120,6 +121,7 @@ class Agent:
         self.signer = Signer(name, secret)
         self.verifier = Verifier(secret, name=name, instance=self.instance, window_s=cfg.replay_window_s)
         self.stats: Counter[str] = Counter()
+        self.inflight: dict[str, int] = {}   # authenticated peer -> requests being served (server)
         self.closing = False
         self._key_id = key_id(secret)
         self._remotes: dict[str, wire.AgentMetadata] = {}

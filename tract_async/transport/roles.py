@@ -44,6 +44,7 @@ class ServingAgent(AgentCore, Protocol):
 
     instance: str          # requests signed for another incarnation are refused (``auth``)
     verifier: Verifier
+    inflight: dict[str, int]   # authenticated peer -> requests being served (``server._admit``)
 
     def deliver_notif(self, sender: str, msg: bytes) -> None:
         """Queue a notification that arrived (WRITE or standalone) and wake its waiters."""

@@ -35,6 +35,7 @@ from tract_async.transport.errors import (
     CODE_OF,
     AgentClosed,
     MalformedRequest,
+    PeerBusy,
     RemoteError,
     RequestTooLarge,
     TransportError,
@@ -47,11 +48,13 @@ AGENT_KEY: web.AppKey[ServingAgent] = web.AppKey("tract_agent", "ServingAgent") 
 
 DOC_LEN_KEY = web.RequestKey("tract_doc_len", int)    # length of the request's descriptor document
 STARTED_KEY = web.RequestKey("tract_started", bool)   # response bytes are on the wire: abort, don't answer
+ADMITTED_KEY = web.RequestKey("tract_admitted", str)  # the peer whose in-flight slot this request holds
 
 COALESCE_BELOW = 64 << 10     # DRAM spans smaller than this are joined into larger response pieces
 _READ_HEADERS = {"Content-Type": "application/octet-stream"}
 
 _STATUS = {"auth_failed": 401, "replayed": 401, "wrong_recipient": 401, "too_large": 413, "closed": 503,
+           "busy": 429,
            "remote": 500}
 
 
@@ -80,8 +83,41 @@ def guarded(handler: Handler) -> Handler:
             if request.get(STARTED_KEY):
                 raise  # bytes already on the wire: aborting the connection is all that is left
             return error_response(e)
+        finally:
+            _release(request)
 
     return wrapper
+
+
+def _admit(agent: ServingAgent, request: web.Request) -> None:
+    """Take one of the sender's ``max_inflight_per_peer`` slots, or refuse with PeerBusy (429).
+
+    Called right after the signature is verified, so the identity counted is one the secret
+    proves (an unauthenticated client cannot use up another peer's slots), and before any
+    descriptor is checked or byte moved. ``guarded`` gives the slot back when the handler ends
+    (for a streamed READ: after the last byte)."""
+    peer = request.headers.get(H_AGENT, "")
+    n = agent.inflight.get(peer, 0)
+    limit = agent.config.max_inflight_per_peer
+    if n >= limit:
+        agent.stats["requests_busy"] += 1
+        raise PeerBusy(f"agent {agent.name!r} is already serving {n} requests from {peer!r} (the "
+                       f"limit is max_inflight_per_peer={limit}); retry when some have finished")
+    agent.inflight[peer] = n + 1
+    request[ADMITTED_KEY] = peer
+
+
+def _release(request: web.Request) -> None:
+    peer = request.get(ADMITTED_KEY)
+    if peer is None:
+        return
+    del request[ADMITTED_KEY]
+    inflight = request.app[AGENT_KEY].inflight
+    left = inflight.get(peer, 1) - 1
+    if left > 0:
+        inflight[peer] = left
+    else:
+        inflight.pop(peer, None)
 
 
 async def _read_doc(agent: ServingAgent, request: web.Request) -> bytes:
@@ -103,6 +139,7 @@ async def _authenticated_doc(agent: ServingAgent, request: web.Request) -> wire.
     agent.verifier.precheck(request.headers)
     doc = await _read_doc(agent, request)
     agent.verifier.verify(request.method, request.path, request.headers, doc)
+    _admit(agent, request)
     cfg = agent.config
     td = wire.decode_doc(doc, max_descs=cfg.max_descs, max_total_bytes=cfg.max_request_bytes,
                          max_notif_bytes=cfg.max_notif_bytes)
@@ -279,6 +316,7 @@ async def handle_notif(request: web.Request) -> web.StreamResponse:
     agent.verifier.precheck(request.headers)
     body = await _bounded_body(request, agent.config.max_notif_bytes)
     agent.verifier.verify(request.method, request.path, request.headers, body)
+    _admit(agent, request)
     agent.deliver_notif(request.headers.get(H_AGENT, ""), body)
     return web.Response(body=b'{"ok":true}', content_type="application/json")
 
@@ -339,6 +377,7 @@ def json_route(handler: JsonHandler) -> Handler:
         agent.verifier.precheck(request.headers)
         body = await _bounded_body(request, agent.config.max_app_body_bytes)
         agent.verifier.verify(request.method, request.path, request.headers, body)
+        _admit(agent, request)
         try:
             payload = orjson.loads(body) if body else None
         except orjson.JSONDecodeError as e:
