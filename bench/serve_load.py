@@ -1,7 +1,7 @@
 """The load benchmark (``tract bench serve``), writing under ``bench/results/``.
 
     python bench/serve_load.py --size cpu          # the README's CPU run (tiny model, 2 cores)
-    python bench/serve_load.py --size h200         # Llama-3-8B geometry on one GPU
+    python bench/serve_load.py --size h200         # Llama-3-8B geometry on one GPU, at 0.75x http's peak
     python bench/serve_load.py --size smoke --systems http,region-cache
 
 Every option of ``tract bench serve --help``; only the default output folder differs:

@@ -72,9 +72,11 @@ SYSTEMS: tuple[System, ...] = (
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
 #: Sizes: ``smoke`` is the CI run (tiny model, CPU, a few seconds of load per system), ``cpu``
-#: the README's run on a 2-core VM (about three minutes), ``h200`` the paper's axes with
-#: Llama-3-8B geometry on one GPU (about 15 minutes: five racks of two 16 GB workers; the
-#: paper's QPS 3.0 is the top rate). The h200 size has not been run yet.
+#: the README's run on a 2-core VM (about three minutes), ``h200`` the paper's acceptance point
+#: with Llama-3-8B geometry on one GPU: chat and RAG, a closed loop that measures each system's
+#: peak, then an open loop at 0.75x of http's peak (where the paper compares), meant to fit one
+#: 10-minute call (not yet run in this form); ``h200-full`` every workload and three load
+#: points (several calls' worth).
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", dtype=None, workloads="chat", requests=8,
                   input_len="512:4096", length_scale=1 / 16, output_len=4, rates="8",
@@ -89,11 +91,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                 kv_pool_bytes=64 << 20, ttft_slo_ms=250.0, warmup=2, start_timeout=120.0,
                 request_timeout=120.0, budget=1800.0, interleave=False),
     "h200": dict(model="llama3-8b", device="cuda", dtype="bfloat16",
-                 workloads=",".join(WORKLOADS), requests=16, input_len="512:8192",
-                 length_scale=1.0, output_len=64, rates="1,2,3", concurrency="8",
-                 sweep="chat", group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
-                 ttft_slo_ms=2000.0, warmup=2, start_timeout=300.0, request_timeout=600.0,
-                 budget=1800.0, interleave=False),
+                 workloads="chat,rag", requests=12, input_len="512:8192",
+                 length_scale=1.0, output_len=32, rates="0.75x", concurrency="4",
+                 sweep="chat,rag", group_size=4, region_bytes=32 * _GIB, kv_pool_bytes=8 * _GIB,
+                 ttft_slo_ms=2000.0, warmup=2, start_timeout=300.0, request_timeout=300.0,
+                 budget=570.0, interleave=False),
+    # the former h200 axes (every workload, rates 1-3 req/s): ~400 s for http alone on one
+    # H200, whose peak was below 1 req/s there, so those rates only measured queues
+    "h200-full": dict(model="llama3-8b", device="cuda", dtype="bfloat16",
+                      workloads=",".join(WORKLOADS), requests=16, input_len="512:8192",
+                      length_scale=1.0, output_len=64, rates="0.5x,0.75x,0.9x",
+                      concurrency="8", sweep="chat", group_size=4, region_bytes=32 * _GIB,
+                      kv_pool_bytes=8 * _GIB, ttft_slo_ms=2000.0, warmup=2,
+                      start_timeout=300.0, request_timeout=600.0, budget=1800.0,
+                      interleave=False),
 }
 
 
@@ -112,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=None,
                    help="turns per chat, questions per RAG document")
     p.add_argument("--rates", default=None,
-                   help="open-loop Poisson rates (req/s, 'inf' = all at once), comma-separated")
+                   help="open-loop Poisson rates (req/s, 'inf' = all at once), comma-separated; "
+                        "'0.75x' is 0.75 times the peak throughput that --rate-reference "
+                        "measured in its closed loop of the same workload (needs --concurrency)")
+    p.add_argument("--rate-reference", default="http",
+                   help="the system whose closed-loop peak the relative rates ('0.75x') scale")
     p.add_argument("--concurrency", default=None, help="closed-loop client counts, comma-separated")
     p.add_argument("--sweep", default=None,
                    help="workloads that get every rate and client count (the others: the first "
@@ -160,7 +175,9 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.workload_list = _split(args.workloads)
     args.sweep_list = args.workload_list if args.sweep == "all" else _split(args.sweep)
     try:
-        args.rate_list = [float(x) for x in _split(args.rates)]
+        rates = _split(args.rates)
+        args.rate_list = [float(x) for x in rates if not x.endswith("x")]
+        args.rel_rate_list = [float(x[:-1]) for x in rates if x.endswith("x")]
         args.concurrency_list = [int(x) for x in _split(args.concurrency)]
         lo, hi = (int(x) for x in args.input_len.split(":"))
     except ValueError as exc:
@@ -172,10 +189,17 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown system(s) or workload(s) {bad}; systems: {', '.join(SYSTEM_NAMES)}; "
                 f"workloads: {', '.join(WORKLOADS)}")
-    if not args.rate_list and not args.concurrency_list:
+    if not args.rate_list and not args.rel_rate_list and not args.concurrency_list:
         p.error("give at least one --rates or --concurrency value")
-    if any(not r > 0 for r in args.rate_list) or any(c < 1 for c in args.concurrency_list):
+    if (any(not r > 0 for r in args.rate_list + args.rel_rate_list)
+            or any(c < 1 for c in args.concurrency_list)):
         p.error("rates must be > 0 and concurrency >= 1")
+    if args.rel_rate_list and not args.concurrency_list:
+        p.error("relative rates ('0.75x') scale a closed-loop peak: give --concurrency too")
+    if args.rel_rate_list and args.rate_reference not in args.system_list:
+        p.error(f"--rate-reference {args.rate_reference} is not among --systems "
+                f"({', '.join(args.system_list)})")
+    args.peaks = {}          # workload -> the reference's closed-loop peak (req/s), when measured
     return args
 
 
@@ -185,15 +209,39 @@ def _split(text: str) -> list[str]:
 
 def loads(args: argparse.Namespace, kind: str) -> list[tuple[str, float]]:
     """The loads of workload ``kind``: ``("open", rate)`` for every rate, then ``("closed",
-    clients)`` for every client count; a workload outside ``--sweep`` gets only the first."""
-    every = ([("open", r) for r in args.rate_list]
-             + [("closed", float(c)) for c in args.concurrency_list])
-    return every if kind in args.sweep_list else every[:1]
+    clients)`` for every client count; a workload outside ``--sweep`` gets only the first.
+
+    With relative rates (``"0.75x"``), the closed loops come first (they measure the peak the
+    rates scale) and ``("open-rel", fraction)`` follow the absolute rates; a workload outside
+    ``--sweep`` then gets the first closed loop and the first relative rate."""
+    rel = getattr(args, "rel_rate_list", [])
+    if not rel:
+        every = ([("open", r) for r in args.rate_list]
+                 + [("closed", float(c)) for c in args.concurrency_list])
+        return every if kind in args.sweep_list else every[:1]
+    closed = [("closed", float(c)) for c in args.concurrency_list]
+    opened = [("open", r) for r in args.rate_list] + [("open-rel", f) for f in rel]
+    if kind in args.sweep_list:
+        return closed + opened
+    return closed[:1] + [("open-rel", rel[0])]
+
+
+def resolve_rate(args: argparse.Namespace, kind: str, fraction: float) -> tuple[float, str]:
+    """The rate of a relative load: ``fraction`` of the reference system's closed-loop peak of
+    workload ``kind``, and where that peak came from. Raises LookupError when the reference
+    measured none (it failed, or ran after this phase)."""
+    peak = args.peaks.get(kind)
+    if peak is None or not peak > 0:
+        raise LookupError(f"no closed-loop peak of {kind} from {args.rate_reference} to scale "
+                          f"({fraction:g}x); it failed or has not run")
+    return fraction * peak, f"{fraction:g}x {args.rate_reference} peak {peak:.3g} req/s"
 
 
 def load_label(loop: str, value: float) -> str:
     if loop == "open":
         return "all at once" if math.isinf(value) else f"{value:g} req/s"
+    if loop == "open-rel":
+        return f"{value:g}x peak"
     return f"{int(value)} clients"
 
 
@@ -328,14 +376,18 @@ async def run_phase(system: System, rack: Any, step: Step, args: argparse.Namesp
     from tract_async.serving.workloads import build_requests, ideal_hit_rate
     workers = {role: rack.url_of(role) for role in ("prefill", "decode")}
     reqs = build_requests(_spec(args, step.kind, step.phase, args.requests))
+    loop, value, label, scaled = step.loop, step.value, step.label, None
+    if loop == "open-rel":        # a fraction of the reference's peak, measured before
+        value, scaled = resolve_rate(args, step.kind, step.value)
+        loop, label = "open", f"{value:.3g} req/s ({scaled})"
     async with aiohttp.ClientSession() as session:
         before = {r: await _health(session, u) for r, u in workers.items()}
-        sampler.mark(f"{system.name} {step.kind} {step.label}")
-        progress = Progress(f"[{system.name}] {step.kind} @ {step.label}", len(reqs))
+        sampler.mark(f"{system.name} {step.kind} {label}")
+        progress = Progress(f"[{system.name}] {step.kind} @ {label}", len(reqs))
         t0 = time.perf_counter()
         try:
-            if step.loop == "open":
-                at = arrival_times(len(reqs), step.value, seed=args.seed * 1000 + step.phase,
+            if loop == "open":
+                at = arrival_times(len(reqs), value, seed=args.seed * 1000 + step.phase,
                                    burstiness=args.burstiness)
                 recs = await run_open_loop(rack.router_url, reqs, list(at),
                                            timeout_s=args.request_timeout, progress=progress)
@@ -349,9 +401,13 @@ async def run_phase(system: System, rack: Any, step: Step, args: argparse.Namesp
     summary = summarize(recs, ttft_slo_ms=args.ttft_slo_ms)
     summary["ideal_hit_rate"] = ideal_hit_rate(reqs, args.block_tokens)
     summary["wall_s"] = wall
+    if step.loop == "closed" and system.name == args.rate_reference:
+        # the peak the relative rates scale: the best of its closed loops (they run first)
+        args.peaks[step.kind] = max(args.peaks.get(step.kind, 0.0),
+                                    summary.get("throughput_rps") or 0.0)
     entry["phases"].append({
-        "phase": step.phase, "workload": step.kind, "loop": step.loop, "value": step.value,
-        "label": step.label, "summary": summary,
+        "phase": step.phase, "workload": step.kind, "loop": loop, "value": value,
+        "label": label, "summary": summary, "scaled_from": scaled,
         "engine": {r: _engine_delta(before[r], after[r]) for r in workers},
         "records": [r.to_json() for r in recs]})
     write()
@@ -400,6 +456,8 @@ async def run_all(args: argparse.Namespace, report: dict[str, Any],
     write()
     racks = {s.name: make_rack(s, args) for s in chosen if s.mode is not None}
     servable = [s for s in chosen if s.name in racks]
+    if getattr(args, "rel_rate_list", None):   # the reference measures the peak first
+        servable.sort(key=lambda s: s.name != args.rate_reference)
     plan = phase_plan(args)
     try:
         async with asyncio.TaskGroup() as tg:
