@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama3-8b", choices=("llama3-8b", "tiny"),
                    help="tiny: a CPU smoke test of this script")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prefill-device", default=None,
+                   help="the prefill worker's device (default --device); e.g. cuda:0")
+    p.add_argument("--decode-device", default=None,
+                   help="the decode worker's device (default --device); e.g. cuda:1")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--region-gib", type=float, default=4.0,
@@ -91,15 +95,20 @@ async def run(args: argparse.Namespace, report: dict, write) -> None:  # noqa: A
     log_dir = os.path.join(RESULTS_DIR, "serve-gpu-logs")
     rbytes = region_bytes(args.region_gib)
     report["region_bytes"] = rbytes
+    placement = {"prefill": args.prefill_device or args.device,
+                 "decode": args.decode_device or args.device}
+    report["placement"] = placement       # which GPU each worker ran on: every figure says it
     for mode in modes:
         entry: dict = {"status": "started"}
         report["modes"][mode] = entry
         t0 = time.perf_counter()
         try:
-            print(f"[{mode}] starting the rack ({args.model} on {args.device}) ...", flush=True)
+            print(f"[{mode}] starting the rack ({args.model}; prefill on {placement['prefill']}, "
+                  f"decode on {placement['decode']}) ...", flush=True)
             async with Rack(mode=mode, region=f"/dev/shm/tract-serve-gpu-{os.getpid()}-{mode}",
                             log_dir=log_dir, start_timeout_s=args.start_timeout, model=args.model,
                             device=args.device, dtype=args.dtype, seed=args.seed,
+                            role_options={r: {"device": d} for r, d in placement.items()},
                             region_bytes=rbytes, kv_pool_bytes=int(args.kv_pool_gib * GIB),
                             layer_timeout_s=120.0, request_timeout_s=300.0) as rack:
                 entry["start_s"] = time.perf_counter() - t0

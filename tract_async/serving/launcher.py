@@ -106,7 +106,15 @@ class Rack:
     """
 
     def __init__(self, *, mode: str, region: str | None, log_dir: str, start_timeout_s: float = 120.0,
-                 stop_timeout_s: float = 10.0, **options: Any) -> None:
+                 stop_timeout_s: float = 10.0,
+                 role_options: dict[str, dict[str, Any]] | None = None, **options: Any) -> None:
+        """``options`` go to every service's ServiceConfig; ``role_options`` override them for
+        one role, e.g. ``{"prefill": {"device": "cuda:0"}, "decode": {"device": "cuda:1"}}``
+        to put the two workers on separate GPUs."""
+        unknown = set(role_options or ()) - {"prefill", "decode", "router"}
+        if unknown:
+            raise ValueError(f"role_options for unknown roles {sorted(unknown)}")
+        self.role_options = {k: dict(v) for k, v in (role_options or {}).items()}
         self.mode = mode
         self.region = region if mode in REGION_MODES else None
         self.log_dir = log_dir
@@ -118,8 +126,9 @@ class Rack:
         self._stopped = False
 
     def _cfg(self, role: str, **extra: Any) -> ServiceConfig:
+        opts = {**self.options, **self.role_options.get(role, {})}
         return ServiceConfig(role=role, mode=self.mode, region=self.region, die_with_parent=True,
-                             **self.options, **extra)
+                             **opts, **extra)
 
     def _log(self, role: str) -> str:
         return os.path.join(self.log_dir, f"{self.mode}-{role}.log")
