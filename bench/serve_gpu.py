@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if done:
         print(format_table(done))
+        pl = report.get("placement", {})
+        print(f"  placement: prefill on {pl.get('prefill')}, decode on {pl.get('decode')}"
+              + (" (one GPU, time-shared)" if pl.get("prefill") == pl.get("decode") else ""))
         for m, e in report["modes"].items():
             if "layer_timeline" in e:
                 print(f"  {m:<16} {e['layer_timeline']}")
