@@ -7,7 +7,11 @@ report). ``tests/engine/test_soak.py`` runs it for CI (``TRACT_SOAK_S``, default
 ``bench/soak.py`` for an hour, printing operations, kills and wrong bytes.
 
 Workers are node ids 1..``workers``; a killed one is restarted under the same id once its old
-incarnation is judged dead (a liveness timeout later). Block contents are a pure function of
+incarnation is judged dead (a liveness timeout later). Each incarnation reports on a pipe of its
+own: a process killed while writing to a shared ``multiprocessing.Queue`` keeps that queue's
+write lock forever, after which no other worker's report arrives and every worker hangs at exit
+flushing its queue (the soak then stopped counting after ~50 kills, and CI once hit its 600 s
+limit). Block contents are a pure function of
 the key (``block_bytes``), so any process can check any block it reads.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
 import random
 import resource
@@ -58,7 +63,8 @@ def _rss_kib() -> int:
 
 
 def worker(path: str, node_id: int, seed: int, q: Any, stop: Any, liveness_s: float) -> None:
-    """One soak node: random operations until ``stop``; reports counters every second."""
+    """One soak node: random operations until ``stop``; reports counters every second on ``q``
+    (this incarnation's pipe end, or anything with ``send``)."""
     import tract_async as tract
     from tract_async import errors as E
 
@@ -109,16 +115,16 @@ def worker(path: str, node_id: int, seed: int, q: Any, stop: Any, liveness_s: fl
                     c["full"] += 1
                 now = time.monotonic()
                 if now - last >= 1.0:
-                    q.put(("stats", node_id, dict(c), first_rss, _rss_kib()))
+                    q.send(("stats", node_id, dict(c), first_rss, _rss_kib()))
                     last = now
                 await asyncio.sleep(0)
-            q.put(("stats", node_id, dict(c), first_rss, _rss_kib()))
-        q.put(("closed", node_id, None, 0, 0))
+            q.send(("stats", node_id, dict(c), first_rss, _rss_kib()))
+        q.send(("closed", node_id, None, 0, 0))
 
     try:
         tract.run(main())
     except BaseException as e:  # report, don't hang the supervisor
-        q.put(("error", node_id, f"{type(e).__name__}: {e}", 0, 0))
+        q.send(("error", node_id, f"{type(e).__name__}: {e}", 0, 0))
         raise
 
 
@@ -147,34 +153,54 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
             pass
     tract.run(create())
     rnd = random.Random(seed)
-    q, stop = SPAWN.Queue(), SPAWN.Event()
+    stop = SPAWN.Event()
     procs: dict[int, Any] = {}
+    conns: dict[int, Any] = {}          # node -> the read end of its incarnation's pipe
     # per incarnation: the last counters it reported (a killed one's count as they were)
     done: list[dict[str, int]] = []
     latest: dict[int, dict[str, int]] = {}
     res = SoakResult(seconds=seconds, workers=workers)
 
     def start(n: int) -> None:
-        p = SPAWN.Process(target=worker, args=(path, n, rnd.randrange(1 << 30), q, stop,
+        r, w = SPAWN.Pipe(duplex=False)
+        p = SPAWN.Process(target=worker, args=(path, n, rnd.randrange(1 << 30), w, stop,
                                                liveness_s))
         p.start()
-        procs[n] = p
+        w.close()                       # the child holds the write end
+        procs[n], conns[n] = p, r
         latest[n] = {}
+
+    def take(n: int, msg: Any) -> None:
+        kind, _node, data, rss0, rss = msg
+        if kind == "stats":
+            latest[n] = data
+            res.rss_growth_kib[n] = max(res.rss_growth_kib.get(n, 0), rss - rss0)
+        elif kind == "error":
+            res.errors.append(f"node {n}: {data}")
+
+    def read_all(n: int) -> None:
+        """Everything complete on node ``n``'s pipe; the pipe is dropped at its end (EOF, or a
+        message cut short by a kill)."""
+        c = conns.get(n)
+        while c is not None:
+            try:
+                if not c.poll():
+                    return
+                take(n, c.recv())
+            except Exception:  # noqa: BLE001 - EOF, or a message cut short (unpickling fails)
+                c.close()
+                conns.pop(n, None)
+                return
 
     def drain(timeout: float = 0.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            try:
-                kind, n, data, rss0, rss = q.get(timeout=max(0.01, left)) if left > 0 else \
-                    q.get_nowait()
-            except Exception:  # noqa: BLE001 - queue empty
+            ready = mpc.wait(list(conns.values()), timeout=max(0.0, deadline - time.monotonic()))
+            by_conn = {id(c): n for n, c in conns.items()}
+            for c in ready:
+                read_all(by_conn[id(c)])
+            if time.monotonic() >= deadline:
                 return
-            if kind == "stats":
-                latest[n] = data
-                res.rss_growth_kib[n] = max(res.rss_growth_kib.get(n, 0), rss - rss0)
-            elif kind == "error":
-                res.errors.append(f"node {n}: {data}")
 
     for n in range(1, workers + 1):
         start(n)
@@ -196,20 +222,21 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
                 os.kill(procs[n].pid, signal.SIGKILL)
                 procs[n].join(10)
                 res.kills += 1
-                drain(0.05)
+                read_all(n)                 # what it sent before it died, then drop the pipe
+                if n in conns:
+                    conns.pop(n).close()
                 done.append(latest.pop(n, {}))
                 pending_restart[n] = now + liveness_s * 2.5    # its old self must read as dead
             next_kill = now + kill_every_s
         if progress is not None:
             progress(res, latest, now)
     stop.set()
-    # Keep reading the queue while the workers stop: a process that has put on a
-    # multiprocessing queue exits only once its feeder thread has written everything into the
-    # pipe, so joining without draining can wait for nobody (a CI run once hit the 600 s limit
-    # here under load).
+    # Keep reading while the workers stop: a worker blocked on a full pipe would never exit.
     deadline = time.monotonic() + 60
     while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
         drain(0.1)
+    for n in list(conns):
+        read_all(n)
     for n, p in procs.items():
         if p.is_alive():
             p.kill()
