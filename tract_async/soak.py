@@ -128,6 +128,25 @@ def worker(path: str, node_id: int, seed: int, q: Any, stop: Any, liveness_s: fl
         raise
 
 
+class StopFlag:
+    """A stop signal for processes that get killed with -9: one shared byte, no lock.
+
+    ``multiprocessing.Event`` guards its flag with a semaphore. A worker killed inside
+    ``is_set()`` held it forever: every later ``is_set()`` of a restarted worker and the
+    supervisor's ``set()`` then blocked for good (the hour soak stopped making progress after
+    ~350 kills and its supervisor hung in ``set()``, py-spy showed; likely the CI soak's 600 s
+    timeout too). One byte written by one process and read by others needs no lock."""
+
+    def __init__(self) -> None:
+        self._v = SPAWN.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._v.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._v.value)
+
+
 @dataclass(kw_only=True)
 class SoakResult:
     seconds: float
@@ -153,7 +172,7 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
             pass
     tract.run(create())
     rnd = random.Random(seed)
-    stop = SPAWN.Event()
+    stop = StopFlag()
     procs: dict[int, Any] = {}
     conns: dict[int, Any] = {}          # node -> the read end of its incarnation's pipe
     # per incarnation: the last counters it reported (a killed one's count as they were)
