@@ -94,6 +94,38 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+_LEAKS: list[str] = []
+
+
+def _shm_tract_files() -> set[str]:
+    try:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("tract-")}
+    except OSError:
+        return set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Name the test after which a new ``tract-*`` file is in /dev/shm (CI only counted them, so a
+    leak could not be traced). Reported in the summary, not removed or failed here: another
+    pytest session on the machine makes files too; ``.ci/run`` fails on what this one left."""
+    before = _shm_tract_files()
+    try:
+        return (yield)
+    finally:
+        new = sorted(_shm_tract_files() - before)
+        if new:
+            _LEAKS.append(f"{item.nodeid}: {', '.join(new)}")
+
+
+def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
+    if _LEAKS:
+        tr = terminalreporter
+        tr.section("files left in /dev/shm")  # type: ignore[attr-defined]
+        for line in _LEAKS:
+            tr.line(line)  # type: ignore[attr-defined]
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Only this session's files (the pid is in the name): other pytest sessions may be running.
     leftovers = glob.glob(f"/dev/shm/tract-test-{os.getpid()}-*")
