@@ -1,60 +1,87 @@
 """Configuration records: ``KVLayout`` (the KV geometry) and ``EngineConfig`` (everything else).
 
-Keyword-only, frozen, validated in ``__post_init__`` so that a bad field fails at construction
-with a message naming the field (``ConfigError``), never later inside the engine.
+Keyword-only, immutable, validated at construction (``__init__`` / ``__post_init__``) so that a
+bad field fails there with a message naming the field (``ConfigError``), never later inside the
+engine.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
-import torch
-
+from . import arrays
 from .errors import ConfigError, NixlUnavailable
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-           torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
-
-_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPES}
-"""Bytes per element (a table: the geometry properties below sit on hot paths)."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class KVLayout:
     """Geometry of one block of KV cache.
 
     A block holds ``block_tokens`` tokens of every layer. In the region it is stored layer-major:
     for layer l, K then V, each ``(block_tokens, kv_heads, head_dim)`` contiguous, so one layer of
     a block is one contiguous range (what layer streaming needs).
+
+    ``dtype``: a torch dtype or its name ("bfloat16", the default; ``arrays.DTYPE_NAMES``). The
+    layout keeps the name (``dtype_name``); reading ``.dtype`` gives the torch dtype where torch
+    is installed (importing it then), else the name. Why not store the torch dtype: the core runs
+    without torch on numpy arrays (``tract_async.arrays``), and a process that never touches a
+    tensor (a region tool, a spawned worker moving numpy arrays) should not pay torch's ~2 s
+    import just to build a layout.
+
+    Immutable and keyword-only, compared and hashed by its five values (a plain class with
+    slots rather than a dataclass because ``dtype`` is a derived property).
     """
+    __slots__ = ("num_layers", "block_tokens", "kv_heads", "head_dim", "dtype_name", "itemsize")
     num_layers: int
     block_tokens: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype = torch.bfloat16
+    dtype_name: str
+    itemsize: int
 
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "block_tokens", "kv_heads", "head_dim"):
-            v = getattr(self, name)
+    def __init__(self, *, num_layers: int, block_tokens: int, kv_heads: int, head_dim: int,
+                 dtype: Any = "bfloat16") -> None:
+        vals = dict(num_layers=num_layers, block_tokens=block_tokens, kv_heads=kv_heads,
+                    head_dim=head_dim)
+        for name, v in vals.items():
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"KVLayout.{name} must be a positive int, got {v!r}")
-        if self.num_layers > 128:
+        if num_layers > 128:
             raise ConfigError(f"KVLayout.num_layers is at most 128 (per-layer readiness is a "
-                              f"128-bit mask), got {self.num_layers}")
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"KVLayout.dtype must be one of {sorted(_DTYPES.values())}, "
-                              f"got {self.dtype}")
+                              f"128-bit mask), got {num_layers}")
+        name = arrays.dtype_name(dtype)
+        for k, v in vals.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "dtype_name", name)
+        object.__setattr__(self, "itemsize", arrays.ITEMSIZE[name])
 
     @property
-    def dtype_name(self) -> str:
-        return _DTYPES[self.dtype]
+    def dtype(self) -> Any:
+        """The torch dtype where torch is installed, else the dtype's name."""
+        return arrays.layout_dtype(self.dtype_name)
 
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"KVLayout is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"KVLayout is immutable: cannot delete {name!r}")
+
+    def _key(self) -> tuple[int, int, int, int, str]:
+        return (self.num_layers, self.block_tokens, self.kv_heads, self.head_dim, self.dtype_name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVLayout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"KVLayout(num_layers={self.num_layers}, block_tokens={self.block_tokens}, "
+                f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype_name!r})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_layout, self._key())
 
     @property
     def half_layer_bytes(self) -> int:
@@ -77,6 +104,13 @@ class KVLayout:
         if layer is None:
             return (self.num_layers, 2, t, self.kv_heads, self.head_dim)
         return (2, t, self.kv_heads, self.head_dim)
+
+
+def _layout(num_layers: int, block_tokens: int, kv_heads: int, head_dim: int,
+            dtype: str) -> KVLayout:
+    """Unpickle a KVLayout (its ``__reduce__``)."""
+    return KVLayout(num_layers=num_layers, block_tokens=block_tokens, kv_heads=kv_heads,
+                    head_dim=head_dim, dtype=dtype)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,7 +53,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """Raises MissingExtra (before anything starts) without the serve extra."""
     import tract_async as tract
     from .extras import check_installed
-    check_installed(("transformers", "prometheus_client", "matplotlib"), purpose="tract demo")
+    check_installed(("torch", "transformers", "prometheus_client", "matplotlib"), purpose="tract demo")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:

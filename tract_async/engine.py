@@ -23,14 +23,21 @@ from collections import Counter
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
+from . import arrays
 from .stores import plan as kvplan
 from .config import EngineConfig
 from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
 from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionInitializing,
                      RegionInUse, RegionTooSmall, TensorMismatch, TractError)
 from .keys import BlockKey, KeyScheme, Namespace
+
+
+def _device_type(device: Any) -> str:
+    """"cpu" / "cuda" / ... of a device string or torch.device (no torch needed for a string)."""
+    if isinstance(device, str):
+        return device.split(":", 1)[0]
+    return str(getattr(device, "type", device))
 
 
 class Engine(CudaEngineMixin):
@@ -371,10 +378,11 @@ class Engine(CudaEngineMixin):
             raise EngineClosed(f"the engine stopped: {self._failure}") from self._failure
 
     # -- the API ------------------------------------------------------------------------------
-    def block_keys(self, token_ids: Sequence[int] | torch.Tensor, *,
+    def block_keys(self, token_ids: Sequence[int] | Any, *,
                    extra_keys: Sequence[Any] | None = None) -> list[BlockKey]:
-        """One key per full block of ``token_ids``, equal on every node (see ``keys``)."""
-        if isinstance(token_ids, torch.Tensor):
+        """One key per full block of ``token_ids`` (ints, a torch tensor or a numpy array),
+        equal on every node (see ``keys``)."""
+        if arrays.is_array(token_ids):
             token_ids = token_ids.reshape(-1).tolist()
         return self.keys.chain(token_ids, self.layout.block_tokens, extra_keys=extra_keys)
 
@@ -383,12 +391,14 @@ class Engine(CudaEngineMixin):
         self._check_open()
         return self._xfer.lookup(kvplan.check_keys(keys))
 
-    async def put_kv(self, keys: Sequence[bytes], kv: torch.Tensor, *, layer: int | None = None,
+    async def put_kv(self, keys: Sequence[bytes], kv: Any, *, layer: int | None = None,
                      timeout: float | None = None) -> int:
         """Store the KV of ``keys`` (blocks already present are skipped); returns blocks written.
 
         ``kv``: ``(num_layers, 2, n*block_tokens, kv_heads, head_dim)``, or with ``layer=i``
-        ``(2, n*block_tokens, kv_heads, head_dim)``; dtype from the layout. The first put of a key
+        ``(2, n*block_tokens, kv_heads, head_dim)``; dtype from the layout. A torch tensor (CPU or
+        CUDA), or a numpy array of the layout's storage dtype (``tract_async.arrays``: the core
+        runs without torch). The first put of a key
         reserves its block; later layers fill it; other nodes see each layer as it lands.
         Raises TensorMismatch, KeyMismatch, RegionFull, TransferTimeout (lock), EngineClosed.
         """
@@ -398,7 +408,7 @@ class Engine(CudaEngineMixin):
         # a network store whose pool is in GPU memory takes CUDA tensors as they are; otherwise
         # CUDA tensors take the CUDA hook (region DMA, or host staging on a network store)
         gpu_pool = self._region is None and getattr(self._xfer, "takes_cuda", False)
-        if isinstance(kv, torch.Tensor) and kv.is_cuda and not gpu_pool:  # CUDA hook (cuda.api)
+        if arrays.is_cuda(kv) and not gpu_pool:  # CUDA hook (cuda.api)
             return await self._put_kv_cuda(ks, kv, layer, timeout)
         kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv", allow_cuda=gpu_pool)
         if not ks:
@@ -406,10 +416,13 @@ class Engine(CudaEngineMixin):
         return await self._xfer.put(ks, kv, layer, timeout if timeout is not None
                                      else max(5.0, 4 * self.cfg.liveness_timeout_s))
 
-    async def get_kv(self, keys: Sequence[bytes], *, out: torch.Tensor | None = None,
+    async def get_kv(self, keys: Sequence[bytes], *, out: Any = None,
                      layer: int | None = None, timeout: float | None = None,
-                     device: str | torch.device | None = None) -> torch.Tensor:
+                     device: Any = None) -> Any:
         """Read the KV of ``keys`` into ``out`` (or a new tensor) and return it.
+
+        A new array is a torch tensor where torch is installed, else a numpy array of the
+        layout's storage dtype; ``out`` may be either (``tract_async.arrays``).
 
         With ``timeout`` it waits that long for blocks (or the layer) still being produced.
         Raises BlockNotFound, LayerNotReady (no timeout), TransferTimeout, BlockEvicted (the
@@ -419,18 +432,17 @@ class Engine(CudaEngineMixin):
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
         gpu_pool = self._region is None and getattr(self._xfer, "takes_cuda", False)
-        if not gpu_pool and (out.is_cuda if isinstance(out, torch.Tensor) else  # CUDA hook
-                             device is not None and torch.device(device).type == "cuda"):
-            return await self._get_kv_cuda(ks, out, layer, timeout, device)
-        if device is not None and torch.device(device).type not in (
-                ("cpu", "cuda") if gpu_pool else ("cpu",)):
+        dev = None if device is None else _device_type(device)
+        if not gpu_pool and (arrays.is_cuda(out) if out is not None else dev == "cuda"):
+            return await self._get_kv_cuda(ks, out, layer, timeout, device)  # CUDA hook
+        if dev is not None and dev not in (("cpu", "cuda") if gpu_pool else ("cpu",)):
             raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
         if out is None:
-            out = torch.empty(self.layout.kv_shape(len(ks), layer), dtype=self.layout.dtype,
-                              device=device if gpu_pool and device is not None else "cpu")
+            out = arrays.empty(self.layout.kv_shape(len(ks), layer), self.layout.dtype_name,
+                               device=device if gpu_pool and device is not None else None)
         else:
             kvplan.check_tensor(out, self.layout, len(ks), layer, what="out", allow_cuda=gpu_pool)
-            if not out.is_contiguous():
+            if not arrays.is_contiguous(out):
                 raise kvplan.TensorMismatch("out must be contiguous")
         if not ks:
             return out

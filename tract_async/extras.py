@@ -1,10 +1,12 @@
 """Optional dependencies: what the core install leaves out, and the error that names the extra.
 
-The core library (region, lock, allocator, index, engine, HTTP transport) needs torch, numpy,
-Numba, aiohttp, orjson, cbor2 and uvloop. The serving stack and ``tract demo`` also need
-transformers (the Llama model), prometheus-client (``/metrics``) and matplotlib (the TTFT plot);
-NVML telemetry needs nvidia-ml-py. Those live in the ``serve`` extra, because transformers and
-matplotlib with their own dependencies roughly double an install that only moves KV blocks.
+The core library (region, lock, allocator, index, engine over a region, HTTP transport) needs
+numpy, Numba, aiohttp, orjson, cbor2 and uvloop; torch is optional there (``arrays.py``: numpy
+arrays without it, and ``arrays.require_torch`` names its install where it is needed). The
+serving stack and ``tract demo`` also need torch, transformers (the Llama model),
+prometheus-client (``/metrics``) and matplotlib (the TTFT plot); NVML telemetry needs
+nvidia-ml-py. Those live in the ``serve`` extra, because they are several times the size of an
+install that only moves KV blocks.
 Every import of them goes through :func:`require` (or sits inside the code path that needs it),
 so a core install imports and runs without them, and the serving paths fail with
 :class:`~tract_async.errors.MissingExtra` naming the extra instead of a bare ``ModuleNotFoundError``.
@@ -22,6 +24,7 @@ EXTRA = "serve"
 """The extra that brings every optional dependency below."""
 
 DISTRIBUTIONS: dict[str, str] = {
+    "torch": "torch",
     "transformers": "transformers",
     "prometheus_client": "prometheus-client",
     "matplotlib": "matplotlib",

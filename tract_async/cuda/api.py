@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Sequence
 
+from ..arrays import require_torch
 from ..stores import plan as kvplan
 from ..errors import TensorMismatch
 
@@ -114,7 +115,7 @@ class CudaEngineMixin:
         """Wait for the blocks (``timeout``), enqueue the read into ``out`` (or a new tensor on
         ``device``); returns the StreamFuture (result: the tensor, validated).
         Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted, TensorMismatch."""
-        import torch
+        torch = require_torch("a CUDA get (device='cuda')")
 
         from . import store as cs
         self._check_open()  # type: ignore[attr-defined]
@@ -154,7 +155,7 @@ class CudaEngineMixin:
             fut = await self.start_get_kv(ks, out=out, layer=layer, timeout=timeout,
                                           device=device)
             return await cs.finish_get(self._store, self._cuda, ks, fut, layer)  # type: ignore[attr-defined]
-        import torch
+        torch = require_torch("a CUDA get (device='cuda')")
         if out is None:
             out = torch.empty(self.layout.kv_shape(len(ks), layer),  # type: ignore[attr-defined]
                               dtype=self.layout.dtype,  # type: ignore[attr-defined]

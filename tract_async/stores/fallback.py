@@ -20,8 +20,8 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-import torch
 
+from .. import arrays
 from . import waits
 from ..errors import RegionFull, TransferTimeout
 from .http import HttpStore
@@ -53,7 +53,7 @@ class FallbackStore:
         return n
 
     # -- put ----------------------------------------------------------------------------------
-    async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+    async def put(self, keys: list[bytes], kv: Any, layer: int | None,
                   timeout: float | None) -> int:
         if any(k in self._spilled for k in keys):
             self.fallbacks["region_full"] += 1
@@ -68,7 +68,7 @@ class FallbackStore:
             await self.http.put(keys, kv, layer, timeout)
         return n
 
-    async def _spill(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+    async def _spill(self, keys: list[bytes], kv: Any, layer: int | None,
                      timeout: float | None) -> int:
         n = await self.http.put(keys, kv, layer, timeout)
         for k in keys:
@@ -84,8 +84,8 @@ class FallbackStore:
         reg = self._in_region(keys)
         return ["r" if reg[i] else "h" if self.http.has(k) else None for i, k in enumerate(keys)]
 
-    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                  timeout: float | None) -> torch.Tensor:
+    async def get(self, keys: list[bytes], out: Any, layer: int | None,
+                  timeout: float | None) -> Any:
         loop = asyncio.get_running_loop()
         end = loop.time() + (timeout or 0.0)
         src = self._classify(keys)
@@ -105,7 +105,7 @@ class FallbackStore:
             if len(runs) == 1:
                 await store.get(keys, out, layer, left)
             else:
-                tmp = torch.empty(self.layout.kv_shape(b - a, layer), dtype=self.layout.dtype)
+                tmp = arrays.empty(self.layout.kv_shape(b - a, layer), self.layout.dtype_name)
                 await store.get(keys[a:b], tmp, layer, left)
                 if layer is None:
                     out[:, :, a * T:b * T] = tmp

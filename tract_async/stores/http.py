@@ -40,8 +40,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import torch
-
+from ..arrays import require_torch
 from ..config import EngineConfig
 from ..errors import BlockEvicted, BlockNotFound, LayerNotReady, TractError, TransferTimeout
 from .directory import (Directory, Held, evict_op, ops_list, parse_key, parse_ops,
@@ -51,6 +50,8 @@ from .stats import TransferStats
 from ..transport import errors as TE
 from ..transport.descs import XferDescList
 from ..transport.http import Agent
+
+torch = require_torch("the network store (peers=..., the HTTP fallback)")
 
 POOL_NAME = "tract-kv-pool"
 ROUTE_HELLO = "/tract-kv/v1/hello"

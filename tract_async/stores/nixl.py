@@ -40,14 +40,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import torch
-
+from ..arrays import require_torch
 from ..config import EngineConfig
 from .directory import ops_list, parse_ops
 from .http import POOL_NAME, HttpStats, HttpStore
 from ..transport import errors as TE
 from ..transport.descs import RegionInfo
 from ..transport.nixl_agent import NixlAgent
+
+torch = require_torch('transport="nixl"')
 
 NOTIF_LAYERS = b"tract-kv1 L"     # prefix of a layer-readiness notification (then orjson ops)
 MAX_NOTIF_OPS = 1024              # larger puts are announced over HTTP only

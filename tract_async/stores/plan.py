@@ -13,8 +13,8 @@ import functools
 from typing import Sequence
 
 import numpy as np
-import torch
 
+from .. import arrays
 from ..config import KVLayout
 from ..errors import KeyMismatch, TensorMismatch
 from ..keys import KEY_BYTES
@@ -40,21 +40,27 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
-def check_tensor(t: torch.Tensor, layout: KVLayout, num_blocks: int, layer: int | None, *,
+def check_tensor(t: object, layout: KVLayout, num_blocks: int, layer: int | None, *,
                  what: str, allow_cuda: bool = False) -> None:
-    """Raise TensorMismatch unless ``t`` has the layout's dtype and the put/get shape."""
-    if not isinstance(t, torch.Tensor):
-        raise TensorMismatch(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    """Raise TensorMismatch unless ``t`` (a torch tensor or a numpy array) has the layout's
+    dtype and the put/get shape."""
+    if not arrays.is_array(t):
+        raise TensorMismatch(f"{what} must be a torch.Tensor or a numpy array, got "
+                             f"{type(t).__name__}")
     want = layout.kv_shape(num_blocks, layer)
     if tuple(t.shape) != want:
         form = "all layers (num_layers, 2, tokens, kv_heads, head_dim)" if layer is None else \
             "one layer (2, tokens, kv_heads, head_dim)"
         raise TensorMismatch(f"{what} has shape {tuple(t.shape)}, expected {want} for {num_blocks} "
                              f"blocks of {layout.block_tokens} tokens, {form}")
-    if t.dtype != layout.dtype:
-        raise TensorMismatch(f"{what} has dtype {t.dtype}, the layout says {layout.dtype}")
-    if t.device.type != "cpu" and not (allow_cuda and t.device.type == "cuda"):
-        raise TensorMismatch(f"{what} is on {t.device}; this path takes CPU tensors"
+    if not arrays.array_dtype_ok(t, layout.dtype_name):
+        store = "" if arrays.is_tensor(t) else \
+            f" (as numpy: {arrays.NUMPY_STORAGE[layout.dtype_name]}, which holds its bits)"
+        raise TensorMismatch(f"{what} has dtype {arrays.array_dtype_str(t)}, the layout says "
+                             f"{layout.dtype_name}{store}")
+    dev = arrays.device_type(t)
+    if dev != "cpu" and not (allow_cuda and dev == "cuda"):
+        raise TensorMismatch(f"{what} is on {t.device}; this path takes CPU tensors"  # type: ignore[attr-defined]
                              + ("" if allow_cuda else " (CUDA tensors need a CUDA build)"))
 
 

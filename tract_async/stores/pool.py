@@ -23,10 +23,11 @@ import dataclasses
 import time
 from collections import OrderedDict
 
-import torch
-
+from ..arrays import require_torch
 from ..config import KVLayout
 from ..errors import RegionFull
+
+torch = require_torch("the network store's block pool")
 
 
 @dataclasses.dataclass

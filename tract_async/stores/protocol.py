@@ -4,13 +4,15 @@
 agent) and ``FallbackStore`` (region first, network per transfer) implement it, so a CUDA
 transfer takes the same path as a CPU one, including the fallback when the region is full.
 Arguments are checked by the Engine before a store sees them (``stores/plan.py``): ``keys`` are
-32-byte block keys, ``kv``/``out`` tensors of the layout's shape and dtype, CPU or CUDA.
+32-byte block keys, ``kv``/``out`` arrays of the layout's shape and dtype: torch tensors (CPU or
+CUDA) or numpy arrays (``tract_async.arrays``; the network stores need torch).
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-import torch
+KVArray = Any
+"""A torch tensor or a numpy array (``tract_async.arrays``)."""
 
 
 @runtime_checkable
@@ -21,14 +23,14 @@ class Store(Protocol):
         """Leading keys resident and complete; never blocks."""
         ...
 
-    async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+    async def put(self, keys: list[bytes], kv: KVArray, layer: int | None,
                   timeout: float | None) -> int:
         """Store the blocks not yet present (one layer, or all); returns how many were written.
         Raises RegionFull (nothing stored), TransferTimeout."""
         ...
 
-    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                  timeout: float | None) -> torch.Tensor:
+    async def get(self, keys: list[bytes], out: KVArray, layer: int | None,
+                  timeout: float | None) -> KVArray:
         """Read the blocks into ``out`` (waiting up to ``timeout`` for them); returns ``out``.
         Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted."""
         ...

@@ -48,14 +48,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import os
+import sys
 import time
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 import tract_kernels as K
 
+from .. import arrays
 from ..config import EngineConfig
 from ..gcpause import PAUSE_MIN_BLOCKS, gc_paused
 from ..keys import keys_to_words
@@ -296,21 +297,21 @@ class RegionStore:
             raise AssertionError("region store: the copying thread stopped before its rows")
 
     # -- put ----------------------------------------------------------------------------------
-    async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+    async def put(self, keys: list[bytes], kv: Any, layer: int | None,
                   timeout: float | None) -> int:
         """Store blocks not yet present; returns how many this call stored (or filled).
         Raises RegionFull (nothing stored), TransferTimeout, NodeEvicted."""
-        if kv.is_cuda:
+        if arrays.is_cuda(kv):
             return await self._put_cuda(keys, kv, layer, timeout)
         if len(keys) < PAUSE_MIN_BLOCKS:     # skip the context manager (~1 µs) when it is a no-op
             return await self._put(keys, kv, layer, timeout)
         with gc_paused(len(keys)):
             return await self._put(keys, kv, layer, timeout)
 
-    async def _put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+    async def _put(self, keys: list[bytes], kv: Any, layer: int | None,
                    timeout: float | None) -> int:
         b, ph = self.blocks, self.phases
-        kv = kv.contiguous()
+        kv = arrays.contiguous(kv)
         words = keys_to_words(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
         snap = b.snapshot(words)
@@ -329,7 +330,7 @@ class RegionStore:
         plan = kvplan.plan(self.layout, poffs, np.array(todo), len(keys), layer)
         nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
         try:
-            await self.copy_in(plan, kv.data_ptr(), nbytes)
+            await self.copy_in(plan, arrays.data_ptr(kv), nbytes)
         except BaseException:
             await b.abandon([keys[i] for i in todo])
             raise
@@ -339,7 +340,7 @@ class RegionStore:
             ph.add("publish", t0)
         return done
 
-    async def _put_cuda(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
+    async def _put_cuda(self, keys: list[bytes], kv: Any, layer: int | None,
                         timeout: float | None) -> int:
         from ..cuda import store as cs
         if self._cuda_path is None:
@@ -352,19 +353,19 @@ class RegionStore:
         return await cs.finish_put(self, cpath, keys, fut)
 
     # -- get ----------------------------------------------------------------------------------
-    async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                  timeout: float | None) -> torch.Tensor:
+    async def get(self, keys: list[bytes], out: Any, layer: int | None,
+                  timeout: float | None) -> Any:
         """Read ``keys`` into ``out`` (CPU or CUDA). Raises BlockNotFound, LayerNotReady,
         TransferTimeout, BlockEvicted."""
-        if out.is_cuda:
+        if arrays.is_cuda(out):
             return await self._get_cuda(keys, out, layer, timeout)
         if len(keys) < PAUSE_MIN_BLOCKS:     # as in put
             return await self._get(keys, out, layer, timeout)
         with gc_paused(len(keys)):
             return await self._get(keys, out, layer, timeout)
 
-    async def _get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                   timeout: float | None) -> torch.Tensor:
+    async def _get(self, keys: list[bytes], out: Any, layer: int | None,
+                   timeout: float | None) -> Any:
         b, ph = self.blocks, self.phases
         n = len(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
@@ -375,7 +376,7 @@ class RegionStore:
             await b.pause_after_snapshot()
         plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
         nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
-        await self.copy_out(plan, out.data_ptr(), nbytes)
+        await self.copy_out(plan, arrays.data_ptr(out), nbytes)
         t0 = time.perf_counter_ns() if ph is not None else 0
         b.validate_read(keys, words, snap, nbytes)
         if ph is not None:
@@ -383,8 +384,8 @@ class RegionStore:
         await b.consume(keys, words, snap, layer)
         return out
 
-    async def _get_cuda(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
-                        timeout: float | None) -> torch.Tensor:
+    async def _get_cuda(self, keys: list[bytes], out: Any, layer: int | None,
+                        timeout: float | None) -> Any:
         from ..cuda import store as cs
         if self._cuda_path is None:
             raise AssertionError("region store: a CUDA tensor reached a store built without "
@@ -392,7 +393,8 @@ class RegionStore:
         cpath = self._cuda_path()
         fut = await cs.start_get(self, cpath, keys, [out],
                                  cs.contiguous_plan_fn(self.layout, len(keys), layer), layer,
-                                 timeout, result=out, after=torch.cuda.current_stream(out.device))
+                                 timeout, result=out,
+                                 after=sys.modules["torch"].cuda.current_stream(out.device))
         return await cs.finish_get(self, cpath, keys, fut, layer)
 
     # -- maintenance --------------------------------------------------------------------------
