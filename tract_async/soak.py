@@ -12,7 +12,8 @@ own: a process killed while writing to a shared ``multiprocessing.Queue`` keeps 
 write lock forever, after which no other worker's report arrives and every worker hangs at exit
 flushing its queue (the soak then stopped counting after ~50 kills, and CI once hit its 600 s
 limit). Block contents are a pure function of
-the key (``block_bytes``), so any process can check any block it reads.
+the key (``kv_of``), so any process can check any block it reads. Workers move numpy arrays and
+never import torch (a restarted worker would pay ~2 s of CPU for it on a 2-core VM).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 SPAWN = mp.get_context("spawn")
 
@@ -37,7 +37,7 @@ SPAWN = mp.get_context("spawn")
 def layout() -> Any:
     import tract_async as tract
     return tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=32,
-                          dtype=torch.float32)
+                          dtype="float32")
 
 
 def config(path: str, node_id: int, *, create: bool = False, liveness_s: float = 1.0) -> Any:
@@ -48,14 +48,14 @@ def config(path: str, node_id: int, *, create: bool = False, liveness_s: float =
                               chunk_bytes=256 << 10)
 
 
-def kv_of(keys: list[bytes], lay: Any) -> torch.Tensor:
-    """KV whose every block is a pure function of its key."""
+def kv_of(keys: list[bytes], lay: Any) -> np.ndarray:
+    """KV whose every block is a pure function of its key (float32, a numpy array)."""
     out = []
     for k in keys:
         g = np.random.default_rng(int.from_bytes(hashlib.sha256(k).digest()[:8], "little"))
-        out.append(torch.from_numpy(g.standard_normal(
-            (lay.num_layers, 2, lay.block_tokens, lay.kv_heads, lay.head_dim)).astype(np.float32)))
-    return torch.cat(out, dim=2)
+        out.append(g.standard_normal(
+            (lay.num_layers, 2, lay.block_tokens, lay.kv_heads, lay.head_dim)).astype(np.float32))
+    return np.concatenate(out, axis=2)
 
 
 def _rss_kib() -> int:
@@ -90,21 +90,23 @@ def worker(path: str, node_id: int, seed: int, q: Any, stop: Any, liveness_s: fl
                     elif op < 0.45:
                         kv = kv_of(keys, lay)
                         for layer in range(lay.num_layers):
-                            await eng.put_kv(keys, kv[layer].contiguous(), layer=layer,
+                            await eng.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer,
                                              timeout=10)
                         c["layer_puts"] += 1
                     elif op < 0.85:
                         c["gets"] += 1
                         try:
-                            got = await eng.get_kv(keys, timeout=0.05 if op < 0.5 else None)
+                            got = await eng.get_kv(keys, timeout=0.05 if op < 0.5 else None,
+                                                   out=np.empty(lay.kv_shape(len(keys)),
+                                                                dtype=np.float32))
                         except (E.BlockNotFound, E.BlockEvicted, E.LayerNotReady,
                                 E.TransferTimeout):
                             c["misses"] += 1
                         else:
                             want = kv_of(keys, lay)
                             for j in range(len(keys)):
-                                ok = torch.equal(got[:, :, j * T:(j + 1) * T],
-                                                 want[:, :, j * T:(j + 1) * T])
+                                ok = np.array_equal(got[:, :, j * T:(j + 1) * T],
+                                                    want[:, :, j * T:(j + 1) * T])
                                 c["exact" if ok else "wrong"] += 1
                     elif op < 0.95:
                         eng.lookup(keys)

@@ -1,4 +1,7 @@
-"""Worker processes for the cross-process engine tests (spawned; importable)."""
+"""Worker processes for the cross-process engine tests (spawned; importable).
+
+They move numpy arrays and never import torch (``engine_util`` says why: ~2 s of CPU per spawn).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,11 +9,11 @@ import os
 import random
 import time
 
-import torch
+import numpy as np
 
 import tract_async as tract
 from tract_async import errors as E
-from tests.support.engine_util import TINY, block_matches, cfg
+from tests.support.engine_util import TINY, block_matches, cfg, np_out
 from tract_async.keys import keys_to_words
 
 
@@ -20,12 +23,13 @@ def consumer(path: str, backend: str, node_id: int, token_ids: list[int], q_out,
         async with tract.Engine.open(cfg(path, node_id, backend=backend)) as eng:
             keys = eng.block_keys(token_ids)
             q_out.put(("ready", len(keys), 0))
-            got = await eng.get_kv(keys, timeout=60.0)          # produced after we started waiting
+            got = await eng.get_kv(keys, timeout=60.0, out=np_out(keys))  # produced later
             q_out.put(("all-layers", sum(block_matches(keys, got)), eng.lookup(keys)))
             keys2 = eng.block_keys([t + 7 for t in token_ids])
             for layer in range(TINY.num_layers):
                 # the producer writes layer `layer` only after it hears we are waiting for it
-                waiting = asyncio.create_task(eng.get_kv(keys2, layer=layer, timeout=60.0))
+                waiting = asyncio.create_task(eng.get_kv(keys2, layer=layer, timeout=60.0,
+                                                         out=np_out(keys2, layer=layer)))
                 await asyncio.sleep(0)
                 q_out.put(("waiting", layer, eng.lookup(keys2)))
                 got = await waiting
@@ -58,7 +62,7 @@ def stress_worker(path: str, backend: str, node_id: int, seconds: float, univers
                 keys = prompts[rnd.randrange(universe)]
                 if rnd.random() < 0.6 and eng.lookup(keys) < len(keys):
                     try:
-                        await eng.put_kv(keys, kv_for_keys(keys))
+                        await eng.put_kv(keys, kv_for_keys(keys, as_numpy=True))
                         res["puts"] += 1
                     except E.RegionFull:
                         res["full"] += 1
@@ -66,7 +70,7 @@ def stress_worker(path: str, backend: str, node_id: int, seconds: float, univers
                         res["full"] += 1
                     continue
                 try:
-                    got = await eng.get_kv(keys)
+                    got = await eng.get_kv(keys, out=np_out(keys))
                 except (E.BlockNotFound, E.BlockEvicted, E.LayerNotReady):
                     res["misses"] += 1
                     continue
@@ -104,7 +108,7 @@ def put_then_hang(path: str, backend: str, node_id: int, token_ids: list[int], c
         async with tract.Engine.open(c) as eng:
             keys = eng.block_keys(token_ids)
             from tests.support.engine_util import kv_for_keys
-            await eng.put_kv(keys, kv_for_keys(keys))
+            await eng.put_kv(keys, kv_for_keys(keys, as_numpy=True))
             q_out.put(("stored", node_id, eng.lookup(keys)))
             await asyncio.sleep(600)
     tract.run(main())
@@ -127,7 +131,7 @@ def reader_worker(path: str, backend: str, node_id: int, universe: int, seed: in
                 words = keys_to_words(keys)
                 snap0 = eng._store.index.snapshot(words)
                 try:
-                    got = await eng.get_kv(keys)
+                    got = await eng.get_kv(keys, out=np_out(keys))
                 except E.BlockEvicted:
                     res["misses"] += 1
                     snap1 = eng._store.index.snapshot(words)
@@ -184,22 +188,24 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
         async with tract.Engine.open(cfg(path, 0, region_bytes=8 << 20, chunk_bytes=256 << 10)
                                      ) as eng:
             before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * 8))
-            await eng.put_kv(before, kv_for_keys(before))
+            await eng.put_kv(before, kv_for_keys(before, as_numpy=True))
             CP.arm()
             q_out.put(("before", 0, len(before)))
             assert await loop.run_in_executor(None, q_in.get) == "go"
             for r in range(200):
                 keys = eng.block_keys(range(r * 100_000, r * 100_000 + 16 * 4))
-                kv = kv_for_keys(keys)
+                kv = kv_for_keys(keys, as_numpy=True)
                 if r % 3 == 1:                          # layer by layer
                     for layer in range(kv.shape[0]):
-                        await eng.put_kv(keys, kv[layer].contiguous(), layer=layer, timeout=10)
+                        await eng.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer,
+                                         timeout=10)
                 else:
                     await eng.put_kv(keys, kv, timeout=10)
                 if r % 5 == 2:                          # a large put cancelled mid-copy
                     big = eng.block_keys(range(50_000_000 + r * 10_000,
                                                50_000_000 + r * 10_000 + 16 * 48))
-                    t = asyncio.create_task(eng.put_kv(big, kv_for_keys(big), timeout=10))
+                    t = asyncio.create_task(eng.put_kv(big, kv_for_keys(big, as_numpy=True),
+                                                       timeout=10))
                     for _ in range(10_000):
                         if eng._store.blocks.in_flight or t.done():
                             break
@@ -214,7 +220,3 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
     except BaseException as e:  # report, don't hang the parent
         q_out.put(("error", 0, f"{type(e).__name__}: {e}"))
         raise
-
-
-def _unused() -> torch.Tensor:  # keep torch import used for type checkers
-    return torch.empty(0)
