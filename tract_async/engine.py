@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import dataclasses
 import time
@@ -27,7 +28,7 @@ import numpy as np
 from . import arrays
 from .stores import plan as kvplan
 from .config import EngineConfig
-from .cuda.api import CudaEngineMixin  # CUDA hook: the CUDA methods live in tract_async.cuda
+from .cuda.api import CudaOps  # the CUDA methods live in tract_async.cuda (composition)
 from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionInitializing,
                      RegionInUse, RegionTooSmall, TensorMismatch, TractError)
 from .keys import BlockKey, KeyScheme, Namespace
@@ -40,7 +41,20 @@ def _device_type(device: Any) -> str:
     return str(getattr(device, "type", device))
 
 
-class Engine(CudaEngineMixin):
+def _cuda_method(name: str) -> Any:
+    """An Engine method that delegates to ``CudaOps.<name>``, with its signature and docstring
+    (``inspect.signature`` and ``help`` show the real ones through ``__wrapped__``)."""
+    impl = getattr(CudaOps, name)
+    if asyncio.iscoroutinefunction(impl):
+        async def method(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+            return await getattr(self._cuda_ops, name)(*args, **kwargs)
+    else:
+        def method(self: "Engine", *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            return getattr(self._cuda_ops, name)(*args, **kwargs)
+    return functools.wraps(impl)(method)
+
+
+class Engine:
     """One node's handle on the rack: see the module docstring. Build with ``Engine.open``."""
 
     def __init__(self, cfg: EngineConfig) -> None:
@@ -72,6 +86,18 @@ class Engine(CudaEngineMixin):
         self._opened_at = 0.0
         self._hb_thread: threading.Thread | None = None
         self._hb_stop_word = np.zeros(1, dtype=np.uint64)   # non-zero: the heartbeat stops
+        self._cuda_ops = CudaOps(self)                      # CUDA tensors, paged pools, NVML
+
+    # the CUDA API (tract_async/cuda/api.py: signatures and docstrings there)
+    cuda_setup = _cuda_method("cuda_setup")
+    start_put_kv = _cuda_method("start_put_kv")
+    start_get_kv = _cuda_method("start_get_kv")
+    start_put_kv_paged = _cuda_method("start_put_kv_paged")
+    put_kv_paged = _cuda_method("put_kv_paged")
+    start_get_kv_paged = _cuda_method("start_get_kv_paged")
+    get_kv_paged = _cuda_method("get_kv_paged")
+    start_telemetry = _cuda_method("start_telemetry")
+    stop_telemetry = _cuda_method("stop_telemetry")
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
@@ -180,7 +206,7 @@ class Engine(CudaEngineMixin):
             alloc = Allocator(self._region, self._handle, liveness_timeout_s=cfg.liveness_timeout_s,
                               on_reclaim=lambda node, spans: self._on_reclaim(node, spans))
             self._store = self._xfer = RegionStore(cfg, self._region, self._lock, alloc, index,
-                                                   cuda_path=self._cuda_path)
+                                                   cuda_path=self._cuda_ops.path)
             await self._enter_task_group()
             self._hb_stop_word = np.zeros(1, dtype=np.uint64)
             self._hb_thread = threading.Thread(target=self._heartbeat_thread,
@@ -300,7 +326,7 @@ class Engine(CudaEngineMixin):
     async def _teardown(self, *, graceful: bool) -> None:
         errors: list[BaseException] = []
         try:  # CUDA hook: DMAs in flight land, then the mapping is unregistered (before unmap)
-            await self._cuda_teardown()
+            await self._cuda_ops.teardown()
         except Exception as e:
             errors.append(e)
         if self._http is not None:  # first: peers hear this node's blocks are gone
@@ -409,7 +435,7 @@ class Engine(CudaEngineMixin):
         # CUDA tensors take the CUDA hook (region DMA, or host staging on a network store)
         gpu_pool = self._region is None and getattr(self._xfer, "takes_cuda", False)
         if arrays.is_cuda(kv) and not gpu_pool:  # CUDA hook (cuda.api)
-            return await self._put_kv_cuda(ks, kv, layer, timeout)
+            return await self._cuda_ops.put_cuda(ks, kv, layer, timeout)
         kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv", allow_cuda=gpu_pool)
         if not ks:
             return 0
@@ -434,7 +460,7 @@ class Engine(CudaEngineMixin):
         gpu_pool = self._region is None and getattr(self._xfer, "takes_cuda", False)
         dev = None if device is None else _device_type(device)
         if not gpu_pool and (arrays.is_cuda(out) if out is not None else dev == "cuda"):
-            return await self._get_kv_cuda(ks, out, layer, timeout, device)  # CUDA hook
+            return await self._cuda_ops.get_cuda(ks, out, layer, timeout, device)
         if dev is not None and dev not in (("cpu", "cuda") if gpu_pool else ("cpu",)):
             raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
         if out is None:
@@ -473,7 +499,7 @@ class Engine(CudaEngineMixin):
             out["lock"] = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
         if self._manager is not None:
             out["is_lock_manager"] = self._manager.is_manager
-        out["cuda"] = self._cuda_stats()  # CUDA hook: None until a CUDA transfer or cuda_setup()
+        out["cuda"] = self._cuda_ops.stats()  # None until a CUDA transfer or cuda_setup()
         return out
 
     async def recover(self, *, timeout: float | None = None) -> list[str]:

@@ -57,7 +57,7 @@ async def test_telemetry_is_a_noop_without_nvml_and_stops_with_the_engine(region
         assert st["telemetry"]["available"] == s.available
         if not s.available:
             assert s.series()["t_s"] == [] and s.reason
-        task = eng._cuda._sampler_task
+        task = eng._cuda_ops._cuda._sampler_task
         assert task is not None and not task.done()
     finally:
         await eng.close()
@@ -164,3 +164,24 @@ async def test_put_ready_follows_the_task_and_reaches_no_other() -> None:
         await t
     seen["after"] = cs._PUT_READY.get()
     assert seen == {"inside": marker, "other": None, "after": None}
+
+
+def test_engine_delegates_every_public_cuda_method_with_its_signature():
+    """The CUDA API is a part the Engine owns (``cuda.api.CudaOps``), not a mixin: each public
+    method of it is an Engine method with the same signature and docstring."""
+    import inspect
+
+    import tract_async as tract
+    from tract_async.cuda.api import CudaOps
+    internal = {"path", "stats", "teardown", "put_cuda", "get_cuda", "put_timeout"}
+    public = sorted(n for n, v in vars(CudaOps).items()
+                    if callable(v) and not n.startswith("_") and n not in internal)
+    assert public == sorted(["cuda_setup", "start_put_kv", "start_get_kv", "start_put_kv_paged",
+                             "put_kv_paged", "start_get_kv_paged", "get_kv_paged",
+                             "start_telemetry", "stop_telemetry"])
+    assert CudaOps not in tract.Engine.__mro__
+    for name in public:
+        mine, theirs = getattr(tract.Engine, name), getattr(CudaOps, name)
+        assert inspect.signature(mine) == inspect.signature(theirs), name
+        assert mine.__doc__ == theirs.__doc__ and mine.__doc__, name
+        assert inspect.iscoroutinefunction(mine) == inspect.iscoroutinefunction(theirs), name

@@ -1,4 +1,5 @@
-"""The Engine's CUDA methods (a mixin, so that ``engine.py`` keeps only tiny hooks).
+"""The Engine's CUDA methods: ``CudaOps``, a part the Engine owns (composition), so that
+``engine.py`` keeps one delegating line per public CUDA method and the CUDA path lives here.
 
     await eng.put_kv(keys, kv_cuda)                          # contiguous, like CPU tensors
     await eng.put_kv(keys, kv_layer_cuda, layer=i)           # layer streaming
@@ -33,29 +34,34 @@ from ..errors import TensorMismatch
 DRAIN_TIMEOUT_S = 30.0
 
 
-class CudaEngineMixin:
-    """CUDA entry points of ``Engine``; uses its ``_store``, ``_region``, ``layout``, ``cfg``."""
+class CudaOps:
+    """CUDA entry points of one ``Engine``: owns its ``CudaPath`` (the region's CUDA
+    registration, copiers, transfers in flight) and reads the engine's ``_store``, ``_xfer``,
+    ``_region``, ``layout``, ``cfg`` and task group. The engine's public CUDA methods delegate
+    here one to one (``engine.py``, ``_cuda_method``), with these signatures and docstrings."""
 
-    _cuda: Any = None
+    def __init__(self, engine: Any) -> None:
+        self._eng = engine
+        self._cuda: Any = None      # the CudaPath (or _TelemetryOnly), made on first use
 
     # -- setup --------------------------------------------------------------------------------
     def cuda_setup(self, *, method: str | None = None, piece_bytes: int = 32 << 20) -> Any:
         """Register the region with CUDA now (else on the first CUDA call); returns the CudaPath.
         ``method`` forces a copy method for every transfer (default auto)."""
-        self._check_open()  # type: ignore[attr-defined]
+        self._eng._check_open()
         if self._cuda is None:
             from .store import CudaPath
-            self._cuda = CudaPath(self._region, method=method,  # type: ignore[attr-defined]
+            self._cuda = CudaPath(self._eng._region, method=method,
                                   piece_bytes=piece_bytes)
         return self._cuda
 
-    def _cuda_path(self) -> Any:
+    def path(self) -> Any:
         return self._cuda if self._cuda is not None else self.cuda_setup()
 
-    def _cuda_stats(self) -> dict[str, Any] | None:
+    def stats(self) -> dict[str, Any] | None:
         return None if self._cuda is None else self._cuda.describe()
 
-    async def _cuda_teardown(self) -> None:
+    async def teardown(self) -> None:
         """Engine teardown hook: wait for transfers in flight, stop telemetry, unregister."""
         cp, errors = self._cuda, []
         if cp is None:
@@ -84,29 +90,29 @@ class CudaEngineMixin:
         written; the layer bits are published when its DMA has landed, awaited or not).
         Raises TensorMismatch, KeyMismatch, RegionFull, TransferTimeout, EngineClosed."""
         from . import store as cs
-        self._check_open()  # type: ignore[attr-defined]
+        self._eng._check_open()
         ks = kvplan.check_keys(keys)
-        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
-        kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv",  # type: ignore[attr-defined]
+        kvplan.check_layer(layer, self._eng.layout)
+        kvplan.check_tensor(kv, self._eng.layout, len(ks), layer, what="kv",
                             allow_cuda=True)
         if kv.device.type != "cuda":
             raise TensorMismatch("start_put_kv takes CUDA tensors; use put_kv for CPU tensors")
         kv = _contiguous(kv)
-        return await cs.start_put(self._store, self._cuda_path(), ks, [kv],  # type: ignore[attr-defined]
-                                  cs.contiguous_plan_fn(self.layout, len(ks), layer), layer,  # type: ignore[attr-defined]
-                                  self._put_timeout(timeout), ready=ready, method=method)
+        return await cs.start_put(self._eng._store, self.path(), ks, [kv],
+                                  cs.contiguous_plan_fn(self._eng.layout, len(ks), layer), layer,
+                                  self.put_timeout(timeout), ready=ready, method=method)
 
-    async def _put_kv_cuda(self, ks: list[bytes], kv: Any, layer: int | None,
+    async def put_cuda(self, ks: list[bytes], kv: Any, layer: int | None,
                            timeout: float | None) -> int:
         """``put_kv`` with a CUDA tensor (hook target): through the engine's store dispatch like
         a CPU tensor (``stores/protocol.py``), so that a full region falls back to the network
         transport the same way (``FallbackStore``); the region store DMAs it."""
-        kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv",  # type: ignore[attr-defined]
+        kvplan.check_tensor(kv, self._eng.layout, len(ks), layer, what="kv",
                             allow_cuda=True)
         if not ks:
             return 0
-        return await self._xfer.put(ks, _contiguous(kv), layer,  # type: ignore[attr-defined]
-                                    self._put_timeout(timeout))
+        return await self._eng._xfer.put(ks, _contiguous(kv), layer,
+                                    self.put_timeout(timeout))
 
     async def start_get_kv(self, keys: Sequence[bytes], *, out: Any = None,
                            layer: int | None = None, timeout: float | None = None,
@@ -118,10 +124,10 @@ class CudaEngineMixin:
         torch = require_torch("a CUDA get (device='cuda')")
 
         from . import store as cs
-        self._check_open()  # type: ignore[attr-defined]
+        self._eng._check_open()
         ks = kvplan.check_keys(keys)
-        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
-        cp = self._cuda_path()
+        kvplan.check_layer(layer, self._eng.layout)
+        cp = self.path()
         if out is None:
             dev = torch.device(device if device is not None else "cuda")
             if dev.type != "cuda":
@@ -130,42 +136,42 @@ class CudaEngineMixin:
             # allocated on the copy stream (no wait for the caller's queued work), and marked
             # as used by the caller's stream so that freeing it later is ordered after its use
             with torch.cuda.stream(copier.get_xform):
-                out = torch.empty(self.layout.kv_shape(len(ks), layer),  # type: ignore[attr-defined]
-                                  dtype=self.layout.dtype, device=copier.device)  # type: ignore[attr-defined]
+                out = torch.empty(self._eng.layout.kv_shape(len(ks), layer),
+                                  dtype=self._eng.layout.dtype, device=copier.device)
             out.record_stream(torch.cuda.current_stream(copier.device))
             after = after if after is not None else False
         else:
-            kvplan.check_tensor(out, self.layout, len(ks), layer, what="out",  # type: ignore[attr-defined]
+            kvplan.check_tensor(out, self._eng.layout, len(ks), layer, what="out",
                                 allow_cuda=True)
             if out.device.type != "cuda" or not out.is_contiguous():
                 raise TensorMismatch("out must be a contiguous CUDA tensor")
         if not ks:
             return _done_future(cp, out)
-        return await cs.start_get(self._store, cp, ks, [out],  # type: ignore[attr-defined]
-                                  cs.contiguous_plan_fn(self.layout, len(ks), layer), layer,  # type: ignore[attr-defined]
+        return await cs.start_get(self._eng._store, cp, ks, [out],
+                                  cs.contiguous_plan_fn(self._eng.layout, len(ks), layer), layer,
                                   timeout, result=out, after=_after(after), method=method)
 
-    async def _get_kv_cuda(self, ks: list[bytes], out: Any, layer: int | None,
+    async def get_cuda(self, ks: list[bytes], out: Any, layer: int | None,
                            timeout: float | None, device: Any) -> Any:
         """``get_kv`` into CUDA memory (hook target). On a region-only engine: the region's
         DMA, with the output allocated on the copy stream (``start_get_kv``). With a network
         transport: through the store dispatch, which reads each block from wherever it is."""
         from . import store as cs
-        if self._region is not None and self._xfer is self._store:  # type: ignore[attr-defined]
+        if self._eng._region is not None and self._eng._xfer is self._eng._store:
             fut = await self.start_get_kv(ks, out=out, layer=layer, timeout=timeout,
                                           device=device)
-            return await cs.finish_get(self._store, self._cuda, ks, fut, layer)  # type: ignore[attr-defined]
+            return await cs.finish_get(self._eng._store, self._cuda, ks, fut, layer)
         torch = require_torch("a CUDA get (device='cuda')")
         if out is None:
-            out = torch.empty(self.layout.kv_shape(len(ks), layer),  # type: ignore[attr-defined]
-                              dtype=self.layout.dtype,  # type: ignore[attr-defined]
+            out = torch.empty(self._eng.layout.kv_shape(len(ks), layer),
+                              dtype=self._eng.layout.dtype,
                               device=torch.device(device if device is not None else "cuda"))
         else:
-            kvplan.check_tensor(out, self.layout, len(ks), layer, what="out",  # type: ignore[attr-defined]
+            kvplan.check_tensor(out, self._eng.layout, len(ks), layer, what="out",
                                 allow_cuda=True)
         if not ks:
             return out
-        return await self._xfer.get(ks, out, layer, timeout)  # type: ignore[attr-defined]
+        return await self._eng._xfer.get(ks, out, layer, timeout)
 
     # -- paged --------------------------------------------------------------------------------
     async def start_put_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
@@ -175,17 +181,17 @@ class CudaEngineMixin:
         """Like ``start_put_kv`` from a paged pool (see ``cuda.paged`` for the forms):
         ``block_ids[i]`` is the pool block holding key ``i``."""
         from . import paged, store as cs, tables
-        self._check_open()  # type: ignore[attr-defined]
+        self._eng._check_open()
         ks = kvplan.check_keys(keys)
-        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
-        p = paged.check_pool(pool, self.layout, layer, pool_layout=pool_layout)  # type: ignore[attr-defined]
+        kvplan.check_layer(layer, self._eng.layout)
+        p = paged.check_pool(pool, self._eng.layout, layer, pool_layout=pool_layout)
         ids = tables.check_block_ids(block_ids, len(ks), p.pool_blocks)
-        cp = self._cuda_path()
+        cp = self.path()
         if not ks:
             return _done_future(cp, 0)
-        return await cs.start_put(self._store, cp, ks, list(p.tensors),  # type: ignore[attr-defined]
-                                  cs.paged_plan_fn(self.layout, p, ids, layer), layer,  # type: ignore[attr-defined]
-                                  self._put_timeout(timeout), ready=ready, method=method)
+        return await cs.start_put(self._eng._store, cp, ks, list(p.tensors),
+                                  cs.paged_plan_fn(self._eng.layout, p, ids, layer), layer,
+                                  self.put_timeout(timeout), ready=ready, method=method)
 
     async def put_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
                            layer: int | None = None, timeout: float | None = None,
@@ -197,7 +203,7 @@ class CudaEngineMixin:
         ks = kvplan.check_keys(keys)
         fut = await self.start_put_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
                                             ready=ready, pool_layout=pool_layout, method=method)
-        return await cs.finish_put(self._store, self._cuda, ks, fut)  # type: ignore[attr-defined]
+        return await cs.finish_put(self._eng._store, self._cuda, ks, fut)
 
     async def start_get_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
                                  layer: int | None = None, timeout: float | None = None,
@@ -206,16 +212,16 @@ class CudaEngineMixin:
         """Enqueue reading ``keys`` into pool blocks ``block_ids``; the future's result is the
         pool. ``after`` defaults to the current stream (the pool is the caller's)."""
         from . import paged, store as cs, tables
-        self._check_open()  # type: ignore[attr-defined]
+        self._eng._check_open()
         ks = kvplan.check_keys(keys)
-        kvplan.check_layer(layer, self.layout)  # type: ignore[attr-defined]
-        p = paged.check_pool(pool, self.layout, layer, pool_layout=pool_layout)  # type: ignore[attr-defined]
+        kvplan.check_layer(layer, self._eng.layout)
+        p = paged.check_pool(pool, self._eng.layout, layer, pool_layout=pool_layout)
         ids = tables.check_block_ids(block_ids, len(ks), p.pool_blocks)
-        cp = self._cuda_path()
+        cp = self.path()
         if not ks:
             return _done_future(cp, pool)
-        return await cs.start_get(self._store, cp, ks, list(p.tensors),  # type: ignore[attr-defined]
-                                  cs.paged_plan_fn(self.layout, p, ids, layer), layer, timeout,  # type: ignore[attr-defined]
+        return await cs.start_get(self._eng._store, cp, ks, list(p.tensors),
+                                  cs.paged_plan_fn(self._eng.layout, p, ids, layer), layer, timeout,
                                   result=pool, after=_after(after), method=method)
 
     async def get_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
@@ -228,7 +234,7 @@ class CudaEngineMixin:
         ks = kvplan.check_keys(keys)
         fut = await self.start_get_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
                                             after=after, pool_layout=pool_layout, method=method)
-        return await cs.finish_get(self._store, self._cuda, ks, fut, layer)  # type: ignore[attr-defined]
+        return await cs.finish_get(self._eng._store, self._cuda, ks, fut, layer)
 
     # -- telemetry ----------------------------------------------------------------------------
     def start_telemetry(self, *, interval_s: float = 0.1, device_index: int = 0) -> Any:
@@ -238,7 +244,7 @@ class CudaEngineMixin:
         cp = self._cuda_path_for_telemetry()
         if cp.sampler is None:
             cp.sampler = NvmlSampler(device_index, interval_s=interval_s)
-            cp._sampler_task = self._tg.create_task(  # type: ignore[attr-defined]
+            cp._sampler_task = self._eng._tg.create_task(
                 cp.sampler.run(), name="tract-nvml-sampler")
         return cp.sampler
 
@@ -256,12 +262,12 @@ class CudaEngineMixin:
         import torch
         if self._cuda is None and not torch.cuda.is_available():
             # telemetry without CUDA: a holder that only carries the (no-op) sampler
-            self._check_open()  # type: ignore[attr-defined]
+            self._eng._check_open()
             self._cuda = _TelemetryOnly()
-        return self._cuda_path()
+        return self.path()
 
-    def _put_timeout(self, timeout: float | None) -> float:
-        return timeout if timeout is not None else max(5.0, 4 * self.cfg.liveness_timeout_s)  # type: ignore[attr-defined]
+    def put_timeout(self, timeout: float | None) -> float:
+        return timeout if timeout is not None else max(5.0, 4 * self._eng.cfg.liveness_timeout_s)
 
 
 class _TelemetryOnly:
@@ -301,4 +307,4 @@ def _done_future(cp: Any, value: Any) -> Any:
     return cp.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="empty"))
 
 
-__all__ = ["CudaEngineMixin"]
+__all__ = ["CudaOps"]
