@@ -109,3 +109,41 @@ async def test_torn_read_stress_negative_control(region_path: str) -> None:
 def test_kv_helper_is_deterministic() -> None:
     keys = [bytes([i]) * 32 for i in range(3)]
     assert torch.equal(kv_for_keys(keys), kv_for_keys(keys))
+
+
+async def test_a_restarted_node_id_evicts_and_closes_over_its_predecessors_blocks(
+        region_path: str) -> None:
+    """A node killed -9 and restarted under the same id before anyone claimed a chunk (recovery
+    runs at chunk claims): the dead incarnation's entries are still READY, and their owner word
+    names this node id. Evicting them, and closing (which evicts "this node's" entries), must not
+    take them for the new incarnation's slots (it raised AllocationInvalid: "not allocated
+    (double free or stale allocation)", found by the hour soak); their chunks go back whole when
+    recovery reclaims them."""
+    import signal
+
+    from tract_async.fsck import run_fsck
+    ids = list(range(16 * 6))
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng0:
+        q = SPAWN.Queue()
+        a = SPAWN.Process(target=P.put_then_hang, args=(region_path, "hw", 2, ids, False, q))
+        a.start()
+        try:
+            kind, _, n = await asyncio.get_running_loop().run_in_executor(None, q.get, True, 120)
+            assert (kind, n) == ("stored", 6)
+        finally:
+            os.kill(a.pid, signal.SIGKILL)
+            a.join(30)
+        await asyncio.sleep(2.5)                  # past the liveness timeout (1 s): A is dead
+        async with tract.Engine.open(cfg(region_path, 2)) as b:
+            keys = b.block_keys(ids)
+            assert b.lookup(keys) == 6            # A's blocks, not yet reclaimed
+            assert await b._store.blocks.evict(keys[:3], timeout=10) == 3
+            assert b.lookup(keys) == 0
+            mine = b.block_keys([t + 1 for t in ids])      # B's own blocks still free normally
+            await b.put_kv(mine, kv_for_keys(mine))
+            assert await b._store.blocks.evict(mine[:2], timeout=10) == 2
+        # B's close passed over A's other three entries; recovery drops them with A's chunks
+        await eng0.recover(timeout=10)
+        assert eng0.lookup(keys[3:]) == 0
+    rep = run_fsck(region_path)
+    assert rep.clean, rep.problems

@@ -457,7 +457,8 @@ class Allocator:
     def free(self, allocation: Allocation) -> bool:
         """Give a slot back: to this node's free list, or home through the owner's return ring.
 
-        Returns False when the slot's chunk was reclaimed since (its owner died): nothing to do.
+        Returns False when the slot's chunk was reclaimed since (its owner died), or is not a
+        chunk of this incarnation (an earlier one of this node id made it): nothing to do.
         Raises AllocationInvalid (double free, not an allocation of this region), NodeEvicted.
         """
         return self.free_many([allocation])[0]
@@ -479,8 +480,15 @@ class Allocator:
         for j, a in enumerate(allocations):
             if a.owner_node == self.node_id:
                 c = self._chunks.get(a.chunk_index)
-                if c is None or (c.generation & GEN_MASK) != (a.generation & GEN_MASK) \
-                        or not 0 <= a.slot_index < c.nslots or not c.used[a.slot_index]:
+                if c is None or (c.generation & GEN_MASK) != (a.generation & GEN_MASK):
+                    # not a chunk of this incarnation: an earlier incarnation of this node id
+                    # (killed, restarted before recovery reclaimed its chunks) made it, or the
+                    # chunk was released or reclaimed since. Its slots are not ours to free;
+                    # the chunk goes back whole (reclaim). Like a reclaimed remote chunk.
+                    self._dropped += 1
+                    result[j] = False
+                    continue
+                if not 0 <= a.slot_index < c.nslots or not c.used[a.slot_index]:
                     raise AllocationInvalid(
                         f"free of chunk {a.chunk_index} slot {a.slot_index} (generation "
                         f"{a.generation}) on node {self.node_id}: not allocated (double free or "
