@@ -134,3 +134,37 @@ def test_layout_with_torch_holds_the_torch_dtype() -> None:
                           dtype="float16").dtype is torch.float16
     assert lay == tract.KVLayout(num_layers=1, block_tokens=4, kv_heads=1, head_dim=8,
                                  dtype=torch.bfloat16)
+
+
+def test_http_agent_reads_numpy_memory_without_torch() -> None:
+    """The aiohttp agent (the NIXL-style transport) registers numpy arrays and READs them from a
+    peer, with torch absent."""
+    _run("""
+        import asyncio
+        import numpy as np
+        from tract_async.transport.http import Agent
+
+        async def main():
+            secret = b"test-secret-0123456789abcdef"
+            a, b = Agent("a", secret=secret), Agent("b", secret=secret)
+            src = np.arange(1 << 16, dtype=np.uint32)
+            dst = np.zeros(src.nbytes, dtype=np.uint8)
+            a.register_memory(src, name="kv", writable=False)
+            b.register_memory(dst, name="dst")
+            await a.start()
+            await b.start()
+            try:
+                b.add_remote_agent(a.get_agent_metadata())
+                # as in NIXL: an N x 3 array is a descriptor list, so numpy memory is named
+                # by (addr, nbytes, dev_id) rows
+                local = b.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM")
+                h = b.initialize_xfer("READ", local,
+                                      b.get_xfer_descs(b.remote_region("a", "kv")), "a")
+                await b.transfer(h, timeout=10)
+                assert np.array_equal(dst.view(np.uint32), src)
+                h.release()
+            finally:
+                await b.close()
+                await a.close()
+        asyncio.run(main())
+    """)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import ctypes
+import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,10 +112,7 @@ def _byte_view_of(obj: Any) -> tuple[str, int, int, int, Any]:
     Raises InvalidDescriptors for anything that cannot be registered (non-contiguous, empty,
     read-only buffers, unknown types).
     """
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency of the package
-        torch = None  # type: ignore[assignment]
+    torch = sys.modules.get("torch")   # an object is a tensor only where torch was imported
     if torch is not None and isinstance(obj, torch.Tensor):
         if not obj.is_contiguous():
             raise InvalidDescriptors("register a contiguous tensor (call .contiguous() first)")

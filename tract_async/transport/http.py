@@ -250,13 +250,13 @@ class Agent:
 
         Raises InvalidDescriptors.
         """
-        import torch
+        from ..arrays import is_tensor   # no torch import: without one loaded, nothing is a tensor
 
         if isinstance(descs, XferDescList):
             return descs
-        if isinstance(descs, (torch.Tensor, RegionInfo)):
+        if is_tensor(descs) or isinstance(descs, RegionInfo):
             descs = [descs]
-        if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], torch.Tensor):
+        if isinstance(descs, (list, tuple)) and descs and is_tensor(descs[0]):
             types = {"VRAM" if t.is_cuda else "DRAM" for t in descs}
             if len(types) != 1 or not all(t.is_contiguous() for t in descs):
                 raise InvalidDescriptors("tensors of one descriptor list must be contiguous and on one kind of device")
