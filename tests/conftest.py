@@ -119,14 +119,71 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:
+    tr = terminalreporter
+    if _STRAYS:
+        tr.section("processes still running at the end (killed)")  # type: ignore[attr-defined]
+        for line in _STRAYS:
+            tr.line(line)  # type: ignore[attr-defined]
     if _LEAKS:
-        tr = terminalreporter
         tr.section("files left in /dev/shm")  # type: ignore[attr-defined]
         for line in _LEAKS:
             tr.line(line)  # type: ignore[attr-defined]
 
 
+def _child_pids() -> list[int]:
+    """This process's live child processes (from /proc: spawned workers, subprocesses), but
+    multiprocessing's resource tracker."""
+    me, out = str(os.getpid()), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == me and fields[0] != "Z":
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if b"resource_tracker" not in cmd:   # multiprocessing's own, lives to the end
+                out.append(int(d))
+    return out
+
+
+_STRAYS: list[str] = []
+
+
+def _stop_stray_children() -> None:
+    """Children still running when the session ends (a test that left a worker behind): they
+    could still create or hold a region file after the cleanup below. Give them 5 s, then kill
+    them; name them in the summary."""
+    import signal
+    import time
+    deadline = time.monotonic() + 5
+    pids = _child_pids()
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.1)
+        pids = _child_pids()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            cmd = "?"
+        _STRAYS.append(f"pid {pid}: {cmd}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (OSError, ChildProcessError):
+            pass
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _stop_stray_children()
     # Only this session's files (the pid is in the name): other pytest sessions may be running.
     leftovers = glob.glob(f"/dev/shm/tract-test-{os.getpid()}-*")
     for p in leftovers:  # a crashed child may have kept one alive; never leave them behind
