@@ -167,7 +167,8 @@ def main() -> None:
         out["load_after"] = loadavg()
         out["wall_s"] = time.monotonic() - t_start
         out["shm_leftovers_removed"] = remove_leftovers()
-    path = C.write_json("putget", out)
+    # a quick run does not replace the full run's file, which the README cites
+    path = C.write_json("putget-quick" if args.quick else "putget", out)
     print(f"\nwall {out['wall_s']:.0f} s; load average after: {' '.join(out['load_after'])}; "
           f"wrote {path}")
 
