@@ -33,11 +33,11 @@ import numpy as np
 
 from .errors import ConfigError, MissingExtra
 
-DTYPE_NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-"""The KV dtypes a layout may name (torch's names, without ``torch.``)."""
-
 ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                             "float8_e5m2": 1}
+"""Bytes per element of each KV dtype a layout may name (torch's names, without ``torch.``)."""
+
+DTYPE_NAMES: tuple[str, ...] = tuple(ITEMSIZE)
 
 NUMPY_STORAGE: dict[str, np.dtype[Any]] = {
     "float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -143,17 +143,9 @@ def empty(shape: tuple[int, ...], name: str, *, device: Any = None) -> Any:
     """A new KV array: a torch tensor where torch is installed (on ``device``, default CPU),
     else a numpy array of the storage dtype (CPU only)."""
     if torch_installed():
-        torch = importlib.import_module("torch")
-        return torch.empty(shape, dtype=getattr(torch, name),
-                           device=device if device is not None else "cpu")
+        return importlib.import_module("torch").empty(
+            shape, dtype=layout_dtype(name), device=device if device is not None else "cpu")
     if device is not None and str(device) != "cpu":
         require_torch(f"a KV array on device {device!r}")
     return np.empty(shape, dtype=NUMPY_STORAGE[name])
 
-
-def copy_into(dst: Any, src: Any) -> None:
-    """``dst[...] = src`` for two arrays of one kind."""
-    if is_tensor(dst):
-        dst.copy_(src)
-    else:
-        np.copyto(dst, src)

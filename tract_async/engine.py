@@ -397,6 +397,11 @@ class Engine:
         if errors:
             raise errors[0]
 
+    def _lock_timeout(self, timeout: float | None) -> float:
+        """``timeout``, or the default for calls that need the global lock: 4 liveness timeouts
+        (a manager failover fits), at least 5 s."""
+        return timeout if timeout is not None else max(5.0, 4 * self.cfg.liveness_timeout_s)
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed("the engine is closed; open a new one with Engine.open(cfg)")
@@ -439,8 +444,7 @@ class Engine:
         kvplan.check_tensor(kv, self.layout, len(ks), layer, what="kv", allow_cuda=gpu_pool)
         if not ks:
             return 0
-        return await self._xfer.put(ks, kv, layer, timeout if timeout is not None
-                                     else max(5.0, 4 * self.cfg.liveness_timeout_s))
+        return await self._xfer.put(ks, kv, layer, self._lock_timeout(timeout))
 
     async def get_kv(self, keys: Sequence[bytes], *, out: Any = None,
                      layer: int | None = None, timeout: float | None = None,
@@ -510,8 +514,7 @@ class Engine:
         if self._region is None:
             return []
         st = self._store.blocks
-        await st._locked(timeout if timeout is not None
-                         else max(5.0, 4 * self.cfg.liveness_timeout_s))
+        await st._locked(self._lock_timeout(timeout))
         try:
             return self._store.alloc.recover_locked(self._lock)
         finally:

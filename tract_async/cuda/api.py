@@ -103,7 +103,7 @@ class CudaOps:
                                   self.put_timeout(timeout), ready=ready, method=method)
 
     async def put_cuda(self, ks: list[bytes], kv: Any, layer: int | None,
-                           timeout: float | None) -> int:
+                       timeout: float | None) -> int:
         """``put_kv`` with a CUDA tensor (hook target): through the engine's store dispatch like
         a CPU tensor (``stores/protocol.py``), so that a full region falls back to the network
         transport the same way (``FallbackStore``); the region store DMAs it."""
@@ -111,8 +111,7 @@ class CudaOps:
                             allow_cuda=True)
         if not ks:
             return 0
-        return await self._eng._xfer.put(ks, _contiguous(kv), layer,
-                                    self.put_timeout(timeout))
+        return await self._eng._xfer.put(ks, _contiguous(kv), layer, self.put_timeout(timeout))
 
     async def start_get_kv(self, keys: Sequence[bytes], *, out: Any = None,
                            layer: int | None = None, timeout: float | None = None,
@@ -152,7 +151,7 @@ class CudaOps:
                                   timeout, result=out, after=_after(after), method=method)
 
     async def get_cuda(self, ks: list[bytes], out: Any, layer: int | None,
-                           timeout: float | None, device: Any) -> Any:
+                       timeout: float | None, device: Any) -> Any:
         """``get_kv`` into CUDA memory (hook target). On a region-only engine: the region's
         DMA, with the output allocated on the copy stream (``start_get_kv``). With a network
         transport: through the store dispatch, which reads each block from wherever it is."""
@@ -267,7 +266,7 @@ class CudaOps:
         return self.path()
 
     def put_timeout(self, timeout: float | None) -> float:
-        return timeout if timeout is not None else max(5.0, 4 * self._eng.cfg.liveness_timeout_s)
+        return self._eng._lock_timeout(timeout)
 
 
 class _TelemetryOnly:
