@@ -94,6 +94,8 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests
 #   putget_cpu (bench/putget.py on the host's cores, NIXL in the same run)
 #   serve_gpu (bench/serve_gpu.py, three modes)  serve_load (bench/serve_load.py --size h200)
+#   doorbell_tests (tests/engine/test_doorbell.py: same-host wake-ups on these cores)
+#   transport_cpu / transport_gpu (bench/transport.py --quick, DRAM / VRAM, 3 rounds)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
@@ -101,6 +103,8 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 want warmup && step warmup 180 $PY -m tract_async.warmup
 want gpu_tests && step gpu_tests "${GPU_TESTS_S:-270}" $PY -m pytest -q -m gpu -p no:cacheprovider \
   -o addopts="" tests/cuda/test_cuda_gpu.py --maxfail=10
+want doorbell_tests && step doorbell_tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts= \
+  tests/engine/test_doorbell.py
 want putget_cpu && step putget_cpu "${PUTGET_S:-240}" $PY bench/putget.py --deadline-s "${PUTGET_S:-240}"
 want gpu_putget && step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
 want gpu_pipeline && step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
@@ -111,6 +115,8 @@ if want transport_gpu_tests && $PY -c "import pytest_asyncio, orjson" 2>/dev/nul
   step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
     --continue-on-collection-errors tests/transport/test_transport_gpu.py
 fi
+want transport_cpu && step transport_cpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --rounds 3
+want transport_gpu && step transport_gpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --rounds 3 --gpu
 want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 

@@ -207,6 +207,7 @@ class Engine:
                               on_reclaim=lambda node, spans: self._on_reclaim(node, spans))
             self._store = self._xfer = RegionStore(cfg, self._region, self._lock, alloc, index,
                                                    cuda_path=self._cuda_ops.path)
+            self._store.start_waking()
             await self._enter_task_group()
             self._hb_stop_word = np.zeros(1, dtype=np.uint64)
             self._hb_thread = threading.Thread(target=self._heartbeat_thread,
@@ -380,6 +381,9 @@ class Engine:
             stop_copies = getattr(self._store, "shutdown_copies", None)
             if stop_copies is not None:     # a teardown without store.close: copy threads too
                 stop_copies()
+            stop_waking = getattr(self._store, "stop_waking", None)
+            if stop_waking is not None:
+                stop_waking()
             region.close()
             if self._created and self.cfg.remove_on_close and others is not None:
                 self._created = False
@@ -529,6 +533,7 @@ class Engine:
         if st is None:
             return None
         st.phases = PhaseTimes() if on else None
+        st.blocks.doorbell.phases = st.phases       # its "woken" stamps
         return st.phases
 
     @property

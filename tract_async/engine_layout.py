@@ -6,6 +6,7 @@ from __future__ import annotations
 from .region import SectionSpec
 from .region import index as ix
 from .region.chunks import sections_for
+from .stores import doorbell
 
 DEFAULT_MIN_SLOT_BYTES = 4096
 
@@ -23,7 +24,8 @@ def region_sections(*, size_bytes: int, max_nodes: int, chunk_bytes: int = 2 << 
     blocks = min(blocks, size_bytes // (32 * ix.ENTRY_BYTES))
     cap = index_capacity or ix.capacity_for(max(1, blocks))
     index = SectionSpec(name="index", nbytes=ix.section_bytes(cap))
-    return secs[:-1] + [index, secs[-1]]
+    bells = SectionSpec(name=doorbell.SECTION, nbytes=doorbell.section_bytes(max_nodes))
+    return secs[:-1] + [bells, index, secs[-1]]
 
 
 def initialize(region) -> None:  # noqa: ANN001

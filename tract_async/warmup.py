@@ -118,6 +118,7 @@ def notice_if_cold() -> CacheState | None:
 
 async def _scenario(path: str, backend: str) -> None:
     import tract_async as tract
+    from tract_async.stores import doorbell as db
     from tract_async.stores import waits
     from tract_async.region import index as ix
     layout = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=1, head_dim=32,
@@ -156,6 +157,8 @@ async def _scenario(path: str, backend: str) -> None:
                          np.zeros((1, 8), dtype=np.int64))
         waits.poll_present(st.mem, st.geo.entries_offset, st.index.mask, st.geo.max_probe,
                            np.zeros((1, 4), dtype=np.uint64), 0, stop)
+        bell = st.blocks.doorbell           # the producer's look on its own (tests call it)
+        db.waiting_mask(st.mem, bell.offset, bell.max_nodes)
         ix.scan_entries(st.mem, st.geo.entries_offset, st.geo.capacity,
                         np.zeros((st.geo.capacity, 9), dtype=np.int64))
     finally:

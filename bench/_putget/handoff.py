@@ -61,16 +61,20 @@ async def arecv(conn: Connection) -> Any:
 async def _consume(path: str, region_bytes: int, cases: list[Case], conn: Connection
                    ) -> dict[str, Any]:
     out_t: dict[str, list[int]] = {}
+    woken: dict[str, list[int | None]] = {}
     async with tract.Engine.open(engine_cfg(path, 0, region_bytes, True)) as eng:
+        ph = eng.time_phases(True)       # its "woken" stamp: when a doorbell ring ended a wait
         conn.send("ready")
         for c in cases:
             n = c.nbytes // BLOCK
             out = torch.empty(LAYOUT.kv_shape(n), dtype=LAYOUT.dtype)
             ob = out.view(-1).view(torch.uint8)
             t1s = []
+            woken[c.label] = []
             for i in range(c.warm + c.count):
                 keys = det_keys(c.label, i, n)
                 await arecv(conn)                   # "go": the producer has room for it
+                ph.stamps.clear()
 
                 async def get_all() -> int:
                     if c.mode == "block":
@@ -88,11 +92,13 @@ async def _consume(path: str, region_bytes: int, cases: list[Case], conn: Connec
                 conn.send(("done", i))
                 if i >= c.warm:
                     t1s.append(t1)
+                    woken[c.label].append(ph.stamps.get("woken"))
             out_t[c.label] = t1s
         st = eng.stats()
         await arecv(conn)                           # the producer has closed: now we may
-        return {"t1": out_t, "stats": {k: st[k] for k in ("hits", "layer_waits", "gets",
-                                                          "is_lock_manager") if k in st}}
+        return {"t1": out_t, "woken": woken,
+                "stats": {k: st[k] for k in ("hits", "layer_waits", "gets", "is_lock_manager",
+                                             "doorbell_wakes") if k in st}}
 
 
 async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connection
@@ -104,17 +110,20 @@ async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connec
     t0s: dict[str, list[int]] = {}
     put_s: dict[str, list[float]] = {}
     lock_wait: dict[str, list[float]] = {}
+    published: dict[str, list[int]] = {}
     try:
         for c in cases:
             n = c.nbytes // BLOCK
             kv = make_kv(n)
             kb = kv.view(-1).view(torch.uint8)
             t0s[c.label], put_s[c.label], lock_wait[c.label] = [], [], []
+            published[c.label] = []
             for i in range(c.warm + c.count):
                 if used + c.nbytes > usable:         # close evicts our blocks: room again
                     await eng.close()
                     eng = await tract.Engine.open(cfg)
                     used, reopens = 0, reopens + 1
+                ph = eng.time_phases(True)           # its "publish" stamp (the last layer's)
                 keys = det_keys(c.label, i, n)
                 kb[0] = kb[-1] = i & 0xFF
                 conn.send(("go", i))
@@ -135,10 +144,12 @@ async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connec
                     t0s[c.label].append(t0)
                     put_s[c.label].append((t_end - t0) / 1e9)
                     lock_wait[c.label].append(eng.stats()["lock_wait_s"] - lw0)
+                    published[c.label].append(ph.stamps["publish"])
     finally:
         await eng.close()
         conn.send("closed")
-    return {"t0": t0s, "put_s": put_s, "lock_wait_s": lock_wait, "reopens": reopens}
+    return {"t0": t0s, "put_s": put_s, "lock_wait_s": lock_wait, "reopens": reopens,
+            "published": published}
 
 
 def _eng_consumer(path: str, region_bytes: int, cases: list[Case], conn: Connection,
@@ -178,7 +189,15 @@ def engine_handoff(cases: list[Case], timeout_s: float = 300.0) -> dict[str, Any
         hand = {k: [(x1 - x0) / 1e9 for x0, x1 in zip(p["t0"][k], c["t1"][k])] for k in p["t0"]}
         after = {k: [(x1 - x0) / 1e9 - d for x0, x1, d in zip(p["t0"][k], c["t1"][k], p["put_s"][k])]
                  for k in p["t0"]}
+        # the last publish -> the consumer's doorbell callback finished its wait; a wait that
+        # ended before it (an earlier layer's ring, the last layer then found at once) or on a
+        # timer (no stamp) is counted apart, not as a wake-up
+        wake = {k: [(w - x) / 1e9 for x, w in zip(p["published"][k], c["woken"][k])
+                    if w and w >= x] for k in p["t0"]}
+        timer_woken = {k: sum(1 for x, w in zip(p["published"][k], c["woken"][k])
+                              if not w or w < x) for k in p["t0"]}
         return {"handoff_s": hand, "after_put_s": after, "put_s": p["put_s"], "lock_wait_s": p["lock_wait_s"],
+                "wake_s": wake, "not_doorbell_woken": timer_woken,
                 "producer_reopens": p["reopens"], "consumer_stats": c["stats"]}
     finally:
         _procs.reap((prod, cons), 20)
@@ -222,7 +241,12 @@ def case_row(c: Case, systems: dict[str, Any]) -> dict[str, Any]:
                     "eng_GBps": c.nbytes / C.median(h) / 1e9,
                     "eng_put_p50_us": C.median(eng["put_s"][c.label]) * 1e6,
                     "eng_after_put_p50_us": C.median(eng["after_put_s"][c.label]) * 1e6,
-                    "eng_lock_wait_p50_us": C.median(eng["lock_wait_s"][c.label]) * 1e6})
+                    "eng_lock_wait_p50_us": C.median(eng["lock_wait_s"][c.label]) * 1e6,
+                    "eng_wake_p50_us": (C.median(eng["wake_s"][c.label]) * 1e6
+                                        if eng["wake_s"][c.label] else None),
+                    "eng_wake_p99_us": (C.pct(eng["wake_s"][c.label], 99) * 1e6
+                                        if eng["wake_s"][c.label] else None),
+                    "eng_not_bell_woken": eng["not_doorbell_woken"][c.label]})
     for name in ("nixl_shm", "nixl_tcp"):
         res = systems[name]
         short = name.split("_")[1]

@@ -5,11 +5,12 @@ printed is what was recorded.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import _common as C
 
-from _putget.fixtures import KiB
+from _putget.fixtures import KiB, MiB
 
 
 def print_putget(p1: dict[str, Any]) -> None:
@@ -40,7 +41,7 @@ def print_handoff(p2: dict[str, Any]) -> None:
           "the notification arrived)")
     print(C.table(p2["rows"], ["case", "n", "consumer_waits_ms", "eng_p50_us", "eng_p99_us",
                                "eng_GBps", "eng_put_p50_us", "eng_after_put_p50_us",
-                               "eng_lock_wait_p50_us",
+                               "eng_lock_wait_p50_us", "eng_wake_p50_us",
                                "shm_p50_us", "shm_p99_us", "shm_GBps", "tcp_p50_us",
                                "tcp_p99_us", "tcp_GBps", "eng/shm_time", "eng/tcp_time"]))
     for k, v in p2["not_measured"].items():
@@ -56,29 +57,38 @@ def _met(ok: bool) -> str:
 
 
 def verdicts(out: dict[str, Any]) -> list[str]:
-    """One line per target of issue 4: put/get >= 0.9x torch; a 64 KiB handoff p50 <= 0.5x
-    NIXL's, 16-128 MiB >= 1.2x NIXL's bandwidth; lookup >= 1 M keys/s."""
+    """One line per target of issue 13: a 64 KiB handoff p50 <= NIXL shm's (<= 2x on a host of
+    at most 2 cores); 16-128 MiB >= 1.5x NIXL shm's bandwidth; put and get >= 0.5x torch
+    ``copy_`` at 256 MiB (smaller sizes reported against the same bar, not targets); a
+    doorbell wake-up <= 20 us p50 after the publication; lookup >= 1 M keys/s (issue 4)."""
     v = []
+    two_cores = (os.cpu_count() or 1) <= 2
     for r in out.get("putget", {}).get("rows", []):
         for op in ("put", "get"):
             x = r[f"{op}/torch"]
-            v.append(f"{op} {r['size']}: {x:.2f}x torch copy_ (target >= 0.9): {_met(x >= 0.9)}")
+            tag = "target >= 0.5" if r["bytes"] >= 256 * MiB else "not a target; bar 0.5"
+            v.append(f"{op} {r['size']}: {x:.2f}x torch copy_ ({tag}): {_met(x >= 0.5)}")
     for r in out.get("handoff", {}).get("rows", []):
-        for short in ("shm", "tcp"):
-            if f"eng/{short}_time" not in r:
-                continue
-            x = r[f"eng/{short}_time"]
-            if r["bytes"] <= 64 * KiB:
-                v.append(f"handoff {r['case']}: engine p50 {r['eng_p50_us']:.0f} us vs NIXL {short} "
-                         f"{r[f'{short}_p50_us']:.0f} us = {x:.2f}x (target <= 0.5): "
-                         f"{_met(x <= 0.5)}; "
-                         f"{'engine' if x < 1 else 'NIXL ' + short} wins by {max(x, 1 / x):.1f}x")
-            else:
-                bw = r[f"{short}_GBps"] and r["eng_GBps"] / r[f"{short}_GBps"]
-                v.append(f"handoff {r['case']}: engine {r['eng_GBps']:.2f} GB/s vs NIXL {short} "
-                         f"{r[f'{short}_GBps']:.2f} GB/s = {bw:.2f}x (target >= 1.2): "
-                         f"{_met(bw >= 1.2)}; "
-                         f"{'engine' if bw > 1 else 'NIXL ' + short} wins by {max(bw, 1 / bw):.1f}x")
+        if r.get("eng_wake_p50_us") is not None:
+            w = r["eng_wake_p50_us"]
+            v.append(f"wake-up {r['case']}: publish -> doorbell p50 {w:.1f} us, p99 "
+                     f"{r['eng_wake_p99_us']:.1f} us, {r['eng_not_bell_woken']} of {r['n']} "
+                     f"not woken by the last publish's ring (target p50 <= 20 us): {_met(w <= 20)}")
+        if "eng/shm_time" not in r:
+            continue
+        x = r["eng/shm_time"]
+        if r["bytes"] <= 64 * KiB:
+            bar = 2.0 if two_cores else 1.0
+            v.append(f"handoff {r['case']}: engine p50 {r['eng_p50_us']:.0f} us vs NIXL shm "
+                     f"{r['shm_p50_us']:.0f} us = {x:.2f}x (target <= {bar:g}"
+                     f"{' on <= 2 cores' if two_cores else ''}): {_met(x <= bar)}; "
+                     f"{'engine' if x < 1 else 'NIXL shm'} wins by {max(x, 1 / x):.1f}x")
+        else:
+            bw = r["shm_GBps"] and r["eng_GBps"] / r["shm_GBps"]
+            v.append(f"handoff {r['case']}: engine {r['eng_GBps']:.2f} GB/s vs NIXL shm "
+                     f"{r['shm_GBps']:.2f} GB/s = {bw:.2f}x (target >= 1.5): "
+                     f"{_met(bw >= 1.5)}; "
+                     f"{'engine' if bw > 1 else 'NIXL shm'} wins by {max(bw, 1 / bw):.1f}x")
     for r in out.get("keys", {}).get("rows", []):
         if r["op"] == "lookup":
             v.append(f"lookup: {r['Mkeys_per_s']:.2f} M keys/s (target >= 1): "

@@ -38,7 +38,7 @@ PAGE_BYTES = 4096
 MAGIC = int.from_bytes(b"TRACTRG\x01", "little")
 """First word of every region: ASCII 'TRACTRG' plus 0x01."""
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 HEADER_RESERVED_BYTES = PAGE_BYTES
 """The header occupies the first page; the node table starts on the next page."""
@@ -423,6 +423,22 @@ STRUCTS: list[Struct] = [HEADER, NODE, ROOT_ENTRY, LOCK_STATE, LOCK_REQ, LOCK_GR
                          HEAP_BITS, RING_HEAD, RING_TAIL, SLOT_TAG]
 """Every on-region structure. All of them are defined in this module (never registered from
 another one), so the signature cannot depend on which modules a process happened to import."""
+
+
+# ===========================================================================================
+# Section "sync.doorbells" (tract_async/stores/doorbell.py): ``max_nodes`` DOORBELL lines, one per
+# node, each written only by its node's event-loop thread (DESIGN.md invariant 2). A producer
+# reads every line after it publishes (invalidate, fence, load) and rings the doorbell of each
+# node that says it waits.
+# | off | size | type | field    | writer |
+# |-----|------|------|----------|--------|
+# |   0 |    8 | u64  | waiting  | node   |  waits now pending on the node (0: none)
+# |   8 |    8 | u64  | epoch    | node   |  node epoch that wrote the line
+# |  16 |   48 | V48  | pad      | nobody |
+_DOORBELL_NAMES = ("waiting", "epoch")
+DOORBELL = Struct(name="doorbell", fields=_u8_fields(_DOORBELL_NAMES, "node"),
+                  dtype=_u8_dtype(_DOORBELL_NAMES), itemsize=64)
+STRUCTS += [DOORBELL]
 
 
 # ===========================================================================================

@@ -50,6 +50,7 @@ from ..region import index as ix
 from ..region.alloc import Allocation, Allocator
 from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
+from . import doorbell as db
 from . import plan as kvplan
 from . import waits
 from .stats import TransferStats
@@ -75,6 +76,15 @@ GIVE_CHECK_S = 0.005
 """A reservation looks at other nodes' asks for chunks at most this often. Reading every
 node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when done on every
 batch; an asker waits up to CHUNK_WAIT_S, so a few milliseconds of delay cost it nothing."""
+
+
+_TIMER = object()
+"""What a wait's safety timer resolves its future with (``BlockLifecycle._wait_on_doorbell``)."""
+
+
+def _wake_timer(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(_TIMER)
 
 
 class _Starving(RegionFull):
@@ -111,6 +121,9 @@ class StoreStats(TransferStats):
     """Chunks released for nodes that asked (``alloc.py``, "Starving")."""
     lock_acquisitions: int = 0
     lock_wait_s: float = 0.0
+    doorbell_wakes: int = 0
+    """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
+    or polled: ``stores/doorbell.py``)."""
 
 
 class BlockLifecycle:
@@ -143,6 +156,9 @@ class BlockLifecycle:
         negative control turns this off, to show that without it wrong bytes get through."""
         lo, hi = kvplan.layer_mask(self.layout, None)
         self._all_lo, self._all_hi = lo, hi
+        self.doorbell = db.Doorbell(region, self.node_id, allocator.epoch)
+        """Same-host wake-ups of waits on this region (``stores/doorbell.py``)."""
+        self._db_off, self._db_nodes = self.doorbell.offset, self.doorbell.max_nodes
 
     # -- helpers ------------------------------------------------------------------------------
     @property
@@ -344,8 +360,11 @@ class BlockLifecycle:
         live = [(i, r) for i, r in zip(positions, res) if reserved.get(keys[i]) is r]
         if live:
             slots = np.fromiter((r.slot for _, r in live), dtype=np.int64, count=len(live))
-            ix.publish_layers(self.mem, self.geo.entries_offset, slots, lo, hi, self._all_lo,
-                              self._all_hi)
+            waiting = db.publish_and_look(self.mem, self.geo.entries_offset, slots, lo, hi,
+                                          self._all_lo, self._all_hi, self._db_off,
+                                          self._db_nodes)
+            if waiting:
+                self.doorbell.ring(int(waiting))
         if layer is None:             # every layer written: all of them are READY now
             for i, _ in live:
                 del reserved[keys[i]]
@@ -627,9 +646,70 @@ class BlockLifecycle:
 
     async def _wait_ready(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
                           timeout: float) -> np.ndarray:
-        """Wait (event-driven poll) until every key is present and has the layer / is READY."""
-        deadline = waits.deadline_ns(timeout)
+        """Wait until every key is present and has the layer / is READY: on the doorbell when
+        every live node shares this host, else by the thread poll (``stores/doorbell.py``).
+        Returns the last snapshot (a block seen and then gone: the caller's checks raise)."""
         self.stats.layer_waits += 1
+        if self._satisfied(snap, layer):
+            return snap
+        bell = self.doorbell
+        if bell.receiving and bell.one_host(self.cfg.liveness_timeout_s):
+            return await self._wait_on_doorbell(words, snap, layer, timeout)
+        return await self._wait_polling(words, snap, layer, timeout)
+
+    async def _wait_on_doorbell(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
+                                timeout: float) -> np.ndarray:
+        deadline = time.monotonic() + timeout
+        seen = snap[:, 0] >= 0
+        last = [snap]
+
+        def check() -> np.ndarray | None:
+            s = self.index.snapshot(words)
+            last[0] = s
+            present = s[:, 0] >= 0
+            if (seen & ~present).any() or self._satisfied(s, layer):
+                return s                   # done, or a block vanished (the caller raises)
+            seen[:] |= present
+            return None
+
+        bell = self.doorbell
+        loop = asyncio.get_running_loop()
+        w = bell.add(check)
+        try:
+            got = check()                  # after registering: the race (doorbell.py)
+            interval = db.SAFETY_FIRST_S
+            while got is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._wait_timed_out(last[0], layer, timeout)
+                fut = w.fut
+                timer = loop.call_later(min(interval, left), _wake_timer, fut)
+                try:
+                    got = await fut
+                finally:
+                    timer.cancel()
+                if got is _TIMER:
+                    bell.rearm(w)
+                    got = check()
+                    interval = min(interval * 2, db.SAFETY_MAX_S)
+                else:
+                    self.stats.doorbell_wakes += 1
+            return got
+        finally:
+            bell.remove(w)
+
+    def _wait_timed_out(self, snap: np.ndarray, layer: int | None, timeout: float) -> None:
+        absent = int((snap[:, 0] < 0).sum())
+        if absent:
+            raise TransferTimeout(f"{absent} of {len(snap)} blocks did not appear within "
+                                  f"{timeout} s")
+        raise TransferTimeout(f"{'layer ' + str(layer) if layer is not None else 'blocks'} "
+                              f"not produced within {timeout} s")
+
+    async def _wait_polling(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
+                            timeout: float) -> np.ndarray:
+        """The cross-host wait: a brief in-loop spin, then the thread poll of ``waits.py``."""
+        deadline = waits.deadline_ns(timeout)
         g = self.geo
         for _ in range(3):  # brief in-loop spin: the common case is "already there"
             if self._satisfied(snap, layer):
@@ -644,12 +724,7 @@ class BlockLifecycle:
                                  g.max_probe, words, word, np.uint64(1 << bit), layer is None,
                                  deadline, stop, out)
         if r == 0:
-            absent = int((out[:, 0] < 0).sum())
-            if absent:
-                raise TransferTimeout(f"{absent} of {len(words)} blocks did not appear within "
-                                      f"{timeout} s")
-            raise TransferTimeout(f"{'layer ' + str(layer) if layer is not None else 'blocks'} "
-                                  f"not produced within {timeout} s")
+            self._wait_timed_out(out, layer, timeout)
         return out          # r == -1: a block vanished; the caller's checks raise BlockNotFound
 
     @staticmethod

@@ -8,6 +8,12 @@ reservation: lock wait, allocation, index writes; the lock wait alone is in the 
 ``lock_wait_s``), ``copy_call`` (a copy as the caller waits for it: thread hop included),
 ``copy_kernel`` (the jitted copy itself), ``publish``, ``prepare_read`` (snapshot, waits and
 bound checks of a get), ``validate`` (the post-copy revalidation).
+
+Stamps (``stamp``/``stamps``) are instants, not durations: ``publish`` (a put is about to set
+its layer bits / READY) and ``woken`` (a doorbell ring finished a wait of this node,
+``stores/doorbell.py``). Both are ``perf_counter_ns()`` (CLOCK_MONOTONIC, one clock for every
+process of a host), so a benchmark subtracts a producer's ``publish`` from a consumer's
+``woken`` to get the wake-up latency across processes.
 """
 from __future__ import annotations
 
@@ -19,6 +25,11 @@ class PhaseTimes:
 
     def __init__(self) -> None:
         self._acc: dict[str, float] = {}
+        self.stamps: dict[str, int] = {}
+        """The latest instant of each stamp, ``perf_counter_ns()``."""
+
+    def stamp(self, name: str) -> None:
+        self.stamps[name] = time.perf_counter_ns()
 
     def add(self, phase: str, t0_ns: int) -> None:
         """Add the time since ``t0_ns`` (``time.perf_counter_ns()``) to ``phase``."""

@@ -194,6 +194,14 @@ class RegionStore:
                                                thread_name_prefix="tract-copy")
         return self._pool
 
+    def start_waking(self) -> None:
+        """Put this node's doorbell on the running loop (``stores/doorbell.py``)."""
+        self.blocks.doorbell.start()
+
+    def stop_waking(self) -> None:
+        """Take the doorbell off the loop; later waits poll. Idempotent."""
+        self.blocks.doorbell.stop()
+
     def shutdown_copies(self) -> None:
         """Stop the copy threads (idle by now: every copy is awaited to its end). Idempotent."""
         pool, self._pool = self._pool, None
@@ -334,6 +342,8 @@ class RegionStore:
         except BaseException:
             await b.abandon([keys[i] for i in todo])
             raise
+        if ph is not None:
+            ph.stamp("publish")
         t0 = time.perf_counter_ns() if ph is not None else 0
         done = b.publish(keys, todo, res, layer, nbytes)
         if ph is not None:

@@ -1,5 +1,10 @@
 """Waiting for words of the region to change, without blocking the event loop or burning a core.
 
+Since the doorbells (``doorbell.py``), this is the path of a wait that no doorbell can reach: a
+node on another host is live, or this node has no doorbell socket. Same-host waits sleep in
+the event loop's selector and are woken by the producer's datagram, with a timer as the
+safety net; they use no thread and no spin.
+
 Memory is the only signal between hosts of a CXL rack (no interrupts cross it), so a wait is a
 poll. The policy (measured in the Numba spike on this 2-core machine): a coroutine first re-checks
 in the loop for a short spin (``await asyncio.sleep(0)`` a few times, ~10 µs each); then the poll
