@@ -95,6 +95,7 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   putget_cpu (bench/putget.py on the host's cores, NIXL in the same run)
 #   serve_gpu (bench/serve_gpu.py, three modes)  serve_load (bench/serve_load.py --size h200)
 #   doorbell_tests (tests/engine/test_doorbell.py: same-host wake-ups on these cores)
+#   wakeup (bench/wakeup.py: the doorbell's wake-up against a bare datagram wake-up)
 #   transport_cpu / transport_gpu (bench/transport.py --quick, DRAM / VRAM, 3 rounds)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -115,8 +116,15 @@ if want transport_gpu_tests && $PY -c "import pytest_asyncio, orjson" 2>/dev/nul
   step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
     --continue-on-collection-errors tests/transport/test_transport_gpu.py
 fi
+want wakeup && step wakeup 150 $PY bench/wakeup.py --n 400
 want transport_cpu && step transport_cpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --rounds 3
-want transport_gpu && step transport_gpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --rounds 3 --gpu
+want transport_gpu && step transport_gpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --gpu \
+  ${TRANSPORT_GPU_ARGS:---rounds 3}
+# A/B of the loop spin of a same-host wait (stores/blocks.py, LOOP_SPIN_NS): handoffs only
+want handoff_spin_ab && { TRACT_WAIT_SPIN_US=0 step handoff_spin0 120 $PY bench/putget.py --parts 2 --deadline-s 110
+  cp bench/results/putget.json bench/results/putget-handoff-spin0.json
+  TRACT_WAIT_SPIN_US=300 step handoff_spin300 120 $PY bench/putget.py --parts 2 --deadline-s 110
+  cp bench/results/putget.json bench/results/putget-handoff-spin300.json; finish; }
 want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 

@@ -156,6 +156,10 @@ class EngineConfig:
     copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
                                              # threads (one drops lines ahead, one copies)
                                              # instead of copy_threads row groups
+    cpu_wake_latency_us: int | None = None   # hold a PM QoS request of this many us on
+                                             # /dev/cpu_dma_latency while open (root): idle cores
+                                             # stay out of deep C-states, so a sleeping waiter
+                                             # wakes faster (cpu_qos.py); None = host policy
     # HTTP transport (region=None, or fallback)
     peers: Sequence[str] = field(default_factory=tuple)
     listen_host: str = "127.0.0.1"
@@ -220,6 +224,11 @@ class EngineConfig:
         if self.nixl_pool_device != "cpu" and not self.nixl_pool_device.startswith("cuda"):
             raise ConfigError(f"EngineConfig.nixl_pool_device must be 'cpu' or 'cuda[:N]', got "
                               f"{self.nixl_pool_device!r}")
+        if self.cpu_wake_latency_us is not None and (
+                not isinstance(self.cpu_wake_latency_us, int)
+                or isinstance(self.cpu_wake_latency_us, bool) or self.cpu_wake_latency_us < 0):
+            raise ConfigError(f"EngineConfig.cpu_wake_latency_us must be None (the host's idle "
+                              f"policy) or an int >= 0, got {self.cpu_wake_latency_us!r}")
         if self.copy_threads is not None and (not isinstance(self.copy_threads, int)
                                               or isinstance(self.copy_threads, bool)
                                               or self.copy_threads < 1):

@@ -87,6 +87,7 @@ class Engine:
         self._hb_thread: threading.Thread | None = None
         self._hb_stop_word = np.zeros(1, dtype=np.uint64)   # non-zero: the heartbeat stops
         self._cuda_ops = CudaOps(self)                      # CUDA tensors, paged pools, NVML
+        self._cpu_qos: Any = None     # CpuLatencyRequest while open (cfg.cpu_wake_latency_us)
 
     # the CUDA API (tract_async/cuda/api.py: signatures and docstrings there)
     cuda_setup = _cuda_method("cuda_setup")
@@ -115,6 +116,10 @@ class Engine:
         configured: peers, or a secret to serve them) an HttpStore per transfer; a region that
         cannot be attached then runs the whole engine on HTTP (``fallbacks['attach']``)."""
         cfg = self.cfg
+        if cfg.cpu_wake_latency_us is not None and self._cpu_qos is None:
+            from .cpu_qos import CpuLatencyRequest
+            self._cpu_qos = CpuLatencyRequest(cfg.cpu_wake_latency_us)
+            self._cpu_qos.acquire()         # a warning where not permitted, never an error
         if cfg.region is None:
             return await self._start_http(region_uuid=None)
         want_http = cfg.fallback and self._http_configured()
@@ -326,6 +331,9 @@ class Engine:
 
     async def _teardown(self, *, graceful: bool) -> None:
         errors: list[BaseException] = []
+        qos, self._cpu_qos = self._cpu_qos, None
+        if qos is not None:
+            qos.release()
         try:  # CUDA hook: DMAs in flight land, then the mapping is unregistered (before unmap)
             await self._cuda_ops.teardown()
         except Exception as e:

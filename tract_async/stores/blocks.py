@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
 import time
 from typing import Any
 
@@ -78,6 +79,12 @@ node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when
 batch; an asker waits up to CHUNK_WAIT_S, so a few milliseconds of delay cost it nothing."""
 
 
+LOOP_SPIN_NS = int(float(os.environ.get("TRACT_WAIT_SPIN_US", "300")) * 1000)
+"""How long a same-host wait polls on its loop's thread before it sleeps on the doorbell
+(``BlockLifecycle._spin_on_loop``); ``$TRACT_WAIT_SPIN_US`` (default 300), 0 turns it off."""
+LOOP_SLICE_NS = 20_000
+"""The longest the loop is held by one slice of that spin (other tasks run between slices)."""
+
 _TIMER = object()
 """What a wait's safety timer resolves its future with (``BlockLifecycle._wait_on_doorbell``)."""
 
@@ -121,6 +128,8 @@ class StoreStats(TransferStats):
     """Chunks released for nodes that asked (``alloc.py``, "Starving")."""
     lock_acquisitions: int = 0
     lock_wait_s: float = 0.0
+    spin_wakes: int = 0
+    """Waits that the brief spin on the loop's thread satisfied (``_spin_on_loop``)."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
@@ -672,6 +681,10 @@ class BlockLifecycle:
             seen[:] |= present
             return None
 
+        spun = await self._spin_on_loop(words, layer)
+        if spun is not None:
+            self.stats.spin_wakes += 1
+            return spun
         bell = self.doorbell
         loop = asyncio.get_running_loop()
         w = bell.add(check)
@@ -697,6 +710,35 @@ class BlockLifecycle:
             return got
         finally:
             bell.remove(w)
+
+    async def _spin_on_loop(self, words: np.ndarray, layer: int | None) -> np.ndarray | None:
+        """The first ``LOOP_SPIN_NS`` of a same-host wait: the jitted poll of ``waits.py`` on the
+        loop's own thread, GIL released, in slices of ``LOOP_SLICE_NS`` with the loop's other
+        tasks run between them. Returns the snapshot once satisfied (or a block vanished), None
+        when the spin ran out. Why (measured on the 16-core H200 host, ``bench/wakeup.py``): a
+        process asleep in its selector takes 50-150 us to wake on that host however it is woken
+        (a bare datagram wake-up: 152 us p50), because its idle core has dropped into a deep
+        C-state; most waits end within a put's time of their start (the consumer asks just
+        before its producer writes), so a brief spin sees the block within a poll's time and
+        leaves the sleep (and its wake-up) to waits that outlast it. The poll yields the CPU
+        (``sched_yield``) between looks, so on 2 cores it gives way to the producer."""
+        if LOOP_SPIN_NS <= 0:
+            return None
+        g = self.geo
+        word, bit = (0, 0) if layer is None else divmod(layer, 64)
+        out = np.zeros((words.shape[0], 8), dtype=np.int64)
+        stop = np.zeros(1, dtype=np.uint8)
+        end = time.perf_counter_ns() + LOOP_SPIN_NS
+        while True:
+            now = time.perf_counter_ns()
+            if now >= end:
+                return None
+            r = waits.poll_ready(self.mem, g.entries_offset, self.index.mask, g.max_probe, words,
+                                 word, np.uint64(1 << bit), layer is None,
+                                 min(end, now + LOOP_SLICE_NS), stop, out)
+            if r != 0:
+                return out
+            await asyncio.sleep(0)
 
     def _wait_timed_out(self, snap: np.ndarray, layer: int | None, timeout: float) -> None:
         absent = int((snap[:, 0] < 0).sum())
