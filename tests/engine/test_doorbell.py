@@ -208,3 +208,15 @@ async def test_the_socket_name_is_free_after_close(region_path: str) -> None:
         probe.bind(name)                    # released by close
     finally:
         probe.close()
+
+
+async def test_a_new_incarnation_clears_a_stale_waiting_line(region_path: str) -> None:
+    """A node killed while it waited leaves its line saying so; the next engine of that node id
+    clears it when its doorbell starts (producers stop ringing a socket nobody reads)."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+        bell = eng._store.blocks.doorbell
+        line = bell.offset + 1 * L.LINE_BYTES
+        db.set_waiting(eng._region.mem, line, 1, 99)         # node 1 "died waiting"
+        assert db.waiting_mask(eng._region.mem, bell.offset, bell.max_nodes) == 1 << 1
+        async with tract.Engine.open(cfg(region_path, 1)):
+            assert db.waiting_mask(eng._region.mem, bell.offset, bell.max_nodes) == 0

@@ -159,6 +159,7 @@ class Doorbell:
         doorbell: its waits poll."""
         if not self.enabled or self._rx is not None:
             return
+        self._write(0)     # a crashed predecessor of this node id may have left "waiting" set
         self._loop = asyncio.get_running_loop()
         self._tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
                                  | socket.SOCK_CLOEXEC)
