@@ -7,8 +7,9 @@ request line, wait until the lock manager (``manager.py``) writes this request's
 node's grant line, hold, post I. The protocol, its lines and writers, and the fencing argument
 are in ``slots.py``; this module is the asyncio shape around it.
 
-Waiting: the grant is first polled in the event loop for ``PollPolicy.loop_spin_s`` (yielding to
-other tasks between polls: the cheap path when the manager is quick), then from a worker thread
+Waiting: the grant is first polled in the event loop for ``PollPolicy.loop_spin_s``, in nogil
+slices of ``loop_slice_s`` (the GIL free for a manager thread of this process; other tasks run
+between slices: the cheap path when the manager is quick), then from a worker thread
 in slices of ``slice_s`` (a nogil jitted poll: ``sched_yield`` for ``thread_spin_s``, then
 ``usleep`` doubling up to ``sleep_us_max``), returning to the loop between slices so that a
 deadline or a cancellation is honoured within one slice. A request that times out or is
@@ -37,6 +38,7 @@ class PollPolicy:
     for a while and sleeps after that, so that idle waiters cost little CPU.
     """
     loop_spin_s: float = 50e-6
+    loop_slice_s: float = 10e-6
     thread_spin_s: float = 500e-6
     sleep_us_max: int = 200
     slice_s: float = 0.005
@@ -160,14 +162,20 @@ class GlobalLock:
         pol = self.policy
         try:
             spin_end = time.monotonic() + pol.loop_spin_s
-            while True:
-                tok = int(S.poll_grant(m, self._grant_off, req))
-                if tok:
-                    return tok
+            slice_ns = int(pol.loop_slice_s * 1e9)
+            tok = int(S.poll_grant(m, self._grant_off, req))
+            while not tok:
                 now = time.monotonic()
                 if now >= spin_end or now >= deadline:
                     break
                 await asyncio.sleep(0)
+                # a slice of the nogil poll on the loop's thread: the GIL is free meanwhile, so
+                # a lock manager thread of this process can grant (a Python-level poll between
+                # sleep(0)s held the GIL and kept it waiting)
+                tok = int(S.wait_grant(m, self._grant_off, req, slice_ns, slice_ns,
+                                       pol.sleep_us_max))
+            if tok:
+                return tok
             loop = asyncio.get_running_loop()
             spin_ns = int(pol.thread_spin_s * 1e9)
             while True:
