@@ -113,8 +113,9 @@ want gpu_pipeline && step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 
 want gpu_pipeline_si && step gpu_pipeline_si 100 $PY bench/gpu_pipeline.py --budget-s 60 \
   --tokens 1024 2048 --timeline-tokens 0 --switch-interval-us 200 --name gpu_pipeline_si
 if want transport_gpu_tests && $PY -c "import pytest_asyncio, orjson" 2>/dev/null; then
-  step transport_gpu_tests 40 $PY -m pytest -q -m gpu -p no:cacheprovider \
-    --continue-on-collection-errors tests/transport/test_transport_gpu.py
+  step transport_gpu_tests 90 $PY -m pytest -q -m gpu -p no:cacheprovider \
+    --continue-on-collection-errors tests/transport/test_transport_gpu.py \
+    tests/transport/test_engine_nixl.py
 fi
 want wakeup && step wakeup 150 $PY bench/wakeup.py --n 400
 want transport_cpu && step transport_cpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --rounds 3
