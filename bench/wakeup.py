@@ -45,42 +45,10 @@ import _common as C  # noqa: E402
 import _procs  # noqa: E402
 
 import tract_async as tract  # noqa: E402
+from tract_async.cpu_qos import CpuLatencyRequest  # noqa: E402
 
 GAP_S = 0.002
 CASES = ("raw", "raw_gil", "raw_qos", "engine_mgr", "engine_peer", "engine_peer_qos")
-
-
-class CpuLatencyQos:
-    """Hold a PM QoS request of 0 us on ``/dev/cpu_dma_latency`` (the kernel keeps every CPU
-    out of deep idle states while the file stays open; root only). A diagnostic: it shows
-    how much of a wake-up is the idle core's exit latency. ``held`` says whether it worked."""
-
-    def __init__(self) -> None:
-        self.fd: int | None = None
-        self.why = ""
-
-    def __enter__(self) -> "CpuLatencyQos":
-        try:
-            self.fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
-            os.write(self.fd, (0).to_bytes(4, "little"))
-        except OSError as e:
-            self.why = f"{type(e).__name__}: {e}"
-            if self.fd is not None:
-                os.close(self.fd)
-            self.fd = None
-        return self
-
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def _gil_churn(stop: threading.Event) -> None:
@@ -289,10 +257,10 @@ def main() -> None:
     raw: dict[str, Any] = {}
     for case in [c for c in args.only.split(",") if c]:
         t0 = time.monotonic()
-        with CpuLatencyQos() if case.endswith("_qos") else contextlib.nullcontext() as qos:
+        with CpuLatencyRequest(0) if case.endswith("_qos") else contextlib.nullcontext() as qos:
             if qos is not None and not qos.held:
-                print(f"  {case}: skipped (PM QoS: {qos.why})", flush=True)
-                rows.append({"case": case, "error": f"no PM QoS: {qos.why}"})
+                print(f"  {case}: skipped (PM QoS: {qos.why_not})", flush=True)
+                rows.append({"case": case, "error": f"no PM QoS: {qos.why_not}"})
                 continue
             if case.startswith("raw"):
                 got: Any = run_raw(args.n, churn=case == "raw_gil")
