@@ -65,6 +65,12 @@ PY
 } >>"$LOGS/setup.log" 2>&1
 RC[env]=$?
 cat "$LOGS/setup.log" | tee -a "$SUMMARY" >/dev/null
+# the engine's own imports (cbor2, orjson come from .whl/): without them every step fails, slowly
+if ! $PY -c "import cbor2, orjson, tract_async.engine, tract_async.transport.xfer" >>"$SUMMARY" 2>&1; then
+  log "the engine does not import (is .whl/ carried? see above): stopping before any step"
+  cp "$SUMMARY" "$OUT/summary.txt"
+  exit 3
+fi
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   log "no CUDA device: skipping the GPU steps (imports: rc=${RC[env]})"
   cat "$SUMMARY"

@@ -412,6 +412,28 @@ def _pinned(cpu: int, fn: Callable, *args: Any) -> None:
     fn(*args)
 
 
+def _get_watching(q: Any, procs: list[Any], timeout: float) -> Any:
+    """``q.get`` that gives up as soon as one of ``procs`` has died, instead of waiting out the
+    whole timeout (a child that failed at import, say, would otherwise hold a run for 15 minutes
+    and leave nothing but its traceback)."""
+    import queue as _queue
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except _queue.Empty:
+            dead = [p for p in procs if p is not None and p.exitcode is not None]
+            if dead:
+                try:                      # a child that exited after its put: the item is in flight
+                    return q.get(timeout=5.0)
+                except _queue.Empty:
+                    pass
+                raise RuntimeError("child process exited early: "
+                                   + ", ".join(f"pid {p.pid} rc={p.exitcode}" for p in dead))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no result within {timeout:.0f} s") from None
+
+
 def run_system(name: str, sizes: list[int], quick: bool, gpu: bool,
                rounds: int = 1) -> dict[str, Any] | str:
     """One system's samples and extras, or a string saying exactly why it did not run."""
@@ -426,11 +448,11 @@ def run_system(name: str, sizes: list[int], quick: bool, gpu: bool,
     tgt.start()
     ini = None
     try:
-        md = md_q.get(timeout=120)
+        md = _get_watching(md_q, [tgt], 120)
         ini = ctx.Process(target=_pinned, args=(1, initiator_fn, md, sizes, quick, gpu, ctl_i, res_q),
                           daemon=True)
         ini.start()
-        return res_q.get(timeout=900)
+        return _get_watching(res_q, [tgt, ini], 900)
     except Exception as e:  # noqa: BLE001 - the reason goes into the table and the JSON
         return f"{name} did not run: {type(e).__name__}: {e}"
     finally:
