@@ -186,7 +186,13 @@ def test_suffix_prefill_after_prefix_equals_whole_prefill(model, prompt, full, p
     new_kv = []
     suffix = prefill(model, prompt, past_kv=prefix.kv,
                      on_layer=lambda i, kv: new_kv.append(kv))
-    exact = _gemm_row_invariant(model, past_len, PROMPT_LEN - past_len, PROMPT_LEN)
+    # Bit-exact only where the platform gives the prefix's own rows the same bits computed alone as
+    # inside the whole prompt: the GEMMs (probed), and attention's reductions over past_len keys
+    # against past_len keys plus masked ones (not probed by the GEMM check: on one AVX-512 VM the
+    # 7-token prefix alone differed from the whole prompt's rows 5-6 by 1 ulp with every linear
+    # layer row-invariant). That property is the platform's, not the suffix path's under test.
+    exact = (_gemm_row_invariant(model, past_len, PROMPT_LEN - past_len, PROMPT_LEN)
+             and torch.equal(prefix.kv, full.kv[:, :, :past_len]))
     assert (suffix.past_len, suffix.total_len, suffix.new_tokens) == (past_len, PROMPT_LEN, PROMPT_LEN - past_len)
     assert torch.equal(suffix.kv[:, :, :past_len], prefix.kv)  # the prefix is carried over as given
     assert [kv.shape[1] for kv in new_kv] == [PROMPT_LEN - past_len] * model.config.num_hidden_layers
