@@ -12,7 +12,7 @@ describing the mapping and the backend:
 Rules the protocols follow (DESIGN.md invariant 3): writers ``store`` then ``flush`` then fence;
 readers ``invalidate`` then fence then ``load``. Composite helpers ``store_flush`` and
 ``load_fresh`` do exactly that for one word. Each flush or invalidate names its *site*
-(``sites.site(...)``) so that a test can remove it alone (``Mem.skip_site``).
+(``sites.site(...)``) so that a test can remove it alone (``with_skip_site``).
 
 All offsets are bytes from the region base; words are 8-byte aligned. Bounds are checked on every
 call (one compare) and violations raise ``IndexError``: a wild offset must never scribble on the
@@ -27,6 +27,8 @@ import numpy as np
 from numba import njit
 
 from . import sim
+from .memfields import (MEM_BACKEND, MEM_BASE_ADDR, MEM_CTL_ADDR, MEM_FLUSH_INSN, MEM_SIZE_BYTES,
+                        MEM_SKIP_SITE)
 from .intrinsics import (aload64, astore64, clflush_line, clflushopt_line, clwb_line, copy32,
                          cpu_pause, load_u8, mfence, nt_copy32, ntstore64, sfence, store_u8)
 
@@ -42,42 +44,58 @@ ENV_BACKEND = "TRACT_MEM_BACKEND"
 """Environment variable that selects the backend when the configuration leaves it open."""
 
 
-class _MemWords(NamedTuple):
-    base_addr: int           # address of the mapping's first byte
-    size_bytes: int
-    backend: int             # BACKEND_HW or BACKEND_SIM
-    flush_insn: int          # FLUSH_CLFLUSH or FLUSH_CLFLUSHOPT (hardware backend)
-    skip_site: int           # a flush/invalidate site to omit (fault injection), -1 for none
-    tags_addr: int           # sim: int64[cache_lines] (sim.py has the layout)
-    lines_addr: int          # sim: uint64[cache_lines, 8]
-    dirty_addr: int          # sim: uint8[cache_lines]
-    ctl_addr: int            # sim: uint64[8] (rng, threshold, counters)
-    cache_lines: int         # sim: number of cache slots (a power of two)
+Mem = tuple
+"""What every kernel takes: a plain tuple of ten ints (``memfields.py`` names the positions).
+
+Why a plain tuple. Numba types a plain tuple of ints from a cached fingerprint: a call costs
+~0.5 µs of dispatch, against ~1.7 µs for the NamedTuple this was before (Numba types a named
+tuple's fields one by one in Python on every call; a registered ``typeof_impl`` for it was no
+faster), and a 64 KiB put makes about ten kernel calls. Why only ints: a Mem that carried numpy
+arrays made Numba increment and decrement each array's reference count around every inlined
+word access that could raise (its bounds check) -- atomic instructions, ~50 ns per store.
+
+The arrays behind the addresses: the mapping is its owner's (``Region.buf``; a Mem must not
+outlive it). The sim backend's private cache arrays are kept alive here, in ``_SIM_STATES``,
+keyed by their ``ctl`` address, until ``release_mem`` (``Region.close`` releases every Mem it
+made); ``mem_state`` returns them for inspection. The hardware backend has no private state: its
+Mems share one dummy state that is never released."""
 
 
-class Mem(_MemWords):
-    """How kernels reach one mapping. Built by :func:`make_mem`; passed to every kernel.
-
-    Why it holds only integers: a Mem that carried numpy arrays (the mapping's view, the sim
-    cache) made Numba increment and decrement each array's reference count around every
-    inlined word access that could raise (its bounds check) -- atomic instructions, ~50 ns per
-    store, 156 ns for three stores of one line, against ~1-2 ns of work. As a tuple of ints it is
-    passed and inlined with nothing to count. The arrays behind the addresses live in the
-    instance's ``__dict__`` (``buf``, ``tags``, ``lines``, ``dirty``, ``ctl``), which Numba never
-    sees, and stay alive as long as the Mem does. The sim arrays are 1-element dummies on the
-    hardware backend.
-    """
-
-    buf: np.ndarray
+class MemState(NamedTuple):
+    """The sim backend's private cache of one Mem (``sim.py`` has the layout); dummies on hw."""
     tags: np.ndarray
     lines: np.ndarray
     dirty: np.ndarray
     ctl: np.ndarray
 
-    def _replace(self, **kw: int) -> "Mem":  # type: ignore[override]
-        out = super()._replace(**kw)
-        out.__dict__.update(self.__dict__)      # the same arrays: keep them alive
-        return out
+
+_SIM_STATES: dict[int, MemState] = {}
+_HW_STATE = MemState(*sim.new_state(1, 1, 0.0))
+
+
+def mem_state(m: Mem) -> MemState:
+    """The private cache arrays behind ``m`` (sim), or the shared dummies (hw). Raises
+    KeyError for a sim Mem already released."""
+    if m[MEM_BACKEND] != BACKEND_SIM:
+        return _HW_STATE
+    return _SIM_STATES[m[MEM_CTL_ADDR]]
+
+
+def release_mem(m: Mem | None) -> None:
+    """Let a sim Mem's private cache go (idempotent; no-op on hw). Kernels must not be given
+    ``m`` afterwards. Every Mem with the same cache (``with_skip_site`` copies) goes with it."""
+    if m is not None and m[MEM_BACKEND] == BACKEND_SIM:
+        _SIM_STATES.pop(m[MEM_CTL_ADDR], None)
+
+
+def backend_of(m: Mem) -> int:
+    """``BACKEND_HW`` or ``BACKEND_SIM``."""
+    return m[MEM_BACKEND]
+
+
+def skip_site_of(m: Mem) -> int:
+    """The flush/invalidate site ``m`` omits, -1 for none."""
+    return m[MEM_SKIP_SITE]
 
 
 def cpu_flags() -> set[str]:
@@ -121,19 +139,20 @@ def make_mem(buf: np.ndarray, backend: str | None = None, *, seed: int = 0,
     flags = cpu_flags()
     insn = FLUSH_CLFLUSHOPT if "clflushopt" in flags else FLUSH_CLFLUSH
     if be == BACKEND_SIM:
-        tags, lines, dirty, ctl = sim.new_state(cache_lines, seed, evict_prob)
+        st = MemState(*sim.new_state(cache_lines, seed, evict_prob))
     else:
-        tags, lines, dirty, ctl = sim.new_state(1, 1, 0.0)
-    m = Mem(base, int(buf.shape[0]), be, insn, int(skip_site), int(tags.ctypes.data),
-            int(lines.ctypes.data), int(dirty.ctypes.data), int(ctl.ctypes.data),
-            int(tags.shape[0]))
-    m.__dict__.update(buf=buf, tags=tags, lines=lines, dirty=dirty, ctl=ctl)
+        st = _HW_STATE
+    m = (base, int(buf.shape[0]), be, insn, int(skip_site), int(st.tags.ctypes.data),
+         int(st.lines.ctypes.data), int(st.dirty.ctypes.data), int(st.ctl.ctypes.data),
+         int(st.tags.shape[0]))
+    if be == BACKEND_SIM:
+        _SIM_STATES[m[MEM_CTL_ADDR]] = st
     return m
 
 
 def with_skip_site(m: Mem, skip_site: int) -> Mem:
     """The same mapping and private cache, omitting one flush/invalidate site."""
-    return m._replace(skip_site=int(skip_site))
+    return m[:MEM_SKIP_SITE] + (int(skip_site),) + m[MEM_SKIP_SITE + 1:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +165,7 @@ def with_skip_site(m: Mem, skip_site: int) -> Mem:
 # scalars to an inlined, checked hardware half; the sim half is an ordinary call) removed the
 # counting inside some batch kernels (invalidate 131 -> 1.6 ns, load 48 -> 0.8 ns) but not in
 # all: three stores in a caller's loop still cost 156 ns. The Mem now holds only integers
-# (class Mem), so nothing is counted anywhere; the split stays, as the sim half is large.
+# (a plain tuple, ``Mem``), so nothing is counted anywhere; the split stays, as the sim half is large.
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -169,7 +188,7 @@ def _hw_load(base_addr, size_bytes, offset_bytes):
 
 @njit(cache=True, nogil=True)
 def _sim_load(m, offset_bytes):
-    _check_word(m.size_bytes, offset_bytes)
+    _check_word(m[MEM_SIZE_BYTES], offset_bytes)
     return sim.sim_load(m, offset_bytes)
 
 
@@ -181,7 +200,7 @@ def _hw_store(base_addr, size_bytes, offset_bytes, value):
 
 @njit(cache=True, nogil=True)
 def _sim_store(m, offset_bytes, value):
-    _check_word(m.size_bytes, offset_bytes)
+    _check_word(m[MEM_SIZE_BYTES], offset_bytes)
     sim.sim_store(m, offset_bytes, value)
 
 
@@ -193,7 +212,7 @@ def _hw_store_nt(base_addr, size_bytes, offset_bytes, value):
 
 @njit(cache=True, nogil=True)
 def _sim_store_nt(m, offset_bytes, value):
-    _check_word(m.size_bytes, offset_bytes)
+    _check_word(m[MEM_SIZE_BYTES], offset_bytes)
     sim.sim_store_nt(m, offset_bytes, value)
 
 
@@ -210,9 +229,9 @@ def _hw_flush(base_addr, size_bytes, flush_insn, skip_site, offset_bytes, site):
 
 @njit(cache=True, nogil=True)
 def _sim_flush(m, offset_bytes, site, keep):
-    if site == m.skip_site:
+    if site == m[MEM_SKIP_SITE]:
         return
-    _check_range(m.size_bytes, offset_bytes, 1)
+    _check_range(m[MEM_SIZE_BYTES], offset_bytes, 1)
     sim.sim_flush(m, offset_bytes, keep)
 
 
@@ -227,18 +246,18 @@ def _hw_writeback(base_addr, size_bytes, skip_site, offset_bytes, site):
 @njit(cache=True, nogil=True, inline="always")
 def load(m, offset_bytes):
     """Load one 64-bit word (no invalidate: may be stale on incoherent memory)."""
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         return _sim_load(m, offset_bytes)
-    return _hw_load(m.base_addr, m.size_bytes, offset_bytes)
+    return _hw_load(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], offset_bytes)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def store(m, offset_bytes, value):
     """Store one 64-bit word (no flush: other nodes may not see it yet)."""
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         _sim_store(m, offset_bytes, np.uint64(value))
     else:
-        _hw_store(m.base_addr, m.size_bytes, offset_bytes, np.uint64(value))
+        _hw_store(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], offset_bytes, np.uint64(value))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -250,10 +269,10 @@ def store_nt(m, offset_bytes, value):
     writer rewrites whole, or for single words. Warning: weakly ordered, like a flush: ``sfence``
     before any store that publishes it; the words of one line may land in any order until then.
     """
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         _sim_store_nt(m, offset_bytes, np.uint64(value))
     else:
-        _hw_store_nt(m.base_addr, m.size_bytes, offset_bytes, np.uint64(value))
+        _hw_store_nt(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], offset_bytes, np.uint64(value))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -263,10 +282,10 @@ def flush(m, offset_bytes, site):
     Warning: weakly ordered; follow a batch with ``sfence`` (before a dependent store) or
     ``mfence`` (before a dependent load).
     """
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         _sim_flush(m, offset_bytes, site, False)
     else:
-        _hw_flush(m.base_addr, m.size_bytes, m.flush_insn, m.skip_site, offset_bytes, site)
+        _hw_flush(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_FLUSH_INSN], m[MEM_SKIP_SITE], offset_bytes, site)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -277,32 +296,32 @@ def invalidate(m, offset_bytes, site):
     for user code); it is a separate kernel because the protocol role differs, and each role has
     its own fault-injection site.
     """
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         _sim_flush(m, offset_bytes, site, False)
     else:
-        _hw_flush(m.base_addr, m.size_bytes, m.flush_insn, m.skip_site, offset_bytes, site)
+        _hw_flush(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_FLUSH_INSN], m[MEM_SKIP_SITE], offset_bytes, site)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def writeback(m, offset_bytes, site):
     """``clwb``: write the line back, possibly keeping it cached. Writer side only."""
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         _sim_flush(m, offset_bytes, site, True)
     else:
-        _hw_writeback(m.base_addr, m.size_bytes, m.skip_site, offset_bytes, site)
+        _hw_writeback(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_SKIP_SITE], offset_bytes, site)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def store_fence(m):
     """``sfence``: order earlier stores and flushes before later stores (no-op in the sim)."""
-    if m.backend == BACKEND_HW:
+    if m[MEM_BACKEND] == BACKEND_HW:
         sfence()
 
 
 @njit(cache=True, nogil=True, inline="always")
 def full_fence(m):
     """``mfence``: later loads may not pass earlier stores or flushes (no-op in the sim)."""
-    if m.backend == BACKEND_HW:
+    if m[MEM_BACKEND] == BACKEND_HW:
         mfence()
 
 
@@ -338,13 +357,13 @@ def _drop_lines(m, offset_bytes, nbytes):
     """Write back and drop every line overlapping the range (no fence, no site check)."""
     line = offset_bytes & ~np.int64(63)
     end = offset_bytes + nbytes
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         while line < end:
             sim.sim_flush(m, line, False)
             line += 64
     else:
-        _flush_lines_hw(np.uint64(m.base_addr) + np.uint64(line), (end - line + 63) >> 6,
-                        m.flush_insn)
+        _flush_lines_hw(np.uint64(m[MEM_BASE_ADDR]) + np.uint64(line), (end - line + 63) >> 6,
+                        m[MEM_FLUSH_INSN])
 
 
 @njit(cache=True, nogil=True)
@@ -352,8 +371,8 @@ def flush_range(m, offset_bytes, nbytes, site):
     """Flush every line overlapping [offset, offset+nbytes), then ``sfence``."""
     if nbytes <= 0:
         return
-    _check_range(m.size_bytes, offset_bytes, nbytes)
-    if site == m.skip_site:
+    _check_range(m[MEM_SIZE_BYTES], offset_bytes, nbytes)
+    if site == m[MEM_SKIP_SITE]:
         return
     _drop_lines(m, offset_bytes, nbytes)
     store_fence(m)
@@ -364,8 +383,8 @@ def invalidate_range(m, offset_bytes, nbytes, site):
     """Invalidate every line overlapping [offset, offset+nbytes), then ``mfence``."""
     if nbytes <= 0:
         return
-    _check_range(m.size_bytes, offset_bytes, nbytes)
-    if site == m.skip_site:
+    _check_range(m[MEM_SIZE_BYTES], offset_bytes, nbytes)
+    if site == m[MEM_SKIP_SITE]:
         return
     _drop_lines(m, offset_bytes, nbytes)
     full_fence(m)
@@ -418,11 +437,11 @@ def write_bytes(m, offset_bytes, src_addr, nbytes, site):
     """
     if nbytes <= 0:
         return
-    _check_range(m.size_bytes, offset_bytes, nbytes)
-    if m.backend == BACKEND_SIM:
+    _check_range(m[MEM_SIZE_BYTES], offset_bytes, nbytes)
+    if m[MEM_BACKEND] == BACKEND_SIM:
         sim.sim_write_bytes_nt(m, offset_bytes, src_addr, nbytes)
         return
-    dst = np.uint64(m.base_addr) + np.uint64(offset_bytes)
+    dst = np.uint64(m[MEM_BASE_ADDR]) + np.uint64(offset_bytes)
     nt_copy_raw(dst, src_addr, nbytes)
     if (offset_bytes | nbytes) & 63:   # edge lines written with cached stores (write_rows says why)
         flush(m, offset_bytes, site)
@@ -439,12 +458,12 @@ def read_bytes(m, offset_bytes, dst_addr, nbytes, site):
     """
     if nbytes <= 0:
         return
-    _check_range(m.size_bytes, offset_bytes, nbytes)
+    _check_range(m[MEM_SIZE_BYTES], offset_bytes, nbytes)
     invalidate_range(m, offset_bytes, nbytes, site)
-    if m.backend == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
         sim.sim_read_bytes(m, offset_bytes, dst_addr, nbytes)
     else:
-        _plain_copy(dst_addr, np.uint64(m.base_addr) + np.uint64(offset_bytes), nbytes)
+        _plain_copy(dst_addr, np.uint64(m[MEM_BASE_ADDR]) + np.uint64(offset_bytes), nbytes)
 
 
 @njit(cache=True, nogil=True)
@@ -455,15 +474,15 @@ def write_rows(m, plan, src_base, site):
     (a fence per row cost 2-3x at 8 KiB rows).
     """
     for i in range(plan.shape[0]):
-        _check_range(m.size_bytes, plan[i, 0], plan[i, 2])
-    if m.backend == BACKEND_SIM:
+        _check_range(m[MEM_SIZE_BYTES], plan[i, 0], plan[i, 2])
+    if m[MEM_BACKEND] == BACKEND_SIM:
         for i in range(plan.shape[0]):
             sim.sim_write_bytes_nt(m, plan[i, 0], src_base + np.uint64(plan[i, 1]), plan[i, 2])
         return
     for i in range(plan.shape[0]):
         if plan[i, 2] <= 0:
             continue
-        nt_copy_raw(np.uint64(m.base_addr) + np.uint64(plan[i, 0]),
+        nt_copy_raw(np.uint64(m[MEM_BASE_ADDR]) + np.uint64(plan[i, 0]),
                     src_base + np.uint64(plan[i, 1]), plan[i, 2])
         if (plan[i, 0] | plan[i, 2]) & 63:
             # a cached (ordinary) store wrote part of an edge line: write it back. A row that
@@ -485,22 +504,22 @@ def read_rows(m, plan, dst_base, site, nt_dst=False):
     first read every destination line (read-for-ownership): 256 MiB cold went from 15.3 to
     18.8 GB/s. Small reads keep cached stores: their consumer reads the bytes right away."""
     for i in range(plan.shape[0]):
-        _check_range(m.size_bytes, plan[i, 0], plan[i, 2])
-    if site != m.skip_site:
+        _check_range(m[MEM_SIZE_BYTES], plan[i, 0], plan[i, 2])
+    if site != m[MEM_SKIP_SITE]:
         for i in range(plan.shape[0]):
             if plan[i, 2] > 0:
                 _drop_lines(m, plan[i, 0], plan[i, 2])
         full_fence(m)
     for i in range(plan.shape[0]):
-        if m.backend == BACKEND_SIM:
+        if m[MEM_BACKEND] == BACKEND_SIM:
             sim.sim_read_bytes(m, plan[i, 0], dst_base + np.uint64(plan[i, 1]), plan[i, 2])
         elif nt_dst:
             nt_copy_raw(dst_base + np.uint64(plan[i, 1]),
-                        np.uint64(m.base_addr) + np.uint64(plan[i, 0]), plan[i, 2])
+                        np.uint64(m[MEM_BASE_ADDR]) + np.uint64(plan[i, 0]), plan[i, 2])
         else:
             _plain_copy(dst_base + np.uint64(plan[i, 1]),
-                        np.uint64(m.base_addr) + np.uint64(plan[i, 0]), plan[i, 2])
-    if nt_dst and m.backend != BACKEND_SIM:
+                        np.uint64(m[MEM_BASE_ADDR]) + np.uint64(plan[i, 0]), plan[i, 2])
+    if nt_dst and m[MEM_BACKEND] != BACKEND_SIM:
         sfence()
 
 
@@ -524,10 +543,10 @@ def drop_rows_ahead(m, plan, ctl_addr, site):
     second core it runs under the copy instead of before it."""
     n = plan.shape[0]
     for i in range(n):
-        if plan[i, 0] < 0 or plan[i, 2] < 0 or plan[i, 0] + plan[i, 2] > m.size_bytes:
+        if plan[i, 0] < 0 or plan[i, 2] < 0 or plan[i, 0] + plan[i, 2] > m[MEM_SIZE_BYTES]:
             astore64(np.uint64(ctl_addr) + np.uint64(8), np.uint64(1))
             raise IndexError("region byte range out of bounds")
-    skip = site == m.skip_site
+    skip = site == m[MEM_SKIP_SITE]
     i = 0
     while i < n:
         j = min(n, i + DROP_AHEAD_BATCH)
@@ -547,7 +566,7 @@ def read_rows_behind(m, plan, dst_base, ctl_addr, nt_dst):
     it runs ~3x ahead). Returns 1 when that thread gave up (``ctl[1]``), else 0."""
     n = plan.shape[0]
     for i in range(n):
-        _check_range(m.size_bytes, plan[i, 0], plan[i, 2])
+        _check_range(m[MEM_SIZE_BYTES], plan[i, 0], plan[i, 2])
     for i in range(n):
         while aload64(np.uint64(ctl_addr)) <= np.uint64(i):
             if aload64(np.uint64(ctl_addr) + np.uint64(8)) != 0:
@@ -555,10 +574,10 @@ def read_rows_behind(m, plan, dst_base, ctl_addr, nt_dst):
             cpu_pause()
         if nt_dst:
             nt_copy_raw(dst_base + np.uint64(plan[i, 1]),
-                        np.uint64(m.base_addr) + np.uint64(plan[i, 0]), plan[i, 2])
+                        np.uint64(m[MEM_BASE_ADDR]) + np.uint64(plan[i, 0]), plan[i, 2])
         else:
             _plain_copy(dst_base + np.uint64(plan[i, 1]),
-                        np.uint64(m.base_addr) + np.uint64(plan[i, 0]), plan[i, 2])
+                        np.uint64(m[MEM_BASE_ADDR]) + np.uint64(plan[i, 0]), plan[i, 2])
     if nt_dst:
         sfence()
     return 0

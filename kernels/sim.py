@@ -31,6 +31,8 @@ import numpy as np
 from numba import njit
 
 from .intrinsics import aload64, astore64
+from .memfields import (MEM_BASE_ADDR, MEM_CACHE_LINES, MEM_CTL_ADDR, MEM_DIRTY_ADDR,
+                        MEM_LINES_ADDR, MEM_TAGS_ADDR)
 from .intrinsics import load_u8 as _load_byte
 from .intrinsics import store_u8 as _store_byte
 
@@ -58,49 +60,49 @@ def new_state(cache_lines: int, seed: int, evict_prob: float) -> tuple[np.ndarra
     return tags, lines, dirty, ctl
 
 
-# The private state is reached through its addresses (``Mem.tags_addr`` ...), not as arrays: a
+# The private state is reached through its addresses (``m[MEM_TAGS_ADDR]`` ...), not as arrays: a
 # Mem that carried arrays made Numba reference-count them around every inlined word access
 # (mem.py, "Why the Mem holds only integers").
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _tag(m, slot):
-    return np.int64(aload64(np.uint64(m.tags_addr) + np.uint64(slot * 8)))
+    return np.int64(aload64(np.uint64(m[MEM_TAGS_ADDR]) + np.uint64(slot * 8)))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _set_tag(m, slot, line):
-    astore64(np.uint64(m.tags_addr) + np.uint64(slot * 8), np.uint64(np.int64(line)))
+    astore64(np.uint64(m[MEM_TAGS_ADDR]) + np.uint64(slot * 8), np.uint64(np.int64(line)))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _word(m, slot, w):
-    return aload64(np.uint64(m.lines_addr) + np.uint64((slot * 8 + w) * 8))
+    return aload64(np.uint64(m[MEM_LINES_ADDR]) + np.uint64((slot * 8 + w) * 8))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _set_word(m, slot, w, value):
-    astore64(np.uint64(m.lines_addr) + np.uint64((slot * 8 + w) * 8), np.uint64(value))
+    astore64(np.uint64(m[MEM_LINES_ADDR]) + np.uint64((slot * 8 + w) * 8), np.uint64(value))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _dirty(m, slot):
-    return _load_byte(np.uint64(m.dirty_addr) + np.uint64(slot))
+    return _load_byte(np.uint64(m[MEM_DIRTY_ADDR]) + np.uint64(slot))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _set_dirty(m, slot, value):
-    _store_byte(np.uint64(m.dirty_addr) + np.uint64(slot), np.uint8(value))
+    _store_byte(np.uint64(m[MEM_DIRTY_ADDR]) + np.uint64(slot), np.uint8(value))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _ctl(m, i):
-    return aload64(np.uint64(m.ctl_addr) + np.uint64(i * 8))
+    return aload64(np.uint64(m[MEM_CTL_ADDR]) + np.uint64(i * 8))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _set_ctl(m, i, value):
-    astore64(np.uint64(m.ctl_addr) + np.uint64(i * 8), np.uint64(value))
+    astore64(np.uint64(m[MEM_CTL_ADDR]) + np.uint64(i * 8), np.uint64(value))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -111,7 +113,7 @@ def _count(m, i):
 @njit(cache=True, nogil=True, inline="always")
 def _slot_of(m, line_index):
     h = np.uint64(line_index) * np.uint64(0x9E3779B97F4A7C15)
-    return np.int64((h >> np.uint64(40)) & np.uint64(m.cache_lines - 1))
+    return np.int64((h >> np.uint64(40)) & np.uint64(m[MEM_CACHE_LINES] - 1))
 
 
 @njit(cache=True, nogil=True)
@@ -119,7 +121,7 @@ def sim_writeback_slot(m, slot):
     """Write the whole cached line back to memory (all 8 words, stale ones included)."""
     line = _tag(m, slot)
     if line >= 0 and _dirty(m, slot) != 0:
-        addr = np.uint64(m.base_addr) + np.uint64(line) * np.uint64(64)
+        addr = np.uint64(m[MEM_BASE_ADDR]) + np.uint64(line) * np.uint64(64)
         for w in range(8):
             astore64(addr + np.uint64(8 * w), _word(m, slot, w))
         _set_dirty(m, slot, 0)
@@ -134,7 +136,7 @@ def _maybe_early_evict(m):
     x ^= x << np.uint64(17)
     _set_ctl(m, CTL_RNG, x)
     if (x & np.uint64(0xFFFFFFFF)) < _ctl(m, CTL_THRESHOLD):
-        slot = np.int64((x >> np.uint64(32)) & np.uint64(m.cache_lines - 1))
+        slot = np.int64((x >> np.uint64(32)) & np.uint64(m[MEM_CACHE_LINES] - 1))
         if _tag(m, slot) >= 0 and _dirty(m, slot) != 0:
             sim_writeback_slot(m, slot)
             _set_tag(m, slot, -1)
@@ -148,7 +150,7 @@ def _fill(m, line_index):
         if _tag(m, slot) >= 0:
             sim_writeback_slot(m, slot)
             _count(m, CTL_CONFLICTS)
-        addr = np.uint64(m.base_addr) + np.uint64(line_index) * np.uint64(64)
+        addr = np.uint64(m[MEM_BASE_ADDR]) + np.uint64(line_index) * np.uint64(64)
         for w in range(8):
             _set_word(m, slot, w, aload64(addr + np.uint64(8 * w)))
         _set_tag(m, slot, line_index)
@@ -194,7 +196,7 @@ def sim_store_nt(m, offset_bytes, value):
     if _tag(m, slot) == line:
         sim_writeback_slot(m, slot)
         _set_tag(m, slot, -1)
-    astore64(np.uint64(m.base_addr) + np.uint64(offset_bytes), np.uint64(value))
+    astore64(np.uint64(m[MEM_BASE_ADDR]) + np.uint64(offset_bytes), np.uint64(value))
 
 
 @njit(cache=True, nogil=True)
@@ -231,10 +233,10 @@ def sim_write_bytes_nt(m, offset_bytes, src_addr, nbytes):
             word = np.uint64(0)
             for b in range(8):
                 word |= np.uint64(_load_byte(src_addr + np.uint64(pos - offset_bytes + b))) << np.uint64(8 * b)
-            astore64(np.uint64(m.base_addr) + np.uint64(pos), word)
+            astore64(np.uint64(m[MEM_BASE_ADDR]) + np.uint64(pos), word)
             pos += 8
         else:
-            _store_byte(np.uint64(m.base_addr) + np.uint64(pos),
+            _store_byte(np.uint64(m[MEM_BASE_ADDR]) + np.uint64(pos),
                         _load_byte(src_addr + np.uint64(pos - offset_bytes)))
             pos += 1
 

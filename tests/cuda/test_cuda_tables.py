@@ -53,7 +53,7 @@ async def test_contiguous_plan_rows_are_the_bytes_the_cpu_path_stored(region_pat
             plan = tables.from_kvplan(kvplan.plan(LAYOUT, snap[:, 3], np.arange(n), n, layer),
                                       LAYOUT.half_layer_bytes)
             src = kv if layer is None else kv[layer].contiguous()
-            assert np.array_equal(tensor_rows([src], plan), region_rows(eng.region.mem.buf, plan))
+            assert np.array_equal(tensor_rows([src], plan), region_rows(eng.region.buf, plan))
             # region order: within a block the rows are adjacent
             assert len(plan) == n * (2 * LAYOUT.num_layers if layer is None else 2)
     finally:
@@ -86,12 +86,12 @@ async def test_paged_plan_matches_the_contiguous_put(region_path, form):
         for layer in (None, 1):
             plan = p.plan(LAYOUT, poffs, ids, layer)
             assert np.array_equal(tensor_rows(p.tensors, plan),
-                                  region_rows(eng.region.mem.buf, plan))
+                                  region_rows(eng.region.buf, plan))
         # a single layer's pool with layer=i addresses tensor 0
         one = paged.Pool(tensors=(pools[2],), stacked=False, block_major=nb2, pool_blocks=nb)
         plan = one.plan(LAYOUT, poffs, ids, 2)
         assert set(plan.src.tolist()) == {0}
-        assert np.array_equal(tensor_rows(one.tensors, plan), region_rows(eng.region.mem.buf, plan))
+        assert np.array_equal(tensor_rows(one.tensors, plan), region_rows(eng.region.buf, plan))
     finally:
         await eng.close()
 

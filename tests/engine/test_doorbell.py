@@ -71,7 +71,7 @@ def _no_evictions(eng: tract.Engine, skip_site: int = -1) -> None:
     """The loop thread's sim cache of this node keeps every line until a flush writes it."""
     r = eng._region
     m = r.mem
-    m.ctl[1] = 0
+    K.mem_state(m).ctl[1] = 0
     r.mem = K.with_skip_site(m, skip_site)
 
 

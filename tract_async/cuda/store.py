@@ -63,7 +63,7 @@ class CudaPath:
         if not torch.cuda.is_available():
             from ..errors import TensorMismatch
             raise TensorMismatch("CUDA tensors were given but torch.cuda is not available")
-        self.reg = HostRegistration(region.mem.buf)
+        self.reg = HostRegistration(region.buf)
         self.method = method
         self.piece_bytes = piece_bytes
         self._copiers: dict[Any, Copier] = {}
@@ -323,7 +323,7 @@ async def drop_cached_payloads(m: Any, poffs: np.ndarray, rel: int, span: int) -
     private cache model is per thread and not thread-safe."""
     nbytes = int(poffs.shape[0]) * span
     threads = _invalidate_threads()
-    if nbytes < PARALLEL_INVALIDATE_BYTES or threads == 1 or m.backend != K.BACKEND_HW:
+    if nbytes < PARALLEL_INVALIDATE_BYTES or threads == 1 or m[K.MEM_BACKEND] != K.BACKEND_HW:
         ix.invalidate_payloads(m, poffs, rel, span)
         return
     global _inval_pool

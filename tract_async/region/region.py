@@ -326,12 +326,15 @@ class Region:
     this node's private cache, so two Region objects over one file behave like two hosts.
     """
 
-    def __init__(self, *, path: str, fd: int, mm: mmap.mmap, mem: K.Mem, header: np.void,
-                 backing: BackingInfo, readonly: bool) -> None:
+    def __init__(self, *, path: str, fd: int, mm: mmap.mmap, buf: np.ndarray, mem: K.Mem,
+                 header: np.void, backing: BackingInfo, readonly: bool) -> None:
         self.path = path
         self._fd = fd
         self._mm: mmap.mmap | None = mm
+        self.buf: np.ndarray | None = buf
+        """The whole mapping as uint8 (what the Mems point into); None once closed."""
         self._mem: K.Mem | None = mem
+        self._made: list[K.Mem] = [mem]   # every Mem over this mapping: released on close
         self._owner_thread = threading.get_ident()
         self._tls = threading.local()
         self._mem_generation = 0
@@ -355,22 +358,37 @@ class Region:
         The hardware backend keeps no state and is shared.
         """
         m = self._mem
-        if m is None or m.backend != K.BACKEND_SIM or threading.get_ident() == self._owner_thread:
+        if (m is None or m[K.MEM_BACKEND] != K.BACKEND_SIM
+                or threading.get_ident() == self._owner_thread):
             return m
         got = getattr(self._tls, "mem", None)
         if got is None or got[0] != self._mem_generation:
-            seed = (int(m.ctl[0]) ^ threading.get_ident()) & 0x7FFFFFFF
-            tm = K.make_mem(m.buf, "sim", seed=seed,
-                            evict_prob=int(m.ctl[1]) / 2**32, cache_lines=m.tags.shape[0],
-                            skip_site=m.skip_site)
+            seed = (int(K.mem_state(m).ctl[0]) ^ threading.get_ident()) & 0x7FFFFFFF
+            tm = self.private_mem(seed)
             got = (self._mem_generation, tm)
             self._tls.mem = got
         return got[1]
+
+    def private_mem(self, seed: int) -> K.Mem:
+        """A Mem with its own private cache on the sim backend (the same eviction rate and
+        skipped site as ``mem``, the cache seeded with ``seed``), the shared one on hardware.
+        Released when the region closes."""
+        m = self._mem
+        if m is None or m[K.MEM_BACKEND] != K.BACKEND_SIM:
+            return m
+        ctl = K.mem_state(m).ctl
+        tm = K.make_mem(self.buf, "sim", seed=seed,
+                        evict_prob=int(ctl[1]) / 2**32, cache_lines=m[K.MEM_CACHE_LINES],
+                        skip_site=m[K.MEM_SKIP_SITE])
+        self._made.append(tm)
+        return tm
 
     @mem.setter
     def mem(self, value: K.Mem | None) -> None:
         """Replace the owner thread's view (fault injection); other threads rebuild theirs."""
         self._mem = value
+        if value is not None:
+            self._made.append(value)
         self._mem_generation += 1
 
     @property
@@ -537,7 +555,8 @@ class Region:
         # 2. header fields, init_state still 0
         hbytes = np.frombuffer(hdr.tobytes(), dtype=np.uint8).copy()
         K.write_bytes(mem, 0, hbytes.ctypes.data, hbytes.size, S_HEADER_WRITE)
-        region = cls(path=path, fd=fd, mm=mm, mem=mem, header=hdr, backing=backing, readonly=False)
+        region = cls(path=path, fd=fd, mm=mm, buf=buf, mem=mem, header=hdr, backing=backing,
+                     readonly=False)
         # 3. sections into the root directory (the creator is the only party alive)
         for sec in placed:
             region.root._publish_unlocked(sec.name, sec.offset_bytes, sec.nbytes, sec.kind)
@@ -634,7 +653,8 @@ class Region:
             mm.close()
             os.close(fd)
             raise
-        return cls(path=path, fd=fd, mm=mm, mem=mem, header=hdr, backing=backing, readonly=readonly)
+        return cls(path=path, fd=fd, mm=mm, buf=buf, mem=mem, header=hdr, backing=backing,
+                   readonly=readonly)
 
     @staticmethod
     def _validate(path: str, hdr: np.void, raw: np.ndarray, size: int) -> None:
@@ -700,6 +720,10 @@ class Region:
             return
         self.nodes._close()
         self.mem = None
+        for m in self._made:
+            K.release_mem(m)
+        self._made.clear()
+        self.buf = None
         mm, self._mm = self._mm, None
         try:
             mm.close()

@@ -210,7 +210,7 @@ class RegionStore:
 
     def _parallel(self, nbytes: int) -> bool:
         return (nbytes >= PARALLEL_COPY_BYTES and self.copy_threads >= 2
-                and self.mem.backend == K.BACKEND_HW)
+                and self.mem[K.MEM_BACKEND] == K.BACKEND_HW)
 
     async def _copy(self, fn: Any, plan: np.ndarray, base: int, nbytes: int) -> None:
         ph = self.phases
@@ -233,7 +233,7 @@ class RegionStore:
             fn = _timed(fn, ph)
         # the sim's worker thread: the loop's executor, as always (its caches are per thread);
         # the hardware backend: the store's own copy threads
-        ex = self._copy_pool() if self.mem.backend == K.BACKEND_HW else None
+        ex = self._copy_pool() if self.mem[K.MEM_BACKEND] == K.BACKEND_HW else None
         await self._run_all([(fn, plan, base)], ex)
         if ph is not None:
             ph.add("copy_call", t0)
@@ -277,7 +277,7 @@ class RegionStore:
         """Copy region bytes to private memory at ``dst_addr`` by plan rows; every line is
         invalidated before it is read (on each thread, for a large read: module doc)."""
         if (nbytes >= NT_READ_BYTES and self.cfg.copy_read_ahead
-                and self.mem.backend == K.BACKEND_HW):
+                and self.mem[K.MEM_BACKEND] == K.BACKEND_HW):
             ph = self.phases
             t0 = time.perf_counter_ns() if ph is not None else 0
             await self._copy_out_split(plan, dst_addr)

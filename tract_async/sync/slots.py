@@ -151,12 +151,9 @@ def private_view(region, salt: int) -> K.Mem:  # noqa: ANN001
     the stricter model (it treats the two users as incoherent even on one host).
     """
     m = region.mem
-    if m.backend != K.BACKEND_SIM:
+    if m[K.MEM_BACKEND] != K.BACKEND_SIM:
         return m
-    evict = float(m.ctl[1]) / 2**32
-    v = K.make_mem(m.buf, "sim", seed=(salt * 7919 + int(m.ctl[0])) & 0x7FFFFFFF or 1,
-                   evict_prob=evict, cache_lines=int(m.tags.shape[0]))
-    return K.with_skip_site(v, m.skip_site)
+    return region.private_mem((salt * 7919 + int(K.mem_state(m).ctl[0])) & 0x7FFFFFFF or 1)
 
 
 # ---------------------------------------------------------------------------------------------
