@@ -133,3 +133,49 @@ def test_custom_size_classes(region_path: str) -> None:
             Allocator(r, h, size_classes=[100])
     finally:
         r.close()
+
+
+async def test_large_batches_alloc_and_free_on_arrays(region_path: str, backend: str) -> None:
+    """Batches above SMALL_BATCH take the array paths (``_set_bits``, ``_free_many_local``):
+    slots across several chunks, the heap bitmap in the region matching, a double free or a
+    slot given twice refused with nothing changed, fsck clean."""
+    from tract_async.region.alloc import SMALL_BATCH
+    r = P.make_region(region_path, backend, size_bytes=8 << 20, chunk_bytes=1 << 20)
+    try:
+        h = r.nodes.join(0, timeout_s=LIVENESS_S)
+        al = Allocator(r, h, liveness_timeout_s=LIVENESS_S, keep_free_chunks=0)
+        lock = GlobalLock(r, h)
+        n = 3 * 16 + 5                                   # 64 KiB slots: 16 per 1 MiB chunk
+        assert n > SMALL_BATCH
+        async with asyncio.TaskGroup() as tg:
+            beat = tg.create_task(heartbeat_forever(r, h, interval_s=0.1))
+            run = tg.create_task(LockManager(r, h, liveness_timeout_s=LIVENESS_S).run())
+            await lock.acquire(timeout=10)
+            try:
+                got = al.alloc_many_locked(64 << 10, n, lock)
+            finally:
+                lock.release()
+            assert len(got) == n and len({a.offset_bytes for a in got}) == n
+            assert len({a.chunk_index for a in got}) == 4
+            assert al.self_check() == []
+            half, rest = got[: n // 2], got[n // 2:]
+            assert al.free_many(half) == [True] * len(half)
+            assert al.self_check() == []
+            with pytest.raises(E.AllocationInvalid, match="not allocated"):
+                al.free_many(half[:SMALL_BATCH] + rest[:SMALL_BATCH])   # half of it freed already
+            with pytest.raises(E.AllocationInvalid, match="twice"):
+                al.free_many(rest[:SMALL_BATCH] + rest[:1])
+            assert al.self_check() == []                 # the refused batches changed nothing
+            again = al.alloc_many_nowait(64 << 10, len(half))
+            assert sorted(a.offset_bytes for a in again) == sorted(a.offset_bytes for a in half)
+            assert al.free_many(rest + again) == [True] * n
+            assert al.self_check() == []
+            rep = run_fsck(region_path, liveness_timeout_s=LIVENESS_S)
+            assert rep.clean, rep.text()
+            assert await al.close(lock, timeout=10) == 4      # every chunk empty again
+            assert al.statistics().chunks == 0
+            beat.cancel()
+            run.cancel()
+        lock.close()
+    finally:
+        r.close()

@@ -49,6 +49,7 @@ pending list, visible in ``fsck`` as used slots, recovered when the owner releas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -114,6 +115,35 @@ def _publish_heap_word(m, word_off, word_val, used_off, used_val):
 
 
 @njit(cache=True, nogil=True)
+def _set_bits(used, words, slots, value, touched):
+    """Mark ``slots`` of one chunk used (``value``) or free in its private ``used`` flags and
+    bitmap ``words``; the touched word indices go to ``touched``, ascending, and their count is
+    returned. Returns ``-1 - i`` without changing anything when slot ``slots[i]`` is already
+    in that state (an allocator bug, or a double free)."""
+    for i in range(slots.shape[0]):
+        if used[slots[i]] == value:
+            return -1 - i
+    nw = words.shape[0]
+    mark = np.zeros(nw, dtype=np.bool_)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        used[s] = value
+        w = s >> 6
+        bit = np.uint64(1) << np.uint64(s & 63)
+        if value:
+            words[w] |= bit
+        else:
+            words[w] &= ~bit
+        mark[w] = True
+    n = 0
+    for w in range(nw):
+        if mark[w]:
+            touched[n] = w
+            n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
 def _clear_tags(m, tag_offs):
     """Zero the slot tags of freed slots (owner-only words), flush each, one fence."""
     for i in range(tag_offs.shape[0]):
@@ -126,6 +156,10 @@ SMALL_BATCH = 8
 """Batches of at most this many slots update the private bitmap with Python ints: a numpy
 round (fancy indexing, ``bitwise_or.at``, ``unique``) costs ~1-3 µs per operation, more than
 the whole loop for a few slots."""
+
+
+_A_OFFSET, _A_NBYTES, _A_SLOT_BYTES, _A_OWNER, _A_CHUNK, _A_SLOT, _A_GEN, _A_TOKEN = range(8)
+"""Columns of ``np.array(list_of_allocations)`` (the fields of ``Allocation``, in order)."""
 
 
 class Allocation(NamedTuple):
@@ -171,15 +205,12 @@ class _Chunk:
                     touched.append(w)
             touched.sort()
             return touched
-        slots = np.asarray(slots, dtype=np.int64)
-        self.used[slots] = value
-        w = slots >> 6
-        bits = np.left_shift(np.uint64(1), (slots & 63).astype(np.uint64))
-        if value:
-            np.bitwise_or.at(self.words, w, bits)
-        else:
-            np.bitwise_and.at(self.words, w, ~bits)
-        return np.unique(w)
+        touched = np.empty(len(slots), dtype=np.int64)
+        n = _set_bits(self.used, self.words, np.asarray(slots, dtype=np.int64), value, touched)
+        if n < 0:
+            raise AssertionError(f"allocator: chunk {self.index} slot {int(slots[-1 - n])} is "
+                                 f"already {'used' if value else 'free'}")
+        return touched[:n]
 
     @property
     def nused(self) -> int:
@@ -333,14 +364,18 @@ class Allocator:
             k = min(count - len(out), len(c.free))
             taken = c.free[-k:][::-1]              # pop order: lowest free slot first
             del c.free[-k:]
-            if (any(c.used[s] for s in taken) if k <= SMALL_BATCH
-                    else c.used[np.array(taken, dtype=np.int64)].any()):
+            if k <= SMALL_BATCH and any(c.used[s] for s in taken):
                 raise AssertionError(f"allocator: chunk {c.index} hands out a slot marked used")
-            touched[c.index] = c.set_used(taken, True)
+            touched[c.index] = c.set_used(taken, True)   # (a large batch checks in there)
             base = self.geo.chunk_off(c.index)
             sb, ci, gen, tok = c.slot_bytes, c.index, c.generation, c.token
-            out.extend([Allocation(base + s * sb, nbytes, sb, node, ci, s, gen, tok)
-                        for s in taken])
+            if k <= SMALL_BATCH:
+                out.extend([Allocation(base + s * sb, nbytes, sb, node, ci, s, gen, tok)
+                            for s in taken])
+            else:   # ~0.25 us a slot instead of ~0.6 (tuple.__new__ from C, no argument parsing)
+                out.extend(map(Allocation._make,
+                               zip([base + s * sb for s in taken], repeat(nbytes), repeat(sb),
+                                   repeat(node), repeat(ci), taken, repeat(gen), repeat(tok))))
             if not c.free:
                 self._free[cls].pop()
         self._publish(touched)
@@ -468,6 +503,10 @@ class Allocator:
         words. Validates every allocation before changing anything (AllocationInvalid, also for
         a slot given twice in the batch)."""
         g = self.geo
+        if len(allocations) > SMALL_BATCH:
+            fast = self._free_many_local(allocations)
+            if fast is not None:
+                return fast
         for a in allocations:
             if not (0 <= a.chunk_index < g.nchunks and 0 <= a.owner_node < g.max_nodes
                     and a.offset_bytes == g.chunk_off(a.chunk_index) + a.slot_index * a.slot_bytes):
@@ -511,6 +550,43 @@ class Allocator:
             if self._pending.get(a.owner_node) or not self._push(a.owner_node, entry):
                 self._pending.setdefault(a.owner_node, []).append(entry)
         return result
+
+    def _free_many_local(self, allocations: Sequence[Allocation]) -> list[bool] | None:
+        """``free_many`` of a large batch whose every slot is in a chunk this incarnation owns
+        (evicting one's own blocks, abandoning a put): the same checks, on arrays, ~3x faster
+        than the per-allocation loop. None (nothing changed) when a slot is remote or of a
+        chunk not ours: the general path then handles the batch, and raises where it must."""
+        g = self.geo
+        nf = len(Allocation._fields)
+        a = np.fromiter(chain.from_iterable(allocations), dtype=np.int64,
+                        count=len(allocations) * nf).reshape(-1, nf)
+        ci, si, sb = a[:, _A_CHUNK], a[:, _A_SLOT], a[:, _A_SLOT_BYTES]
+        if not ((ci >= 0).all() and (ci < g.nchunks).all() and (a[:, _A_OWNER] == self.node_id).all()
+                and (a[:, _A_OFFSET] == g.chunks_offset + ci * g.chunk_bytes + si * sb).all()):
+            return None
+        order = np.argsort(ci, kind="stable")
+        ci_s = ci[order]
+        cuts = np.flatnonzero(np.diff(ci_s)) + 1
+        groups = np.split(order, cuts)
+        plan = []
+        for grp in groups:
+            c = self._chunks.get(int(ci[grp[0]]))
+            gens = a[grp, _A_GEN] & GEN_MASK
+            if c is None or (gens != (c.generation & GEN_MASK)).any():
+                return None
+            slots = si[grp]
+            if (slots < 0).any() or (slots >= c.nslots).any():
+                return None
+            if not c.used[slots].all():
+                raise AllocationInvalid(
+                    f"free of chunk {c.index}: slot(s) {slots[~c.used[slots]][:4].tolist()} not "
+                    f"allocated on node {self.node_id} (double free or stale allocation)")
+            if np.unique(slots).shape[0] != slots.shape[0]:
+                raise AllocationInvalid(f"free of chunk {c.index}: a slot is given twice in one batch")
+            plan.append((c.index, slots.tolist()))
+        self._check_not_fenced()
+        self._publish({chunk: self._release_slots(chunk, slots) for chunk, slots in plan})
+        return [True] * len(allocations)
 
     def _release_slots(self, chunk: int, slots: list[int]) -> np.ndarray:
         """Clear used slots of one of this node's chunks; touched word indices.
