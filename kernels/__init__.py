@@ -4,8 +4,8 @@ Import name ``tract_kernels`` (the source folder is ``kernels/``; the bare name 
 to a Hugging Face package that transformers probes). See ``mem.py`` for the access rules and
 ``sim.py`` for the incoherent backend.
 """
-from .mem import (BACKEND_HW, BACKEND_SIM, ENV_BACKEND, LINE_BYTES, Mem, MemState, backend_of,
-                  cpu_flags, mem_state, release_mem, skip_site_of,
+from .mem import (BACKEND_HW, BACKEND_SIM, ENV_BACKEND, LINE_BYTES, Mem, MemState, cpu_flags,
+                  mem_state, release_mem,
                   drop_rows_ahead, flush,
                   flush_range, full_fence, invalidate, invalidate_range, load, load_fresh,
                   make_mem, nt_copy_raw, read_bytes, read_rows, resolve_backend, store, store_fence,
@@ -16,8 +16,8 @@ from .memfields import (MEM_BACKEND, MEM_BASE_ADDR, MEM_CACHE_LINES, MEM_CTL_ADD
 from .sites import NO_SITE, name_of, registered, site
 
 __all__ = [
-    "BACKEND_HW", "BACKEND_SIM", "ENV_BACKEND", "LINE_BYTES", "Mem", "MemState", "backend_of",
-    "mem_state", "release_mem", "skip_site_of", "MEM_BACKEND", "MEM_BASE_ADDR", "MEM_CACHE_LINES",
+    "BACKEND_HW", "BACKEND_SIM", "ENV_BACKEND", "LINE_BYTES", "Mem", "MemState",
+    "mem_state", "release_mem", "MEM_BACKEND", "MEM_BASE_ADDR", "MEM_CACHE_LINES",
     "MEM_CTL_ADDR", "MEM_SIZE_BYTES", "MEM_SKIP_SITE", "NO_SITE", "cpu_flags",
     "flush", "flush_range", "full_fence", "invalidate", "invalidate_range", "load", "load_fresh",
     "make_mem", "name_of", "nt_copy_raw", "read_bytes", "registered", "resolve_backend", "site",

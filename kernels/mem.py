@@ -88,16 +88,6 @@ def release_mem(m: Mem | None) -> None:
         _SIM_STATES.pop(m[MEM_CTL_ADDR], None)
 
 
-def backend_of(m: Mem) -> int:
-    """``BACKEND_HW`` or ``BACKEND_SIM``."""
-    return m[MEM_BACKEND]
-
-
-def skip_site_of(m: Mem) -> int:
-    """The flush/invalidate site ``m`` omits, -1 for none."""
-    return m[MEM_SKIP_SITE]
-
-
 def cpu_flags() -> set[str]:
     """The CPU feature flags from /proc/cpuinfo (empty set where unreadable)."""
     try:
@@ -165,7 +155,8 @@ def with_skip_site(m: Mem, skip_site: int) -> Mem:
 # scalars to an inlined, checked hardware half; the sim half is an ordinary call) removed the
 # counting inside some batch kernels (invalidate 131 -> 1.6 ns, load 48 -> 0.8 ns) but not in
 # all: three stores in a caller's loop still cost 156 ns. The Mem now holds only integers
-# (a plain tuple, ``Mem``), so nothing is counted anywhere; the split stays, as the sim half is large.
+# (a plain tuple, ``Mem``), so nothing is counted anywhere; the split stays, as the sim half
+# is large.
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -285,7 +276,8 @@ def flush(m, offset_bytes, site):
     if m[MEM_BACKEND] == BACKEND_SIM:
         _sim_flush(m, offset_bytes, site, False)
     else:
-        _hw_flush(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_FLUSH_INSN], m[MEM_SKIP_SITE], offset_bytes, site)
+        _hw_flush(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_FLUSH_INSN], m[MEM_SKIP_SITE],
+                  offset_bytes, site)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -299,7 +291,8 @@ def invalidate(m, offset_bytes, site):
     if m[MEM_BACKEND] == BACKEND_SIM:
         _sim_flush(m, offset_bytes, site, False)
     else:
-        _hw_flush(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_FLUSH_INSN], m[MEM_SKIP_SITE], offset_bytes, site)
+        _hw_flush(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_FLUSH_INSN], m[MEM_SKIP_SITE],
+                  offset_bytes, site)
 
 
 @njit(cache=True, nogil=True, inline="always")

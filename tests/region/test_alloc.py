@@ -4,7 +4,9 @@ control)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
+from typing import AsyncIterator
 
 import pytest
 
@@ -16,6 +18,19 @@ from tests.support import procs_lock as P
 
 SPAWN = mp.get_context("spawn")
 LIVENESS_S = 1.0
+
+
+@contextlib.asynccontextmanager
+async def node_services(r, h) -> AsyncIterator[None]:  # noqa: ANN001
+    """This node's heartbeat and a lock manager, running for the duration of the block."""
+    async with asyncio.TaskGroup() as tg:
+        beat = tg.create_task(heartbeat_forever(r, h, interval_s=0.1))
+        run = tg.create_task(LockManager(r, h, liveness_timeout_s=LIVENESS_S).run())
+        try:
+            yield
+        finally:
+            beat.cancel()
+            run.cancel()
 
 
 def run_stress(path: str, backend: str, seconds: float, *, use_lock: bool = True,
@@ -82,9 +97,7 @@ async def test_alloc_free_classes_full_and_close(region_path: str, backend: str)
         assert al.alloc_nowait(4096) is None            # no chunk yet: never blocks
         with pytest.raises(E.AllocationTooLarge):
             al.class_for((1 << 20) + 1)
-        async with asyncio.TaskGroup() as tg:
-            beat = tg.create_task(heartbeat_forever(r, h, interval_s=0.1))
-            run = tg.create_task(LockManager(r, h, liveness_timeout_s=LIVENESS_S).run())
+        async with node_services(r, h):
             a = await al.alloc(3000, lock, timeout=10)
             assert a.slot_bytes == 4096 and a.owner_node == 0 and a.token >> 32 == 1
             b = al.alloc_nowait(4000)                   # same chunk, from the free list
@@ -105,8 +118,6 @@ async def test_alloc_free_classes_full_and_close(region_path: str, backend: str)
                 al.free(x)
             assert await al.close(lock, timeout=10) == len(held)
             assert al.statistics().chunks == 0
-            beat.cancel()
-            run.cancel()
         lock.close()
     finally:
         r.close()
@@ -147,9 +158,7 @@ async def test_large_batches_alloc_and_free_on_arrays(region_path: str, backend:
         lock = GlobalLock(r, h)
         n = 3 * 16 + 5                                   # 64 KiB slots: 16 per 1 MiB chunk
         assert n > SMALL_BATCH
-        async with asyncio.TaskGroup() as tg:
-            beat = tg.create_task(heartbeat_forever(r, h, interval_s=0.1))
-            run = tg.create_task(LockManager(r, h, liveness_timeout_s=LIVENESS_S).run())
+        async with node_services(r, h):
             await lock.acquire(timeout=10)
             try:
                 got = al.alloc_many_locked(64 << 10, n, lock)
@@ -174,8 +183,6 @@ async def test_large_batches_alloc_and_free_on_arrays(region_path: str, backend:
             assert rep.clean, rep.text()
             assert await al.close(lock, timeout=10) == 4      # every chunk empty again
             assert al.statistics().chunks == 0
-            beat.cancel()
-            run.cancel()
         lock.close()
     finally:
         r.close()

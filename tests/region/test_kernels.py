@@ -203,7 +203,7 @@ def test_sim_payload_read_without_invalidate_is_stale(buf: np.ndarray) -> None:
 
 def test_backend_from_environment(monkeypatch: pytest.MonkeyPatch, buf: np.ndarray) -> None:
     monkeypatch.setenv(K.ENV_BACKEND, "sim")
-    assert K.backend_of(K.make_mem(buf)) == K.BACKEND_SIM
+    assert K.make_mem(buf)[K.MEM_BACKEND] == K.BACKEND_SIM
     monkeypatch.setenv(K.ENV_BACKEND, "bogus")
     with pytest.raises(ValueError, match="unknown memory backend"):
         K.make_mem(buf)

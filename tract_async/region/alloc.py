@@ -158,10 +158,6 @@ round (fancy indexing, ``bitwise_or.at``, ``unique``) costs ~1-3 µs per operati
 the whole loop for a few slots."""
 
 
-_A_OFFSET, _A_NBYTES, _A_SLOT_BYTES, _A_OWNER, _A_CHUNK, _A_SLOT, _A_GEN, _A_TOKEN = range(8)
-"""Columns of ``np.array(list_of_allocations)`` (the fields of ``Allocation``, in order)."""
-
-
 class Allocation(NamedTuple):
     """One allocated slot: the allocator's boundary type. Pass it back to ``free``.
 
@@ -175,6 +171,21 @@ class Allocation(NamedTuple):
     slot_index: int
     generation: int        # chunk generation it was carved under
     token: int             # fencing token of the chunk's claim
+
+
+(A_OFFSET, A_NBYTES, A_SLOT_BYTES, A_OWNER, A_CHUNK, A_SLOT, A_GEN,
+ A_TOKEN) = (Allocation._fields.index(f) for f in (
+    "offset_bytes", "nbytes", "slot_bytes", "owner_node", "chunk_index", "slot_index",
+    "generation", "token"))
+"""Columns of ``allocation_rows``."""
+
+
+def allocation_rows(allocations: Sequence[Allocation]) -> np.ndarray:
+    """A batch of allocations as one int64 array, a row each, columns ``A_*``: ``np.fromiter``
+    over the chained tuples (0.5 ms for 4096 of them; ``np.array`` 1.2 ms, a tuple per row 2 ms)."""
+    nf = len(Allocation._fields)
+    return np.fromiter(chain.from_iterable(allocations), dtype=np.int64,
+                       count=len(allocations) * nf).reshape(-1, nf)
 
 
 @dataclass(kw_only=True)
@@ -557,12 +568,11 @@ class Allocator:
         than the per-allocation loop. None (nothing changed) when a slot is remote or of a
         chunk not ours: the general path then handles the batch, and raises where it must."""
         g = self.geo
-        nf = len(Allocation._fields)
-        a = np.fromiter(chain.from_iterable(allocations), dtype=np.int64,
-                        count=len(allocations) * nf).reshape(-1, nf)
-        ci, si, sb = a[:, _A_CHUNK], a[:, _A_SLOT], a[:, _A_SLOT_BYTES]
-        if not ((ci >= 0).all() and (ci < g.nchunks).all() and (a[:, _A_OWNER] == self.node_id).all()
-                and (a[:, _A_OFFSET] == g.chunks_offset + ci * g.chunk_bytes + si * sb).all()):
+        a = allocation_rows(allocations)
+        ci, si, sb = a[:, A_CHUNK], a[:, A_SLOT], a[:, A_SLOT_BYTES]
+        if not ((ci >= 0).all() and (ci < g.nchunks).all()
+                and (a[:, A_OWNER] == self.node_id).all()
+                and (a[:, A_OFFSET] == g.chunks_offset + ci * g.chunk_bytes + si * sb).all()):
             return None
         order = np.argsort(ci, kind="stable")
         ci_s = ci[order]
@@ -571,7 +581,7 @@ class Allocator:
         plan = []
         for grp in groups:
             c = self._chunks.get(int(ci[grp[0]]))
-            gens = a[grp, _A_GEN] & GEN_MASK
+            gens = a[grp, A_GEN] & GEN_MASK
             if c is None or (gens != (c.generation & GEN_MASK)).any():
                 return None
             slots = si[grp]
@@ -582,7 +592,8 @@ class Allocator:
                     f"free of chunk {c.index}: slot(s) {slots[~c.used[slots]][:4].tolist()} not "
                     f"allocated on node {self.node_id} (double free or stale allocation)")
             if np.unique(slots).shape[0] != slots.shape[0]:
-                raise AllocationInvalid(f"free of chunk {c.index}: a slot is given twice in one batch")
+                raise AllocationInvalid(f"free of chunk {c.index}: a slot is given twice in one "
+                                        f"batch")
             plan.append((c.index, slots.tolist()))
         self._check_not_fenced()
         self._publish({chunk: self._release_slots(chunk, slots) for chunk, slots in plan})
