@@ -15,19 +15,24 @@ def region_sections(*, size_bytes: int, max_nodes: int, chunk_bytes: int = 2 << 
                     block_bytes: int = 64 << 10, index_capacity: int | None = None
                     ) -> list[SectionSpec]:
     """Sections for a region of ``size_bytes``: ``index_capacity`` entries (default: twice the
-    number of ``block_bytes`` blocks that fit)."""
+    number of ``block_bytes`` blocks that fit, per lane, at most about 1/8 of the region)."""
     min_slot = min(DEFAULT_MIN_SLOT_BYTES, chunk_bytes)
     secs = sections_for(size_bytes, max_nodes, chunk_bytes, min_slot_bytes=min_slot)
-    # every block takes at least one slot of min_slot bytes; the index never takes more than
-    # about 1/16 of the region (an entry is 128 bytes, capacity_for doubles the block count)
+    # every block takes at least one slot of min_slot bytes. A node reserves only in its own
+    # lane (index.py), so each lane gets room for twice the region's blocks, as the whole table
+    # had with one lane; the index never takes more than about 1/8 of the region (a lane then
+    # holds fewer, and a node that alone fills the region evicts its oldest in a full window)
     blocks = size_bytes // max(block_bytes, min_slot, 1)
-    blocks = min(blocks, size_bytes // (32 * ix.ENTRY_BYTES))
-    cap = index_capacity or ix.capacity_for(max(1, blocks))
+    cap = ix.capacity_for(max(1, blocks)) * ix.lanes_for(max_nodes)
+    most = 64
+    while most * 2 * ix.ENTRY_BYTES * 8 <= size_bytes:
+        most *= 2
+    cap = index_capacity or max(64, min(cap, most))
     index = SectionSpec(name="index", nbytes=ix.section_bytes(cap))
     bells = SectionSpec(name=doorbell.SECTION, nbytes=doorbell.section_bytes(max_nodes))
     return secs[:-1] + [bells, index, secs[-1]]
 
 
 def initialize(region) -> None:  # noqa: ANN001
-    """Format the sections that need more than zeroes (the index header)."""
-    ix.PrefixIndex.format(region)
+    """Format the sections that need more than zeroes (the index header: a lane per node id)."""
+    ix.PrefixIndex.format(region, lanes=ix.lanes_for(region.max_nodes))

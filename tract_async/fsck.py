@@ -377,7 +377,8 @@ def _repair_locked(region: Region, table: ChunkTable, lock, nodes: list[NodeInfo
         drop_now.append(f.entry)
         rep.repairs.append(f"tombstoned index entry {f.entry}: {f.reason}")
     if drop_now:
-        evict_batch(region.mem, idx.geo.entries_offset, idx.tgeo, idx.mask,
+        # no sweep: each lane's tombstones are its owner's to empty (index.py)
+        evict_batch(region.mem, idx.geo.entries_offset, idx.tgeo, idx.mask, idx.geo.lanes, -1,
                     np.asarray(drop_now, dtype=np.int64), TOMBSTONE,
                     np.zeros((len(drop_now), 5), dtype=np.int64))
 

@@ -153,10 +153,10 @@ async def _scenario(path: str, backend: str) -> None:
         st = b._store
         stop = np.zeros(1, dtype=np.uint8)
         waits.poll_ready(st.mem, st.geo.entries_offset, st.index.mask, st.geo.max_probe,
-                         np.zeros((1, 4), dtype=np.uint64), 0, np.uint64(1), True, 0, stop,
+                         st.geo.lanes, np.zeros((1, 4), dtype=np.uint64), 0, np.uint64(1), True, 0, stop,
                          np.zeros((1, 8), dtype=np.int64))
         waits.poll_present(st.mem, st.geo.entries_offset, st.index.mask, st.geo.max_probe,
-                           np.zeros((1, 4), dtype=np.uint64), 0, stop)
+                           st.geo.lanes, np.zeros((1, 4), dtype=np.uint64), 0, stop)
         bell = st.blocks.doorbell           # the producer's look on its own (tests call it)
         db.waiting_mask(st.mem, bell.offset, bell.max_nodes)
         ix.scan_entries(st.mem, st.geo.entries_offset, st.geo.capacity,

@@ -26,18 +26,52 @@ reader's step 4 notices. (What must never be reused under a transfer is memory a
 still land in: a producer's entry is RESERVED, and RESERVED entries are never evicted while the
 producer lives; the engine waits for a cancelled put's copy to finish before giving memory up.)
 
-Who writes what, and in what order
-----------------------------------
-* Reserve (global-lock holder, once per request batch): in a free or tombstoned slot of the key's
-  probe window, write line 1 (no layers yet, allocation, producer, LRU clock, flags) with
+Who writes what, and in what order (lanes: no global lock on the steady-state put)
+-------------------------------------------------------------------------------------
+The table is cut into *lanes*: entry ``s`` belongs to lane ``s % lanes``, and with a lane per
+node id (``lanes_for(max_nodes)``) lane ``n`` is node ``n``'s. A key's probe visits *groups* of
+``lanes`` consecutive entries (its home group, then the next, up to ``max_probe`` groups); each
+lane's entries along those groups form that lane's own chain, which ends at the lane's first
+EMPTY entry. A reader searches every lane (it cannot know who stored the key) and stops when
+every lane's chain has ended. The rules that keep one writer per line (DESIGN.md invariant 2):
+
+* **The lane's owner, without the lock**, writes an entry of its lane that is EMPTY or a
+  TOMBSTONE (to reserve it), its own RESERVED entries (fill, publish, abandon), and the
+  tombstones of its lane (sweeping them back to EMPTY).
+* **The global-lock holder** writes READY entries of any lane (evict for space, evict on request,
+  consume, expire, touch) and, in recovery, the entries of a lane whose node is dead. Its last
+  write to an entry of another lane is the tombstone (``evict_batch``: version, then state,
+  one line, one flush): from then on the entry is the owner's again, which may reuse it at once.
+  It never sweeps another lane's tombstones.
+
+Nobody else writes a RESERVED entry of a live producer or an EMPTY/TOMBSTONE entry of a live
+lane, and only lock holders write READY entries: every line has one writer at a time without
+mutual exclusion on the put path. What stays under the lock: chunk claims, every eviction of a
+READY entry (the owner's own included: another lock holder might be evicting it), touches,
+and the first hold of a new incarnation, which empties its lane (``clear_lane``: whatever its
+predecessor left) before it writes the lane lock-free. A node judged dead must not go on
+writing its lane: its lock-free reservation starts with the allocator's fencing check (its epoch
+not reclaimed), the check that guards its lock-free heap writes too. Two nodes may reserve one
+key at once, each in its lane; both then hold the same bytes (a key names its content), readers
+take the first they find, and each copy is evicted on its own. With one lane for several nodes
+(more than ``INDEX_MAX_LANES``), every reservation takes the lock, as before lanes. What a lane
+costs: a node's entries fit only in its lane, so the default table has a lane's worth of room
+for every node (``engine_layout``), and where a node's window fills, a locked reservation
+evicts its oldest READY entry there (``evict_window_batch``).
+
+The steps:
+
+* Reserve (lane owner, once per request batch): in a free or tombstoned entry of its lane in the
+  key's window, write line 1 (no layers yet, allocation, producer, LRU clock, flags) with
   non-temporal stores, fence, then line 0 once: ``version + 1``, key, payload bounds and, stored
   last, ``state = RESERVED``; flush. The entry is now the producer's.
 * Fill (the producer, no lock): payload bytes of a layer with non-temporal stores and ``sfence``;
   then the layer's bit in line 1 (NT store); the consumer sees the bit only after the bytes. After
   the last layer, a fence, then ``state = READY`` (NT) (DESIGN.md invariant 5). The entry is
-  handed back.
-* Evict (global-lock holder): ``state = TOMBSTONE``, flush, then ``version + 1``, flush; only then
-  is the payload freed. Tombstones keep probe chains intact; reserve reuses them.
+  handed to the lock holders.
+* Evict (lock holder; or the owner, of its own RESERVED entries): ``version + 1``, then
+  ``state = TOMBSTONE``, one flush; only then is the payload freed. Tombstones keep probe
+  chains intact; reserve reuses them.
 * Touch (global-lock holder): ``last_access_ns`` of READY entries, batched: approximate LRU.
 
 Eviction is sampled LRU (as Redis does): to evict k blocks, the ``sample * k`` entries from a
@@ -89,7 +123,10 @@ E_LLO, E_LHI, E_OWNER, E_TOKEN = _E["layers_lo"], _E["layers_hi"], _E["owner"], 
 E_LAST, E_PRODUCER, E_FLAGS, E_DEADLINE = (_E["last_access_ns"], _E["producer"], _E["flags"],
                                            _E["deadline_ns"])
 _H = {n: L.INDEX_HEADER.dtype.fields[n][1] for n in L.INDEX_HEADER.dtype.names}
-H_CLOCK, H_EVICTIONS, H_PUBLISHES = _H["clock_hand"], _H["evictions"], _H["publishes"]
+H_CLOCK = _H["clock_hand"]
+_LN = {n: L.INDEX_LANE.dtype.fields[n][1] for n in L.INDEX_LANE.dtype.names}
+LN_PUBLISHES, LN_EVICTIONS = _LN["publishes"], _LN["evictions"]
+"""Counter words of a lane's line (``layout.INDEX_LANE``), at ``lane_line(hoff, lane)``."""
 
 EMPTY, RESERVED, READY, TOMBSTONE = L.IX_EMPTY, L.IX_RESERVED, L.IX_READY, L.IX_TOMBSTONE
 FLAG_TRANSFER = 1
@@ -121,6 +158,21 @@ def capacity_for(blocks: int) -> int:
     return cap
 
 
+def lanes_for(max_nodes: int) -> int:
+    """Lanes of an index for ``max_nodes`` nodes: the power of two at or above it, so every
+    node id has a lane of its own (lock-free reservations); 1 beyond ``INDEX_MAX_LANES`` (every
+    reservation then takes the global lock)."""
+    lanes = 1
+    while lanes < max_nodes:
+        lanes *= 2
+    return lanes if lanes <= L.INDEX_MAX_LANES else 1
+
+
+def lane_line(header_offset: int, lane: int) -> int:
+    """Offset of lane ``lane``'s counter line (``layout.INDEX_LANE``)."""
+    return header_offset + L.INDEX_LANES_OFFSET + lane * L.LINE_BYTES
+
+
 # ---------------------------------------------------------------------------------------------
 # jitted primitives (no lock: readers)
 
@@ -143,65 +195,87 @@ def _tag_of(slot, version):
         np.uint64(version) & np.uint64(TAG_VERSION_MASK))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _home(k0, mask, lanes):
+    """First entry of the key's home group: the group of ``lanes`` entries its hash names."""
+    return np.int64(k0 & np.uint64(mask)) & ~np.int64(lanes - 1)
+
+
 @njit(cache=True, nogil=True)
-def _find_from(m, eoff, mask, max_probe, k0, k1, k2, k3, home_fresh):
-    """Slot of the live (RESERVED/READY) entry for the key, or -1. Invalidates each line read,
-    except the home entry's line 0 when ``home_fresh`` (the caller invalidated it and fenced)."""
-    b = np.int64(k0 & np.uint64(mask))
+def _find_from(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3, home_fresh):
+    """Slot of the live (RESERVED/READY) entry for the key, or -1. Probes group by group (each
+    lane's chain is its own: lane n of group p, p = 0, 1, ...); a lane's chain ends at its first
+    EMPTY entry, the search when every lane's has (or after ``max_probe`` groups). Invalidates
+    each line read, one fence per group, except the home group when ``home_fresh`` (the caller
+    invalidated it and fenced)."""
+    base = _home(k0, mask, lanes)
+    open_ = (np.uint64(1) << np.uint64(lanes)) - np.uint64(1)
     for p in range(max_probe):
-        slot = (b + p) & mask
-        off = eoff + slot * ENTRY_BYTES
+        g = (base + p * lanes) & mask
         if p > 0 or not home_fresh:
-            K.invalidate(m, off, S_IX_READ)
+            for n in range(lanes):
+                if (open_ >> np.uint64(n)) & np.uint64(1):
+                    K.invalidate(m, eoff + (g + n) * ENTRY_BYTES, S_IX_READ)
             K.full_fence(m)
-        st = K.load(m, off + E_STATE)
-        if st == EMPTY:
+        for n in range(lanes):
+            if not (open_ >> np.uint64(n)) & np.uint64(1):
+                continue
+            off = eoff + (g + n) * ENTRY_BYTES
+            st = K.load(m, off + E_STATE)
+            if st == EMPTY:
+                open_ &= ~(np.uint64(1) << np.uint64(n))
+                continue
+            if st == TOMBSTONE:
+                continue
+            if (K.load(m, off) == k0 and K.load(m, off + E_KEY1) == k1
+                    and K.load(m, off + E_KEY2) == k2 and K.load(m, off + E_KEY3) == k3):
+                return g + n
+        if open_ == 0:
             return -1
-        if st == TOMBSTONE:
-            continue
-        if (K.load(m, off) == k0 and K.load(m, off + E_KEY1) == k1 and K.load(m, off + E_KEY2) == k2
-                and K.load(m, off + E_KEY3) == k3):
-            return slot
     return -1
 
 
 @njit(cache=True, nogil=True)
-def _find(m, eoff, mask, max_probe, k0, k1, k2, k3):
+def _find(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3):
     """Slot of the live (RESERVED/READY) entry for the key, or -1. Invalidates each line read."""
-    return _find_from(m, eoff, mask, max_probe, k0, k1, k2, k3, False)
+    return _find_from(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3, False)
 
 
 @njit(cache=True, nogil=True)
-def _invalidate_homes(m, eoff, mask, keys):
-    """Invalidate line 0 of every key's home entry, then one ``mfence``.
+def _invalidate_homes(m, eoff, mask, lanes, keys):
+    """Invalidate line 0 of every entry of every key's home group, then one ``mfence``.
 
     Batching: a clflushopt + mfence pair costs ~300-400 ns because the fence waits for the
     flush; flushing every home line first and fencing once lets the flushes overlap, so a batch
     pays one fence. Each key's first probe then reads
-    its home line from memory; later probes (collisions) invalidate and fence one by one."""
+    its home lines from memory; later groups (collisions) invalidate and fence one by one."""
     for i in range(keys.shape[0]):
-        K.invalidate(m, eoff + np.int64(keys[i, 0] & np.uint64(mask)) * ENTRY_BYTES, S_IX_READ)
+        base = _home(keys[i, 0], mask, lanes)
+        for n in range(lanes):
+            K.invalidate(m, eoff + (base + n) * ENTRY_BYTES, S_IX_READ)
     K.full_fence(m)
-    _touch_lines(m, eoff, mask, keys)
+    _touch_lines(m, eoff, mask, lanes, keys)
 
 
 @njit(cache=True, nogil=True)
-def _touch_lines(m, eoff, mask, keys):
+def _touch_lines(m, eoff, mask, lanes, keys):
     """Load one word of every home line in a branch-free loop, so that the cache misses overlap
     (the probe loop that follows branches on each line and would take them one at a time)."""
     acc = np.uint64(0)
     for i in range(keys.shape[0]):
-        acc ^= K.load(m, eoff + np.int64(keys[i, 0] & np.uint64(mask)) * ENTRY_BYTES + E_STATE)
+        base = _home(keys[i, 0], mask, lanes)
+        for n in range(lanes):
+            acc ^= K.load(m, eoff + (base + n) * ENTRY_BYTES + E_STATE)
     return acc
 
 
 @njit(cache=True, nogil=True)
-def lookup_batch(m, eoff, mask, max_probe, keys):
+def lookup_batch(m, eoff, mask, max_probe, lanes, keys):
     """Number of leading keys whose entries are READY (resident and complete)."""
     n = keys.shape[0]
-    _invalidate_homes(m, eoff, mask, keys)
+    _invalidate_homes(m, eoff, mask, lanes, keys)
     for i in range(n):
-        slot = _find_from(m, eoff, mask, max_probe, keys[i, 0], keys[i, 1], keys[i, 2],
+        slot = _find_from(m, eoff, mask, max_probe, lanes, keys[i, 0], keys[i, 1], keys[i, 2],
                           keys[i, 3], True)
         if slot < 0:
             return i
@@ -211,7 +285,7 @@ def lookup_batch(m, eoff, mask, max_probe, keys):
 
 
 @njit(cache=True, nogil=True)
-def snapshot_batch(m, eoff, mask, max_probe, keys, out):
+def snapshot_batch(m, eoff, mask, max_probe, lanes, keys, out):
     """For each key: out[i] = (slot, version, state, payload_offset, nbytes, layers_lo,
     layers_hi, flags); slot = -1 when absent.
 
@@ -219,9 +293,9 @@ def snapshot_batch(m, eoff, mask, max_probe, keys, out):
     (layer bits) of every found entry, invalidated only *after* its line 0 was read, so the
     layer bits are never older than the key and version they are paired with (a reserve clears
     line 1 before it writes line 0: older bits could be a previous occupant's)."""
-    _invalidate_homes(m, eoff, mask, keys)
+    _invalidate_homes(m, eoff, mask, lanes, keys)
     for i in range(keys.shape[0]):
-        slot = _find_from(m, eoff, mask, max_probe, keys[i, 0], keys[i, 1], keys[i, 2],
+        slot = _find_from(m, eoff, mask, max_probe, lanes, keys[i, 0], keys[i, 1], keys[i, 2],
                           keys[i, 3], True)
         out[i, 0] = slot
         if slot < 0:
@@ -392,17 +466,21 @@ def _claimed_add(table, slot, pos):
 
 
 RESERVE_GROUP = 64
+LRU_STEP = 64
+"""Entries ``evict_lru_batch`` invalidates per fence while it walks from the clock hand."""
 """Keys per store fence in ``reserve_batch``. One ``sfence`` (~0.3 µs) per 64 keys costs ~5 ns
 per key, and the group's line-0 copies read by the probe stay in L1 until they are written."""
 
 
 @njit(cache=True, nogil=True)
-def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tokens, now_ns,
-                  producer, flags, deadline_ns, out):
-    """Reserve an entry for each key (the global-lock holder's step; module docstring).
+def reserve_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, poffs, pnbs, owners,
+                  tokens, now_ns, producer, flags, deadline_ns, out):
+    """Reserve an entry of lane ``lane`` for each key (the lane owner's step, lock-free when the
+    index has a lane per node, else under the global lock; module docstring).
 
     out[i] = (slot, previous state, new version): slot >= 0 reserved; -1 when the key's probe
-    window is full; -(2 + slot) when the key is already live (or given twice in the batch).
+    window has no free entry of this lane; -(2 + slot) when the key is already live in any lane
+    (or given twice in the batch). Other lanes' entries are only read (for that check).
 
     Every home line is invalidated first (one fence). Then, per group of ``RESERVE_GROUP`` keys:
     (1) per key: probe (later probes invalidate and fence one by one), then line 1 (no layers,
@@ -432,42 +510,53 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tok
     while size < 2 * n:
         size *= 2
     claimed = np.full((size, 2), -1, dtype=np.int64)
-    _invalidate_homes(m, eoff, mask, keys)
+    _invalidate_homes(m, eoff, mask, lanes, keys)
     for g0 in range(0, n, RESERVE_GROUP):
         g1 = min(n, g0 + RESERVE_GROUP)
         for i in range(g0, g1):
             k0, k1, k2, k3 = keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3]
-            b = np.int64(k0 & np.uint64(mask))
+            base = _home(k0, mask, lanes)
             free = np.int64(-1)
             prev = np.uint64(EMPTY)
             dup = np.int64(-1)
+            open_ = (np.uint64(1) << np.uint64(lanes)) - np.uint64(1)
             for p in range(max_probe):
-                slot = (b + p) & mask
-                off = eoff + slot * ENTRY_BYTES
-                j = _claimed_find(claimed, slot)
-                if j >= 0:                  # its line 0 may not be written yet: compare keys here
-                    if (keys[j, 0] == k0 and keys[j, 1] == k1 and keys[j, 2] == k2
-                            and keys[j, 3] == k3):
+                grp = (base + p * lanes) & mask
+                if p > 0:
+                    for ln in range(lanes):
+                        if ((open_ >> np.uint64(ln)) & np.uint64(1)
+                                and _claimed_find(claimed, grp + ln) < 0):
+                            K.invalidate(m, eoff + (grp + ln) * ENTRY_BYTES, S_IX_READ)
+                    K.full_fence(m)
+                for ln in range(lanes):
+                    if not (open_ >> np.uint64(ln)) & np.uint64(1):
+                        continue
+                    slot = grp + ln
+                    off = eoff + slot * ENTRY_BYTES
+                    j = _claimed_find(claimed, slot)
+                    if j >= 0:              # its line 0 may not be written yet: compare keys here
+                        if (keys[j, 0] == k0 and keys[j, 1] == k1 and keys[j, 2] == k2
+                                and keys[j, 3] == k3):
+                            dup = slot
+                            break
+                        continue
+                    st = K.load(m, off + E_STATE)
+                    if st == EMPTY:
+                        open_ &= ~(np.uint64(1) << np.uint64(ln))
+                        if ln == lane and free < 0:
+                            free = slot
+                            prev = st
+                        continue
+                    if st == TOMBSTONE:
+                        if ln == lane and free < 0:
+                            free = slot
+                            prev = st
+                        continue
+                    if (K.load(m, off) == k0 and K.load(m, off + E_KEY1) == k1
+                            and K.load(m, off + E_KEY2) == k2 and K.load(m, off + E_KEY3) == k3):
                         dup = slot
                         break
-                    continue
-                if p > 0:
-                    K.invalidate(m, off, S_IX_READ)
-                    K.full_fence(m)
-                st = K.load(m, off + E_STATE)
-                if st == EMPTY:
-                    if free < 0:
-                        free = slot
-                        prev = st
-                    break
-                if st == TOMBSTONE:
-                    if free < 0:
-                        free = slot
-                        prev = st
-                    continue
-                if (K.load(m, off) == k0 and K.load(m, off + E_KEY1) == k1
-                        and K.load(m, off + E_KEY2) == k2 and K.load(m, off + E_KEY3) == k3):
-                    dup = slot
+                if dup >= 0 or open_ == 0:
                     break
             if dup >= 0:
                 out[i, 0] = -(2 + dup)
@@ -513,11 +602,12 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, keys, poffs, pnbs, owners, tok
 
 
 @njit(cache=True, nogil=True)
-def reserve_batch_counted(m, hoff, eoff, tgeo, mask, max_probe, keys, ainfo, now_ns, producer,
-                          flags, deadline_ns, out):
+def reserve_batch_counted(m, loff, eoff, tgeo, mask, max_probe, lanes, lane, keys, ainfo, now_ns,
+                          producer, flags, deadline_ns, out):
     """``reserve_batch`` with the allocation columns of one (n, 4) uint64 array ``ainfo``
     (payload offset, nbytes, owner word, token), then, when every key was reserved, the
-    ``publishes`` counter bumped by n (fresh read, store, flush: ``bump_counter_locked``).
+    ``publishes`` counter of the lane's line ``loff`` bumped by n (fresh read, store, flush:
+    ``bump_counter``).
     Returns True when it bumped; False leaves the counter to the caller (some key was already
     live or found no free entry: the caller frees those allocations first, as before).
 
@@ -525,54 +615,65 @@ def reserve_batch_counted(m, hoff, eoff, tgeo, mask, max_probe, keys, ainfo, now
     unboxing, and the counter bump was two more such calls; a small put pays this once. The
     stores, flushes and fences are those of ``reserve_batch`` followed by the bump's, in that
     order, exactly as the separate calls made them."""
-    reserve_batch(m, eoff, tgeo, mask, max_probe, keys, ainfo[:, 0], ainfo[:, 1], ainfo[:, 2],
-                  ainfo[:, 3], now_ns, producer, flags, deadline_ns, out)
+    reserve_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, ainfo[:, 0], ainfo[:, 1],
+                  ainfo[:, 2], ainfo[:, 3], now_ns, producer, flags, deadline_ns, out)
     n = keys.shape[0]
     for i in range(n):
         if out[i, 0] < 0:
             return False
-    cur = K.load_fresh(m, hoff + H_PUBLISHES, S_IX_READ)
-    K.store_flush(m, hoff + H_PUBLISHES, cur + np.uint64(n), S_IX_HDR)
+    cur = K.load_fresh(m, loff + LN_PUBLISHES, S_IX_READ)
+    K.store_flush(m, loff + LN_PUBLISHES, cur + np.uint64(n), S_IX_HDR)
     return True
 
 
 @njit(cache=True, nogil=True)
-def _sweep_tombstones(m, eoff, mask, slot):
-    """After ``slot`` became a tombstone: if the next entry is EMPTY, no probe chain runs
-    through ``slot``, so it and the tombstones right before it become EMPTY again (walking
-    back). Without this, constant eviction fills the table with tombstones and every probe
+def _sweep_tombstones(m, eoff, mask, lanes, slot):
+    """After ``slot`` became a tombstone (the caller owns its lane): if the next entry of its
+    lane's chain (``slot + lanes``) is EMPTY, no probe chain runs through ``slot``, so it and
+    the tombstones of its lane right before it become EMPTY again (walking back). Without this, constant eviction fills the table with tombstones and every probe
     walks the whole window. Readers racing with it see TOMBSTONE or EMPTY there; either way a
     key that is not live is not found, and no live key lies in a run of tombstones that ends
     in an EMPTY entry. Returns how many entries were emptied."""
-    nxt = eoff + ((slot + 1) & mask) * ENTRY_BYTES
-    if K.load_fresh(m, nxt + 40, S_IX_READ) != EMPTY:
+    nxt = eoff + ((slot + lanes) & mask) * ENTRY_BYTES
+    if K.load_fresh(m, nxt + E_STATE, S_IX_READ) != EMPTY:
         return 0
     n = 0
     t = slot
-    while n <= mask:
+    while n * lanes <= mask:
         off = eoff + t * ENTRY_BYTES
         if K.load_fresh(m, off + E_STATE, S_IX_READ) != TOMBSTONE:
             break
         K.store(m, off + E_STATE, EMPTY)
         K.flush(m, off, S_IX_EVICT_FLUSH)
         n += 1
-        t = (t - 1) & mask
+        t = (t - lanes) & mask
     K.full_fence(m)
     return n
 
 
 @njit(cache=True, nogil=True)
-def evict_batch(m, eoff, tgeo, mask, slots, new_state, info):
-    """Evict entries (global-lock holder): ``state = new_state``, flush; then ``version + 1``,
-    flush; one fence per step for the whole batch. The caller frees the payloads afterwards:
-    info[i] = (payload_offset, nbytes, owner, token, slot is the entry's), read fresh before the
-    entry changed. The last column is 1 when the payload slot's tag names this entry and version
-    (or the region has no tags), else 0: the entry was stale (its slot was reused by another
-    reservation) and its payload must *not* be freed -- that would free the new occupant's slot
-    under it.
-    ``new_state=EMPTY`` only undoes a reservation of a slot that was EMPTY within the same hold
-    of the lock (no probe chain can run through it then); tombstones are swept
-    (``_sweep_tombstones``)."""
+def evict_batch(m, eoff, tgeo, mask, lanes, own_lane, slots, new_state, info):
+    """Evict entries: per entry, ``version + 1`` and then ``state = new_state`` stored into line
+    0 and the line flushed once; one fence for the whole batch. Who may: the lane's owner (any
+    entry of its lane), or the global-lock holder (READY entries of any lane, and the entries of
+    a lane without a live owner): module docstring, "Who writes what".
+
+    The order inside the line is what lets a lock holder evict in a lane whose owner reserves
+    lock-free: the state is the last word stored, so any write-back of the line (an early
+    eviction included) that shows TOMBSTONE also carries the new version, and after it the
+    evictor never writes the line again -- the owner may take a tombstone for a reservation the
+    moment it sees one. A write-back that shows the new version with READY still in place is
+    safe for readers: their revalidation compares the version (and the slot tag names the old
+    one), and the payload is freed only after the whole batch is in memory.
+
+    The caller frees the payloads afterwards: info[i] = (payload_offset, nbytes, owner, token,
+    slot is the entry's), read fresh before the entry changed. The last column is 1 when the
+    payload slot's tag names this entry and version (or the region has no tags), else 0: the
+    entry was stale (its slot was reused by another reservation) and its payload must *not* be
+    freed -- that would free the new occupant's slot under it.
+    ``new_state=EMPTY`` only undoes the caller's own reservation of an entry that was EMPTY in
+    the same batch (no probe chain can run through it then). Tombstones of ``own_lane`` (-1:
+    none) are swept (``_sweep_tombstones``); others' are left to their lane's owner."""
     for i in range(slots.shape[0]):
         off = eoff + slots[i] * ENTRY_BYTES
         K.invalidate(m, off, S_IX_READ)
@@ -590,59 +691,88 @@ def evict_batch(m, eoff, tgeo, mask, slots, new_state, info):
         info[i, 2] = np.int64(K.load(m, off + E_OWNER))
         info[i, 3] = np.int64(K.load(m, off + E_TOKEN))
         info[i, 4] = 1
+        version = K.load(m, off + E_VERSION)
         if tgeo[TG_TAGS] >= 0:
             t = _tag_off(tgeo, info[i, 0])
-            if t < 0 or K.load(m, t) != _tag_of(slots[i], K.load(m, off + E_VERSION)):
+            if t < 0 or K.load(m, t) != _tag_of(slots[i], version):
                 info[i, 4] = 0
-        K.store(m, off + E_STATE, new_state)
+        K.store(m, off + E_VERSION, version + np.uint64(1))
+        K.store(m, off + E_STATE, new_state)          # last: see the docstring
         K.flush(m, off, S_IX_EVICT_FLUSH)
     K.full_fence(m)
-    for i in range(slots.shape[0]):
-        off = eoff + slots[i] * ENTRY_BYTES
-        K.store(m, off + E_VERSION, K.load(m, off + E_VERSION) + np.uint64(1))
-        K.flush(m, off, S_IX_EVICT_FLUSH)
-    K.full_fence(m)
-    if new_state == TOMBSTONE:
+    if new_state == TOMBSTONE and own_lane >= 0:
         for i in range(slots.shape[0]):
-            _sweep_tombstones(m, eoff, mask, slots[i])
+            if slots[i] & (lanes - 1) == own_lane:
+                _sweep_tombstones(m, eoff, mask, lanes, slots[i])
 
 
 @njit(cache=True, nogil=True)
-def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, prefer_node, info):
-    """Evict up to ``k`` victims by sampled LRU over one window: the ``sample * k`` entries from
-    the clock hand are read (one fence for the window), and the ``k`` least recently touched
-    READY entries among them go (expired transfer-only entries first; unexpired ones are never
-    victims): ``sample`` entries looked at per victim, in one pass.
+def clear_lane(m, eoff, mask, lanes, lane):
+    """Empty every entry of ``lane`` (its owner's first step, under the global lock, before its
+    first lock-free write: a new incarnation of a node takes over what its predecessor left).
+    Live entries get ``version + 1`` (a reader mid-copy then misses); every entry ends EMPTY --
+    with no live entry left in the lane, no chain of the lane needs a tombstone. Payloads are
+    not freed: they lie in the predecessor's chunks, which recovery reclaims whole. Returns how
+    many live entries were dropped."""
+    n = 0
+    for slot in range(lane, mask + 1, lanes):
+        off = eoff + slot * ENTRY_BYTES
+        st = K.load_fresh(m, off + E_STATE, S_IX_READ)
+        if st == EMPTY:
+            continue
+        if st == READY or st == RESERVED:
+            K.store(m, off + E_VERSION, K.load(m, off + E_VERSION) + np.uint64(1))
+            n += 1
+        K.store(m, off + E_STATE, EMPTY)
+        K.flush(m, off, S_IX_EVICT_FLUSH)
+    K.full_fence(m)
+    return n
+
+
+@njit(cache=True, nogil=True)
+def evict_lru_batch(m, hoff, eoff, tgeo, cap, lanes, own_lane, sample, now_ns, k, prefer_node,
+                    info):
+    """Evict up to ``k`` victims by sampled LRU over one window: entries from the clock hand
+    are read until ``sample * k`` candidates (evictable READY entries) were seen or the whole
+    table was, and the ``k`` least recently touched among them go (expired transfer-only
+    entries first; unexpired ones are never victims): ``sample`` candidates per victim.
     info[j] = (slot, payload_offset, nbytes, owner, token, slot is the entry's: see
     ``evict_batch``). Blocks in ``prefer_node``'s chunks go before any other node's (-1: no
     preference): evicting another node's block frees a slot of *its* heap, not the
     evictor's. Returns how many were evicted."""
     hand = np.int64(K.load_fresh(m, hoff + H_CLOCK, S_IX_READ))
-    window = min(cap, max(sample, sample * k))
-    for s in range(window):
-        off = eoff + ((hand + s) % cap) * ENTRY_BYTES
-        K.invalidate(m, off, S_IX_READ)
-        K.invalidate(m, off + E_LINE1, S_IX_LINE1_READ)
-    K.full_fence(m)
-    cand_t = np.empty(window, dtype=np.uint64)
-    cand_s = np.empty(window, dtype=np.int64)
+    want = max(sample, sample * k)
+    cand_t = np.empty(want + LRU_STEP, dtype=np.uint64)
+    cand_s = np.empty(want + LRU_STEP, dtype=np.int64)
     nc = 0
-    for s in range(window):
-        slot = (hand + s) % cap
-        off = eoff + slot * ENTRY_BYTES
-        if K.load(m, off + E_STATE) != READY:
-            continue
-        if K.load(m, off + E_FLAGS) & np.uint64(FLAG_TRANSFER):
-            if np.int64(K.load(m, off + E_DEADLINE)) > now_ns:
+    walked = 0
+    # walk from the hand until ``want`` candidates were seen (not ``want`` entries: with a lane
+    # per node most of the table can be empty), one fence per step of LRU_STEP entries
+    while nc < want and walked < cap:
+        step = min(LRU_STEP, cap - walked)
+        for s in range(walked, walked + step):
+            off = eoff + ((hand + s) % cap) * ENTRY_BYTES
+            K.invalidate(m, off, S_IX_READ)
+            K.invalidate(m, off + E_LINE1, S_IX_LINE1_READ)
+        K.full_fence(m)
+        for s in range(walked, walked + step):
+            slot = (hand + s) % cap
+            off = eoff + slot * ENTRY_BYTES
+            if K.load(m, off + E_STATE) != READY:
                 continue
-            t = np.uint64(0)
-        else:
-            t = K.load(m, off + E_LAST) | np.uint64(1)
-        if prefer_node >= 0 and np.int64(K.load(m, off + E_OWNER) & np.uint64(0xFFFF)) != prefer_node:
-            t = (t >> np.uint64(2)) | np.uint64(1 << 62)          # after every own block
-        cand_t[nc] = t
-        cand_s[nc] = slot
-        nc += 1
+            if K.load(m, off + E_FLAGS) & np.uint64(FLAG_TRANSFER):
+                if np.int64(K.load(m, off + E_DEADLINE)) > now_ns:
+                    continue
+                t = np.uint64(0)
+            else:
+                t = K.load(m, off + E_LAST) | np.uint64(1)
+            if prefer_node >= 0 and np.int64(K.load(m, off + E_OWNER) & np.uint64(0xFFFF)) != prefer_node:
+                t = (t >> np.uint64(2)) | np.uint64(1 << 62)          # after every own block
+            cand_t[nc] = t
+            cand_s[nc] = slot
+            nc += 1
+        walked += step
+    window = walked
     order = np.argsort(cand_t[:nc])
     n = min(k, nc)
     victims = np.empty(n, dtype=np.int64)
@@ -650,7 +780,7 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, prefer_node, in
         victims[j] = cand_s[order[j]]
         info[j, 0] = victims[j]
     tmp = np.zeros((n, 5), dtype=np.int64)
-    evict_batch(m, eoff, tgeo, cap - 1, victims, TOMBSTONE, tmp)
+    evict_batch(m, eoff, tgeo, cap - 1, lanes, own_lane, victims, TOMBSTONE, tmp)
     for j in range(n):
         for c in range(5):
             info[j, 1 + c] = tmp[j, c]
@@ -658,6 +788,52 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, sample, now_ns, k, prefer_node, in
     K.flush(m, hoff + H_CLOCK, S_IX_HDR)
     K.full_fence(m)
     return n
+
+
+@njit(cache=True, nogil=True)
+def evict_window_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, now_ns, info):
+    """For each key whose probe window holds no free entry of ``lane``: evict the least
+    recently touched READY entry of ``lane`` in that window (unexpired transfer-only entries are
+    never victims), global-lock holder only. info[j] = (slot, then ``evict_batch``'s five
+    columns). Returns how many were evicted. This is what a lane gives up against one shared
+    table: a node that alone fills the region fills its lane's windows first."""
+    n = keys.shape[0]
+    victims = np.empty(n, dtype=np.int64)
+    nv = 0
+    for i in range(n):
+        base = _home(keys[i, 0], mask, lanes)
+        best = np.int64(-1)
+        best_t = np.uint64(0)
+        for p in range(max_probe):
+            slot = ((base + p * lanes) & mask) + lane
+            off = eoff + slot * ENTRY_BYTES
+            K.invalidate(m, off, S_IX_READ)
+            K.invalidate(m, off + E_LINE1, S_IX_LINE1_READ)
+            K.full_fence(m)
+            if K.load(m, off + E_STATE) != READY:
+                continue
+            if K.load(m, off + E_FLAGS) & np.uint64(FLAG_TRANSFER):
+                if np.int64(K.load(m, off + E_DEADLINE)) > now_ns:
+                    continue
+                t = np.uint64(0)
+            else:
+                t = K.load(m, off + E_LAST) | np.uint64(1)
+            seen = False
+            for j in range(nv):
+                seen = seen or victims[j] == slot
+            if not seen and (best < 0 or t < best_t):
+                best = slot
+                best_t = t
+        if best >= 0:
+            victims[nv] = best
+            nv += 1
+    tmp = np.zeros((nv, 5), dtype=np.int64)
+    evict_batch(m, eoff, tgeo, mask, lanes, lane, victims[:nv], TOMBSTONE, tmp)
+    for j in range(nv):
+        info[j, 0] = victims[j]
+        for c in range(5):
+            info[j, 1 + c] = tmp[j, c]
+    return nv
 
 
 @njit(cache=True, nogil=True)
@@ -732,11 +908,13 @@ def tag_geometry(region: "Region") -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True)
 class IndexGeometry:
-    """Where the index lives: section offset, entry array, capacity, probe window."""
+    """Where the index lives: section offset, entry array, capacity, probe window (in groups
+    of ``lanes`` entries), lanes."""
     header_offset: int
     entries_offset: int
     capacity: int
     max_probe: int
+    lanes: int = 1
 
 
 class PrefixIndex:
@@ -759,6 +937,7 @@ class PrefixIndex:
                                 f"{L.INDEX_MAGIC:#x} (region created without an index, or the "
                                 f"index header is damaged)")
         cap, eoff, probe = int(rec["capacity"]), int(rec["entries_off"]), int(rec["max_probe"])
+        lanes = int(rec["lanes"])
         # the jitted probes trust these words for every address they compute (slot & mask,
         # entries_off + slot * ENTRY_BYTES, max_probe iterations): refuse a header that would
         # send them outside the section instead of reading wild memory
@@ -768,17 +947,25 @@ class PrefixIndex:
         if eoff != sec.offset_bytes + L.PAGE_BYTES:
             raise RegionCorrupt(f"{where}: entries at {eoff}, expected "
                                 f"{sec.offset_bytes + L.PAGE_BYTES}: the index header is damaged")
-        if not 1 <= probe <= cap:
-            raise RegionCorrupt(f"{where}: probe window {probe} outside 1..{cap}: the index "
-                                f"header is damaged")
+        if lanes < 1 or lanes & (lanes - 1) or lanes > min(L.INDEX_MAX_LANES, cap):
+            raise RegionCorrupt(f"{where}: {lanes} lanes is not a power of two of at most "
+                                f"{min(L.INDEX_MAX_LANES, cap)}: the index header is damaged")
+        if not 1 <= probe <= cap // lanes:
+            raise RegionCorrupt(f"{where}: probe window {probe} outside 1..{cap // lanes}: the "
+                                f"index header is damaged")
         self.geo = IndexGeometry(header_offset=sec.offset_bytes, entries_offset=eoff,
-                                 capacity=cap, max_probe=probe)
+                                 capacity=cap, max_probe=probe, lanes=lanes)
         self.tgeo = tag_geometry(region)
 
     @staticmethod
     def format(region: "Region", section_name: str = "index", *,
-               max_probe: int = DEFAULT_MAX_PROBE) -> None:
-        """Write an empty index into its section (creator only, before anyone attaches)."""
+               max_probe: int = DEFAULT_MAX_PROBE, lanes: int = 1) -> None:
+        """Write an empty index into its section (creator only, before anyone attaches), with
+        ``lanes`` lanes (``lanes_for``: one per node id makes every node's reservations
+        lock-free)."""
+        if lanes < 1 or lanes & (lanes - 1) or lanes > L.INDEX_MAX_LANES:
+            raise ValueError(f"lanes must be a power of two of at most {L.INDEX_MAX_LANES}, "
+                             f"got {lanes}")
         sec = region.section(section_name)
         cap = 64
         while section_bytes(cap * 2) <= sec.nbytes:
@@ -790,7 +977,8 @@ class PrefixIndex:
         K.write_bytes(m, sec.offset_bytes, zeros.ctypes.data, zeros.size, S_IX_HDR)
         hdr = np.zeros(1, dtype=L.INDEX_HEADER.dtype)
         hdr["capacity"] = cap
-        hdr["max_probe"] = min(max_probe, cap)
+        hdr["max_probe"] = min(max_probe, cap // lanes)
+        hdr["lanes"] = lanes
         hdr["entries_off"] = sec.offset_bytes + L.PAGE_BYTES
         raw = hdr.view(np.uint8)
         K.write_bytes(m, sec.offset_bytes, raw.ctypes.data, raw.size, S_IX_HDR)
@@ -800,16 +988,31 @@ class PrefixIndex:
     def mask(self) -> int:
         return self.geo.capacity - 1
 
+    @property
+    def lanes(self) -> int:
+        return self.geo.lanes
+
+    def lane_of(self, slot: int) -> int:
+        """The lane entry ``slot`` belongs to (its owner node, when there is a lane per node)."""
+        return slot & (self.geo.lanes - 1)
+
+    def lockfree_for(self, max_nodes: int) -> bool:
+        """Whether every node id below ``max_nodes`` has a lane of its own: then a node reserves
+        in its lane without the global lock (module docstring)."""
+        return self.geo.lanes >= max_nodes
+
     def lookup(self, key_words: np.ndarray) -> int:
         """Leading READY keys (lock-free)."""
         g = self.geo
-        return int(lookup_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe, key_words))
+        return int(lookup_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe,
+                                g.lanes, key_words))
 
     def snapshot(self, key_words: np.ndarray) -> np.ndarray:
         """(n, 8) int64: slot, version, state, payload_offset, nbytes, layers_lo, layers_hi, flags."""
         g = self.geo
         out = np.zeros((key_words.shape[0], 8), dtype=np.int64)
-        snapshot_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe, key_words, out)
+        snapshot_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe, g.lanes,
+                       key_words, out)
         return out
 
     def revalidate(self, slots: np.ndarray, versions: np.ndarray, poffs: np.ndarray,
@@ -836,9 +1039,17 @@ class PrefixIndex:
             inside |= live & (table[:, 1] >= start) & (table[:, 1] < start + nbytes)
         slots = np.flatnonzero(inside).astype(np.int64)
         if slots.size:
-            evict_batch(self.region.mem, self.geo.entries_offset, self.tgeo, self.mask, slots,
-                        TOMBSTONE, np.zeros((slots.size, 5), dtype=np.int64))
+            # no sweep: a lane's tombstones are its owner's to empty (a new incarnation of the
+            # dead node may already reserve in that lane, lock-free)
+            evict_batch(self.region.mem, self.geo.entries_offset, self.tgeo, self.mask,
+                        self.geo.lanes, -1, slots, TOMBSTONE,
+                        np.zeros((slots.size, 5), dtype=np.int64))
         return int(slots.size)
+
+    def clear_lane_locked(self, lane: int) -> int:
+        """Empty lane ``lane`` (``clear_lane``): its new owner's first step, under the lock."""
+        g = self.geo
+        return int(clear_lane(self.region.mem, g.entries_offset, self.mask, g.lanes, lane))
 
     def scan(self) -> np.ndarray:
         """(capacity, 9) int64 of every entry (see ``scan_entries``)."""
@@ -847,12 +1058,21 @@ class PrefixIndex:
         return out
 
     def counters(self) -> dict[str, int]:
+        """Rack-wide evictions and reservations: the sums over the lanes' counter lines."""
         m = self.region.mem
-        h = self.geo.header_offset
-        return {"evictions": int(K.load_fresh(m, h + H_EVICTIONS, S_IX_READ)),
-                "publishes": int(K.load_fresh(m, h + H_PUBLISHES, S_IX_READ))}
+        out = {"evictions": 0, "publishes": 0}
+        for lane in range(self.geo.lanes):
+            off = lane_line(self.geo.header_offset, lane)
+            out["evictions"] += int(K.load_fresh(m, off + LN_EVICTIONS, S_IX_READ))
+            out["publishes"] += int(K.load_fresh(m, off + LN_PUBLISHES, S_IX_READ))
+        return out
 
-    def bump_counter_locked(self, field_offset: int, by: int) -> None:
+    def lane_counters_offset(self, lane: int) -> int:
+        return lane_line(self.geo.header_offset, lane)
+
+    def bump_counter(self, lane: int, field_offset: int, by: int) -> None:
+        """Add ``by`` to a counter (``LN_*``) of ``lane``'s line: only its owner calls this
+        (with one lane for all, only under the global lock)."""
         m = self.region.mem
-        h = self.geo.header_offset
-        K.store_flush(m, h + field_offset, K.load_fresh(m, h + field_offset, S_IX_READ) + by, S_IX_HDR)
+        off = lane_line(self.geo.header_offset, lane) + field_offset
+        K.store_flush(m, off, K.load_fresh(m, off, S_IX_READ) + by, S_IX_HDR)

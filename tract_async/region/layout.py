@@ -38,7 +38,7 @@ PAGE_BYTES = 4096
 MAGIC = int.from_bytes(b"TRACTRG\x01", "little")
 """First word of every region: ASCII 'TRACTRG' plus 0x01."""
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 
 HEADER_RESERVED_BYTES = PAGE_BYTES
 """The header occupies the first page; the node table starts on the next page."""
@@ -443,49 +443,59 @@ STRUCTS += [DOORBELL]
 
 # ===========================================================================================
 # index: the prefix index (tract_async/region/index.py). Section "index" = one header page,
-# then ``capacity`` entries of two lines each (open addressing, linear probing).
+# then ``capacity`` entries of two lines each (open addressing, probing in groups of ``lanes``
+# entries: entry s belongs to lane s % lanes, and lane n is written lock-free by node n alone).
 #
 # INDEX_HEADER (first line written once by the creator; second line by the global-lock holder)
 # | off | size | type | field        | writer      |
 # |-----|------|------|--------------|-------------|
-# |   0 |    8 | u64  | magic        | creator     |  ASCII "TRACTIX" + 1
+# |   0 |    8 | u64  | magic        | creator     |  ASCII "TRACTIX" + 2
 # |   8 |    8 | u64  | capacity     | creator     |  entries, a power of two
-# |  16 |    8 | u64  | max_probe    | creator     |  linear-probe window
+# |  16 |    8 | u64  | max_probe    | creator     |  probe window, in groups of ``lanes``
 # |  24 |    8 | u64  | entries_off  | creator     |  bytes from the region base
-# |  32 |   32 | V32  | pad0         | nobody      |
+# |  32 |    8 | u64  | lanes        | creator     |  a power of two, 1..INDEX_MAX_LANES
+# |  40 |   24 | V24  | pad0         | nobody      |
 # |  64 |    8 | u64  | clock_hand   | lock holder |  eviction sampling cursor
-# |  72 |    8 | u64  | evictions    | lock holder |
-# |  80 |    8 | u64  | publishes    | lock holder |
-# |  88 |   40 | V40  | pad1         | nobody      |
+# |  72 |   56 | V56  | pad1         | nobody      |
+#
+# INDEX_LANE: ``lanes`` lines from byte 128 of the header page, line n written by node n only
+# (its counters: one writer per line without the lock, DESIGN.md invariant 2).
+# | off | size | type | field      | writer     |
+# |-----|------|------|------------|------------|
+# |   0 |    8 | u64  | publishes  | lane owner |  entries this node reserved
+# |   8 |    8 | u64  | evictions  | lane owner |  entries this node evicted (anyone's)
+# |  16 |   48 | V48  | pad        | nobody     |
 #
 # INDEX_ENTRY: line 0 says *what* and *where*, line 1 *how far* and *how recently*.
-# Hand-off rule (DESIGN.md invariant 2): while state is EMPTY, TOMBSTONE or READY both lines
-# are written only by the global-lock holder; the lock holder that RESERVES an entry hands both
-# lines to the producing node, which alone writes layer bits and, last, state = READY (and
-# thereby hands the entry back). Recovery (a lock holder) may take back the entry of a producer
-# whose node is dead. ``version`` changes on every reserve and every eviction, never otherwise.
-# | off | size | type | field          | writer                  |
-# |-----|------|------|----------------|-------------------------|
-# |   0 |    8 | u64  | key0           | lock holder             |  the block key, 256 bits
-# |   8 |    8 | u64  | key1           | lock holder             |
-# |  16 |    8 | u64  | key2           | lock holder             |
-# |  24 |    8 | u64  | key3           | lock holder             |
-# |  32 |    8 | u64  | version        | lock holder             |  +1 on reserve and evict
-# |  40 |    8 | u64  | state          | lock holder / producer  |  EMPTY RESERVED READY TOMBSTONE
-# |  48 |    8 | u64  | payload_offset | lock holder             |  bytes from the region base
-# |  56 |    8 | u64  | payload_nbytes | lock holder             |
-# |  64 |    8 | u64  | layers_lo      | producer / lock holder  |  bit l: layer l is in memory
-# |  72 |    8 | u64  | layers_hi      | producer / lock holder  |  layers 64..127
-# |  80 |    8 | u64  | owner          | lock holder             |  allocation: owner node | gen<<16
-# |  88 |    8 | u64  | alloc_token    | lock holder             |  allocation fencing token
-# |  96 |    8 | u64  | last_access_ns | lock holder             |  approximate LRU clock
-# | 104 |    8 | u64  | producer       | lock holder             |  node id | epoch << 16
-# | 112 |    8 | u64  | flags          | lock holder             |  bit 0: transfer-only
-# | 120 |    8 | u64  | deadline_ns    | lock holder             |  transfer-only expiry
+# Hand-off rule (DESIGN.md invariant 2; index.py, "Who writes what"): an EMPTY or TOMBSTONE
+# entry of lane n is written only by node n, which RESERVES it without the global lock and alone
+# writes layer bits and, last, state = READY; a READY entry is written only by the global-lock
+# holder, whose last write to it is the TOMBSTONE (version first, state last, one flush), after
+# which it is lane n's again. Recovery (a lock holder) may take back the entries of a dead node's
+# lane. ``version`` changes on every reserve and every eviction, never otherwise. "owner" below:
+# the lane owner while EMPTY/TOMBSTONE/RESERVED, the lock holder while READY.
+# | off | size | type | field          | writer               |
+# |-----|------|------|----------------|----------------------|
+# |   0 |    8 | u64  | key0           | owner                |  the block key, 256 bits
+# |   8 |    8 | u64  | key1           | owner                |
+# |  16 |    8 | u64  | key2           | owner                |
+# |  24 |    8 | u64  | key3           | owner                |
+# |  32 |    8 | u64  | version        | owner / lock holder  |  +1 on reserve and evict
+# |  40 |    8 | u64  | state          | owner / lock holder  |  EMPTY RESERVED READY TOMBSTONE
+# |  48 |    8 | u64  | payload_offset | owner                |  bytes from the region base
+# |  56 |    8 | u64  | payload_nbytes | owner                |
+# |  64 |    8 | u64  | layers_lo      | owner                |  bit l: layer l is in memory
+# |  72 |    8 | u64  | layers_hi      | owner                |  layers 64..127
+# |  80 |    8 | u64  | owner          | owner                |  allocation: owner node | gen<<16
+# |  88 |    8 | u64  | alloc_token    | owner                |  allocation fencing token
+# |  96 |    8 | u64  | last_access_ns | owner / lock holder  |  approximate LRU clock
+# | 104 |    8 | u64  | producer       | owner                |  node id of the producer
+# | 112 |    8 | u64  | flags          | owner                |  bit 0: transfer-only
+# | 120 |    8 | u64  | deadline_ns    | owner                |  transfer-only expiry
 # ===========================================================================================
 _INDEX_HEADER_DTYPE = np.dtype([("magic", "<u8"), ("capacity", "<u8"), ("max_probe", "<u8"),
-                                ("entries_off", "<u8"), ("pad0", "V32"), ("clock_hand", "<u8"),
-                                ("evictions", "<u8"), ("publishes", "<u8"), ("pad1", "V40")])
+                                ("entries_off", "<u8"), ("lanes", "<u8"), ("pad0", "V24"),
+                                ("clock_hand", "<u8"), ("pad1", "V56")])
 INDEX_HEADER = Struct(
     name="index_header",
     fields=(
@@ -493,28 +503,40 @@ INDEX_HEADER = Struct(
         Field(offset=8, size=8, type="<u8", name="capacity", writer="creator"),
         Field(offset=16, size=8, type="<u8", name="max_probe", writer="creator"),
         Field(offset=24, size=8, type="<u8", name="entries_off", writer="creator"),
-        Field(offset=32, size=32, type="V32", name="pad0", writer="nobody"),
+        Field(offset=32, size=8, type="<u8", name="lanes", writer="creator"),
+        Field(offset=40, size=24, type="V24", name="pad0", writer="nobody"),
         Field(offset=64, size=8, type="<u8", name="clock_hand", writer="lock holder"),
-        Field(offset=72, size=8, type="<u8", name="evictions", writer="lock holder"),
-        Field(offset=80, size=8, type="<u8", name="publishes", writer="lock holder"),
-        Field(offset=88, size=40, type="V40", name="pad1", writer="nobody"),
+        Field(offset=72, size=56, type="V56", name="pad1", writer="nobody"),
     ),
     dtype=_INDEX_HEADER_DTYPE, itemsize=128)
+INDEX_LANE = Struct(
+    name="index_lane",
+    fields=(
+        Field(offset=0, size=8, type="<u8", name="publishes", writer="lane owner"),
+        Field(offset=8, size=8, type="<u8", name="evictions", writer="lane owner"),
+        Field(offset=16, size=48, type="V48", name="pad", writer="nobody"),
+    ),
+    dtype=np.dtype([("publishes", "<u8"), ("evictions", "<u8"), ("pad", "V48")]), itemsize=64)
+INDEX_LANES_OFFSET = 128
+"""Byte of the header page where lane 0's INDEX_LANE line starts."""
+INDEX_MAX_LANES = 32
+"""At most this many lanes (their lines fit the header page); a region for more nodes has one
+lane, and every reservation takes the global lock."""
 _INDEX_ENTRY_NAMES = ("key0", "key1", "key2", "key3", "version", "state", "payload_offset",
                       "payload_nbytes", "layers_lo", "layers_hi", "owner", "alloc_token",
                       "last_access_ns", "producer", "flags", "deadline_ns")
-_INDEX_ENTRY_WRITERS = {"state": "lock holder / producer", "layers_lo": "producer / lock holder",
-                        "layers_hi": "producer / lock holder"}
+_INDEX_ENTRY_WRITERS = {"version": "owner / lock holder", "state": "owner / lock holder",
+                        "last_access_ns": "owner / lock holder"}
 INDEX_ENTRY = Struct(
     name="index_entry",
     fields=tuple(Field(offset=8 * i, size=8, type="<u8", name=n,
-                       writer=_INDEX_ENTRY_WRITERS.get(n, "lock holder"))
+                       writer=_INDEX_ENTRY_WRITERS.get(n, "owner"))
                  for i, n in enumerate(_INDEX_ENTRY_NAMES)),
     dtype=np.dtype([(n, "<u8") for n in _INDEX_ENTRY_NAMES]), itemsize=128)
 IX_EMPTY, IX_RESERVED, IX_READY, IX_TOMBSTONE = 0, 1, 2, 3
-INDEX_MAGIC = int.from_bytes(b"TRACTIX\x01", "little")
+INDEX_MAGIC = int.from_bytes(b"TRACTIX\x02", "little")
 
-STRUCTS += [INDEX_HEADER, INDEX_ENTRY]
+STRUCTS += [INDEX_HEADER, INDEX_LANE, INDEX_ENTRY]
 
 
 def layout_signature() -> int:

@@ -141,7 +141,7 @@ class FallbackStore:
         stop = np.zeros(1, dtype=np.uint8)
         await waits.run_poll(waits.poll_present, waits.ThreadMem(r), g.entries_offset,
                              r.index.mask,
-                             g.max_probe, keys_to_words(keys), waits.deadline_ns(left), stop)
+                             g.max_probe, g.lanes, keys_to_words(keys), waits.deadline_ns(left), stop)
 
     async def _http_any(self, keys: list[bytes], left: float) -> None:
         try:

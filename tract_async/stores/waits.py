@@ -41,20 +41,20 @@ MAX_SLEEP_US = 500
 
 
 @njit(cache=True, nogil=True)
-def _all_present(m, eoff, mask, max_probe, keys):
+def _all_present(m, eoff, mask, max_probe, lanes, keys):
     for i in range(keys.shape[0]):
-        if ix._find(m, eoff, mask, max_probe, keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3]) < 0:
+        if ix._find(m, eoff, mask, max_probe, lanes, keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3]) < 0:
             return False
     return True
 
 
 @njit(cache=True, nogil=True)
-def poll_present(m, eoff, mask, max_probe, keys, deadline_ns, stop):
+def poll_present(m, eoff, mask, max_probe, lanes, keys, deadline_ns, stop):
     """Until every key has a live entry: True; deadline or stop flag: False."""
     t0 = monotonic_ns()
     sleep_us = 10
     while True:
-        if _all_present(m, eoff, mask, max_probe, keys):
+        if _all_present(m, eoff, mask, max_probe, lanes, keys):
             return True
         now = monotonic_ns()
         if now >= deadline_ns or stop[0] != 0:
@@ -77,11 +77,11 @@ def _backoff(t0, now, sleep_us):
 
 
 @njit(cache=True, nogil=True)
-def ready_state(m, eoff, mask, max_probe, keys, word, bit, whole, snap, seen):
+def ready_state(m, eoff, mask, max_probe, lanes, keys, word, bit, whole, snap, seen):
     """1 when every key's entry is READY (``whole``) or has the layer bit (else); 0 when not
     yet (absent, or still being produced); -1 when an entry seen earlier in this wait (``seen``)
     has vanished (its producer gave up or it was evicted: waiting longer is pointless)."""
-    ix.snapshot_batch(m, eoff, mask, max_probe, keys, snap)
+    ix.snapshot_batch(m, eoff, mask, max_probe, lanes, keys, snap)
     for i in range(keys.shape[0]):
         if snap[i, 0] < 0:
             if seen[i]:
@@ -99,7 +99,7 @@ def ready_state(m, eoff, mask, max_probe, keys, word, bit, whole, snap, seen):
 
 
 @njit(cache=True, nogil=True)
-def poll_ready(m, eoff, mask, max_probe, keys, word, bit, whole, deadline_ns, stop, snap):
+def poll_ready(m, eoff, mask, max_probe, lanes, keys, word, bit, whole, deadline_ns, stop, snap):
     """One poll from "maybe absent" to "READY / has the layer" (the single-poll wait: one thread
     hop instead of one for presence and another for the layer). 1 when satisfied, -1 when an
     entry vanished during the wait, 0 at the deadline or when the stop flag is set. ``snap``
@@ -108,7 +108,7 @@ def poll_ready(m, eoff, mask, max_probe, keys, word, bit, whole, deadline_ns, st
     sleep_us = 10
     seen = np.zeros(keys.shape[0], dtype=np.uint8)
     while True:
-        r = ready_state(m, eoff, mask, max_probe, keys, word, bit, whole, snap, seen)
+        r = ready_state(m, eoff, mask, max_probe, lanes, keys, word, bit, whole, snap, seen)
         if r != 0:
             return r
         now = monotonic_ns()
