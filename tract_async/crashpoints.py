@@ -10,11 +10,14 @@ site: no call at all), and nothing is read from the environment after import. Th
 protocol order (``POINTS``), each named after the step it follows:
 
 * ``reserve.locked`` (global lock held, nothing written), ``reserve.allocated`` (payload slots
-  marked used, no index entry yet), ``reserve.indexed`` (entries RESERVED, lock still held);
+  marked used, no index entry yet), ``reserve.lockfree`` (the same, on the lock-free path:
+  slots taken from this node's free lists, no entry yet), ``reserve.indexed`` (entries
+  RESERVED, either path);
 * ``put.copied`` (payload bytes in the region, no layer bit yet), ``publish.layer`` (some layers
   published, the block still RESERVED);
 * ``evict.tombstoned`` (entries tombstoned, payload slots not yet freed);
-* ``abandon.locked`` (a failed put holds the lock to evict its own reservations);
+* ``abandon.started`` (a failed put evicts its own reservations: in its lane, without the lock;
+  with one lane for all nodes, holding it);
 * ``claim.journaled``, ``claim.owner``, ``claim.bitmap`` (inside a chunk claim's journaled
   batch), ``release.journaled`` (a chunk release's batch);
 * ``reclaim.hooked`` (a dead node's index entries dropped, its chunks not yet released);
@@ -29,8 +32,8 @@ import signal
 ENV = "TRACT_CRASH_AT"
 
 POINTS: tuple[str, ...] = (
-    "reserve.locked", "reserve.allocated", "reserve.indexed", "put.copied", "publish.layer",
-    "evict.tombstoned", "abandon.locked", "claim.journaled", "claim.owner", "claim.bitmap",
+    "reserve.locked", "reserve.allocated", "reserve.lockfree", "reserve.indexed", "put.copied",
+    "publish.layer", "evict.tombstoned", "abandon.started", "claim.journaled", "claim.owner", "claim.bitmap",
     "release.journaled", "reclaim.hooked", "manager.takeover", "manager.granted")
 
 _TARGET: str | None = os.environ.get(ENV) or None

@@ -85,6 +85,9 @@ async def test_torn_read_stress_zero_wrong_bytes(region_path: str) -> None:
     # the stress really stressed: data moved, eviction happened, and some reads raced it
     assert total["gets_ok"] > 100 and total["puts"] > 50
     assert total["evictions"] > 0 and total["misses"] > 0
+    # ... on the lock-free put path (index lanes), with all four processes evicting meanwhile
+    assert total["lockfree_reservations"] > 0 and total["evicting_nodes"] == 4, total
+    assert all(r["lockfree_reservations"] > 0 for r in results), results
 
 
 @pytest.mark.slow

@@ -82,6 +82,9 @@ def stress_worker(path: str, backend: str, node_id: int, seconds: float, univers
             st = eng.stats()
             res["evictions"] = st["evictions"]
             res["validation_failures"] = st["validation_failures"]
+            res["lockfree_reservations"] = st["lockfree_reservations"]
+            res["lock_acquisitions"] = st["lock_acquisitions"]
+            res["evicting_nodes"] = int(st["evictions"] > 0)
             return res
     try:
         q_out.put(("result", node_id, tract.run(main())))

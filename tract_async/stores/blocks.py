@@ -63,6 +63,12 @@ SMALL_READ = 8
 after ``tolist``, a put splits its snapshot and builds its allocation rows in plain loops):
 each numpy operation costs ~1 µs whatever its size, more than the loop for a few blocks."""
 
+EVICT_AHEAD = 64
+"""When a locked reservation evicts for space, it evicts up to this many blocks (at least 16,
+at most the put's size) beyond its need, so that the puts after it find free slots and reserve
+without the lock: in a full prefix cache, one put in ~16-64 takes the lock instead of every one.
+The cost is that many blocks' worth of capacity, per node, held free."""
+
 CHUNK_WAIT_S = 2.0
 """How long a put that found no chunk waits for an owner to release one (its ask recorded)."""
 
@@ -121,6 +127,8 @@ class StoreStats(TransferStats):
     """Chunks released for nodes that asked (``alloc.py``, "Starving")."""
     lock_acquisitions: int = 0
     lock_wait_s: float = 0.0
+    lockfree_reservations: int = 0
+    """Reservation batches placed without the global lock (index.py, "Who writes what")."""
     spin_wakes: int = 0
     """Waits that the brief spin on the loop's thread satisfied (``_spin_on_loop``)."""
     doorbell_wakes: int = 0
@@ -148,6 +156,14 @@ class BlockLifecycle:
         self._touches: dict[int, int] = {}            # slot -> version, flushed under the lock
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
         self._asked = False                           # our ask for chunks is recorded
+        self._lockfree = index.lockfree_for(region.max_nodes)
+        """A lane per node id: this node reserves and abandons in its lane without the lock."""
+        self.lane = self.node_id if self._lockfree else 0
+        self._lane_off = index.lane_counters_offset(self.lane)
+        self._lane_taken = not self._lockfree          # one lane for all: nothing to take over
+        self._lane_ready = False
+        """Set at this incarnation's first hold of the lock, once it has taken its lane over
+        (``clear_lane``); only then does it write the lane without the lock."""
         self._give_check_at = 0.0                     # next look at others' asks (monotonic)
         self.pause_after_snapshot: Any = None
         """Test seam: an awaitable factory a copy back-end runs between a read's snapshot and
@@ -261,26 +277,86 @@ class BlockLifecycle:
 
     async def _reserve(self, keys: list[bytes], words: np.ndarray, positions: list[int],
                        timeout: float | None) -> None:
-        """Reserve entries and payload for ``positions`` under one hold of the global lock."""
+        """Reserve entries and payload for ``positions``: without the global lock when this node
+        has a lane of its own and its free slots suffice (``_reserve_lockfree``), else under one
+        hold of the lock (``_reserve_locked``)."""
+        if self._lane_ready and self._reserve_lockfree(keys, words, positions):
+            return
+        await self._reserve_locked(keys, words, positions, timeout)
+
+    def _reserve_lockfree(self, keys: list[bytes], words: np.ndarray,
+                          positions: list[int]) -> bool:
+        """The steady-state reservation (index.py, "Who writes what"): slots from this node's
+        free lists (``alloc_many_nowait``, which first checks that this node was not judged
+        dead), entries in this node's lane. False when the lock is needed instead -- a chunk to
+        claim, blocks to evict, another node asking for chunks, a probe window without a free
+        entry of this lane -- with nothing left changed."""
+        t = time.monotonic()
+        if t >= self._give_check_at:
+            self._give_check_at = t + GIVE_CHECK_S
+            if self._others_ask():
+                self._give_check_at = 0.0          # the locked path gives them chunks
+                return False
+        count = len(positions)
+        allocs = self.alloc.alloc_many_nowait(self.layout.block_bytes, count)
+        if len(allocs) < count:
+            self.alloc.free_many(allocs)
+            return False
+        if CP.ARMED:
+            CP.hit("reserve.lockfree")
+        self.stats.lockfree_reservations += 1
+        return self._place(keys, words, positions, allocs) is None
+
+    async def _reserve_locked(self, keys: list[bytes], words: np.ndarray, positions: list[int],
+                              timeout: float | None) -> None:
+        """Reserve under one hold of the global lock: allocation with chunk claims and LRU
+        eviction (``_alloc_many_locked``), and, where a key's probe window holds no free entry
+        of this node's lane, the eviction of this lane's oldest entry there."""
         await self._locked(timeout)
-        mine: list[tuple[bytes, int]] = []
         try:
             if CP.ARMED:
                 CP.hit("reserve.locked")
             self.lock.check_token()
+            if not self._lane_taken:
+                # this incarnation's first hold: take the lane over from any predecessor
+                self.stats.reclaimed_entries += self.index.clear_lane_locked(self.lane)
+                self._lane_taken = True
+                self._lane_ready = self._lockfree
             self._flush_touches_locked()
             t = time.monotonic()
             if t >= self._give_check_at:
                 self._give_check_at = t + GIVE_CHECK_S
                 self._give_chunks_locked()
+            for attempt in range(2):
+                allocs = self._alloc_many_locked(len(positions))
+                if CP.ARMED:
+                    CP.hit("reserve.allocated")
+                full = self._place(keys, words, positions, allocs)
+                if full is None:
+                    return
+                if attempt or not self._evict_windows_locked(words[np.asarray(full)]):
+                    raise RegionFull(
+                        f"index probe window of {self.geo.max_probe} groups holds no free "
+                        f"entry of node {self.node_id}'s lane, and none of its blocks there can "
+                        f"be evicted (capacity {self.geo.capacity}, {self.geo.lanes} lanes); "
+                        f"create the region with a larger index (EngineConfig.index_capacity)")
+        finally:
+            self.lock.release()
+
+    def _place(self, keys: list[bytes], words: np.ndarray, positions: list[int],
+               allocs: list[Allocation]) -> list[int] | None:
+        """Index entries in this node's lane for ``positions``, with payloads ``allocs`` (freed
+        here when not used): None when placed (keys found live meanwhile are skipped), else the
+        positions whose probe window had no free entry -- and then nothing is reserved (all or
+        nothing: the region is as it was). Lock-free with a lane per node; else the caller
+        holds the lock."""
+        mine: list[tuple[bytes, int]] = []
+        try:
             now = time.time_ns()
             transfer = self.cfg.mode == "transfer"
             flags = ix.FLAG_TRANSFER if transfer else 0
             deadline = now + int(self.cfg.transfer_deadline_s * 1e9) if transfer else 0
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
-            allocs = self._alloc_many_locked(len(positions))
-            if CP.ARMED:
-                CP.hit("reserve.allocated")
             res = np.zeros((len(positions), 3), dtype=np.int64)
             if len(allocs) <= SMALL_READ:       # a few: tuples beat five numpy operations
                 ainfo = np.array([(a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16),
@@ -292,18 +368,19 @@ class BlockLifecycle:
                 ainfo[:, 1] = a[:, A_NBYTES]
                 ainfo[:, 2] = a[:, A_OWNER] | (a[:, A_GEN] << 16)
                 ainfo[:, 3] = a[:, A_TOKEN]
+            g = self.geo
             try:
                 # one kernel call: the reservation, then (all reserved) the publishes counter
                 counted = ix.reserve_batch_counted(
-                    self.mem, self.geo.header_offset, self.geo.entries_offset, self.index.tgeo,
-                    self.index.mask,
-                    self.geo.max_probe, words if len(positions) == len(keys) else
+                    self.mem, self._lane_off, g.entries_offset, self.index.tgeo,
+                    self.index.mask, g.max_probe, g.lanes, self.lane,
+                    words if len(positions) == len(keys) else
                     words[np.asarray(positions, dtype=np.int64)], ainfo, now, producer, flags,
                     deadline, res)
             except BaseException:
                 self.alloc.free_many(allocs)
                 raise
-            full = False
+            full: list[int] = []
             unused: list[Allocation] = []
             reserved = self._reserved
             if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: C loops
@@ -319,28 +396,46 @@ class BlockLifecycle:
                     continue
                 unused.append(allocs[j])
                 if slot == -1:
-                    full = True
+                    full.append(i)
                 else:                               # another node reserved it since our snapshot
                     self.stats.blocks_skipped += 1
             if unused:
                 self.alloc.free_many(unused)
             if full:
-                raise RegionFull(f"index probe window of {self.geo.max_probe} entries is full "
-                                 f"(capacity {self.geo.capacity}); create the region with a "
-                                 f"larger index (EngineConfig.index_capacity)")
+                self._undo(mine)
+                return full
             if not counted:
-                self.index.bump_counter_locked(ix.H_PUBLISHES, len(mine))
+                self.index.bump_counter(self.lane, ix.LN_PUBLISHES, len(mine))
             if CP.ARMED:
                 CP.hit("reserve.indexed")
+            return None
         except BaseException:
-            # all or nothing: a batch that cannot be placed whole leaves the region as it was
-            # (a slot that was EMPTY goes back to EMPTY: no probe chain can run through it yet)
-            for state in (ix.EMPTY, ix.TOMBSTONE):
-                back = [self._reserved.pop(k).slot for k, prev in reversed(mine) if prev == state]
-                self._evict_many_locked(back, count=False, new_state=state)
+            self._undo(mine)
             raise
-        finally:
-            self.lock.release()
+
+    def _undo(self, mine: list[tuple[bytes, int]]) -> None:
+        """Take back this call's reservations ``mine`` (key, previous state), newest first: an
+        entry that was EMPTY goes back to EMPTY (no probe chain can run through it yet)."""
+        for state in (ix.EMPTY, ix.TOMBSTONE):
+            back = [self._reserved.pop(k).slot for k, prev in reversed(mine) if prev == state]
+            self._evict_many_locked(back, count=False, new_state=state)
+        mine.clear()
+
+    def _evict_windows_locked(self, words: np.ndarray) -> int:
+        """For each key, evict the least recently used of this lane's READY entries in its
+        probe window (``index.evict_window_batch``) and free their payloads; how many. Caller
+        holds the lock: others may evict READY entries of any lane."""
+        g = self.geo
+        info = np.zeros((words.shape[0], 6), dtype=np.int64)
+        n = int(ix.evict_window_batch(self.mem, g.entries_offset, self.index.tgeo,
+                                      self.index.mask, g.max_probe, g.lanes, self.lane, words,
+                                      time.time_ns(), info))
+        if n:
+            self._free_payloads(info[:n, 1:])
+            self.index.bump_counter(self.lane, ix.LN_EVICTIONS, n)
+            self.stats.evictions += n
+            self.stats.evictions_for_space += n
+        return n
 
     def reservations(self, keys: list[bytes], positions: list[int]) -> list[Reservation]:
         """This node's reservations of ``keys[i]`` for ``i`` in ``positions`` (from ``reserve``)."""
@@ -419,7 +514,10 @@ class BlockLifecycle:
                                     f"has none free; it asked the owners for "
                                     f"{-(-need // per_chunk)}")
                 budget = 64 + 2 * count - evicted
-                got = self._evict_lru_locked(min(need, budget)) if budget > 0 else 0
+                # evict a little ahead of need: the slots left over serve the next puts
+                # without the lock (EVICT_AHEAD)
+                ahead = min(EVICT_AHEAD, max(count, 16)) if self._lockfree else 0
+                got = self._evict_lru_locked(min(need + ahead, budget)) if budget > 0 else 0
                 if got == 0:
                     live = self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)
                     others = [i for i in live if i != self.node_id]
@@ -485,28 +583,32 @@ class BlockLifecycle:
         """Evict up to ``k`` sampled-LRU victims, this node's own blocks first (only they free
         its slots), and free their payloads; how many."""
         info = np.zeros((k, 6), dtype=np.int64)
-        n = int(ix.evict_lru_batch(self.mem, self.geo.header_offset, self.geo.entries_offset,
-                                   self.index.tgeo, self.geo.capacity, VICTIM_SAMPLE,
-                                   time.time_ns(), k, self.node_id, info))
+        g = self.geo
+        n = int(ix.evict_lru_batch(self.mem, g.header_offset, g.entries_offset,
+                                   self.index.tgeo, g.capacity, g.lanes, self.lane,
+                                   VICTIM_SAMPLE, time.time_ns(), k, self.node_id, info))
         if n:
             if CP.ARMED:
                 CP.hit("evict.tombstoned")
             self._free_payloads(info[:n, 1:])
-            self.index.bump_counter_locked(ix.H_EVICTIONS, n)
+            self.index.bump_counter(self.lane, ix.LN_EVICTIONS, n)
             self.stats.evictions += n
             self.stats.evictions_for_space += n
         return n
 
     def _evict_many_locked(self, slots: list[int], *, count: bool = True,
                            new_state: int = ix.TOMBSTONE) -> None:
-        """Tombstone entries (``new_state``), then free their payloads, as one batch."""
+        """Tombstone entries (``new_state``), then free their payloads, as one batch. Under the
+        lock; or without it, for entries of this node's own lane that are not READY (its
+        reservations: nobody else writes those, index.py)."""
         if not slots:
             return
         info = np.zeros((len(slots), 5), dtype=np.int64)
-        ix.evict_batch(self.mem, self.geo.entries_offset, self.index.tgeo, self.index.mask,
-                       np.asarray(slots, dtype=np.int64), new_state, info)
+        g = self.geo
+        ix.evict_batch(self.mem, g.entries_offset, self.index.tgeo, self.index.mask, g.lanes,
+                       self.lane, np.asarray(slots, dtype=np.int64), new_state, info)
         if count:
-            self.index.bump_counter_locked(ix.H_EVICTIONS, len(slots))
+            self.index.bump_counter(self.lane, ix.LN_EVICTIONS, len(slots))
             self.stats.evictions += len(slots)
         if CP.ARMED:
             CP.hit("evict.tombstoned")
@@ -526,9 +628,16 @@ class BlockLifecycle:
 
     async def abandon(self, keys: list[bytes]) -> None:
         """Evict this node's unfinished reservations of ``keys`` (after a failed or cancelled
-        put, once none of its copies can still land). Shielded: it completes when cancelled."""
+        put, once none of its copies can still land): without the lock in its own lane (nobody
+        else writes a RESERVED entry of a live producer), else under it (shielded: it completes
+        when cancelled)."""
         mine = [(k, self._reserved.pop(k)) for k in keys if k in self._reserved]
         if not mine:
+            return
+        if self._lane_ready:
+            if CP.ARMED:
+                CP.hit("abandon.started")
+            self._evict_many_locked([r.slot for _, r in mine])
             return
         await asyncio.shield(self._abandon_locked(mine))
 
@@ -536,7 +645,7 @@ class BlockLifecycle:
         await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
             if CP.ARMED:
-                CP.hit("abandon.locked")
+                CP.hit("abandon.started")
             self._evict_many_locked([r.slot for _, r in mine])
         finally:
             self.lock.release()
@@ -724,7 +833,8 @@ class BlockLifecycle:
             now = time.perf_counter_ns()
             if now >= end:
                 return None
-            r = waits.poll_ready(self.mem, g.entries_offset, self.index.mask, g.max_probe, words,
+            r = waits.poll_ready(self.mem, g.entries_offset, self.index.mask, g.max_probe,
+                                 g.lanes, words,
                                  word, np.uint64(1 << bit), layer is None,
                                  min(end, now + LOOP_SLICE_NS), stop, out)
             if r != 0:
@@ -754,8 +864,8 @@ class BlockLifecycle:
         out = np.zeros_like(snap)
         r = await waits.run_poll(waits.poll_ready, waits.ThreadMem(self.region), g.entries_offset,
                                  self.index.mask,
-                                 g.max_probe, words, word, np.uint64(1 << bit), layer is None,
-                                 deadline, stop, out)
+                                 g.max_probe, g.lanes, words, word, np.uint64(1 << bit),
+                                 layer is None, deadline, stop, out)
         if r == 0:
             self._wait_timed_out(out, layer, timeout)
         return out          # r == -1: a block vanished; the caller's checks raise BlockNotFound
@@ -795,7 +905,11 @@ class BlockLifecycle:
         try:
             check = np.zeros(len(done), dtype=np.bool_)
             self.index.revalidate(slots[done], versions[done], poffs[done], words[done], check)
-            gone = [int(slots[i]) for j, i in enumerate(done) if check[j]]
+            # only READY entries: a RESERVED one (every layer read before its producer stored
+            # READY) is its live producer's to write; its transfer deadline frees it instead
+            now = self.index.snapshot(words[done])
+            gone = [int(slots[i]) for j, i in enumerate(done)
+                    if check[j] and now[j, 0] == slots[i] and now[j, 2] == ix.READY]
             self._evict_many_locked(gone)
             self.stats.consumed += len(gone)
         finally:
