@@ -173,3 +173,26 @@ def test_clear_lane_empties_only_its_lane(buf: np.ndarray) -> None:
 
 def test_lanes_for() -> None:
     assert [ix.lanes_for(n) for n in (1, 2, 3, 8, 9, 32, 33)] == [1, 2, 4, 8, 16, 32, 1]
+
+
+# -- through an engine ------------------------------------------------------------------------
+
+async def test_a_full_window_of_its_lane_evicts_the_nodes_oldest_there(region_path: str) -> None:
+    """A node that alone fills a small index fills its lane's probe windows long before the
+    region: a put then evicts this node's least recently used entry of the full window (under
+    the lock) instead of failing, and every block still resident reads exact."""
+    import tract_async as tract
+    from tests.support.engine_util import block_matches, cfg, kv_for_keys
+
+    async with tract.Engine.open(cfg(region_path, 0, create=True, index_capacity=256)) as eng:
+        assert eng._store.index.lanes == 8 and eng._store.geo.max_probe == 32
+        stored = []
+        for r in range(24):                   # 24 x 8 blocks into a lane of 32 entries
+            keys = eng.block_keys(range(r * 10_000, r * 10_000 + 16 * 8))
+            await eng.put_kv(keys, kv_for_keys(keys))
+            stored += keys
+        st = eng.stats()
+        assert st["evictions_for_space"] > 0 and st["lockfree_reservations"] > 0
+        resident = [k for k in stored if eng.lookup([k])]
+        assert 0 < len(resident) <= 32
+        assert all(block_matches(resident, await eng.get_kv(resident)))
