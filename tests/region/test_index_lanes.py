@@ -17,6 +17,7 @@ import tract_kernels as K
 from tract_async.region import index as ix
 
 CAP, LANES, PROBE = 64, 4, 16
+EOFF = 4096                                    # the entries follow a header page (lane lines)
 MASK = CAP - 1
 TGEO = np.full(6, -1, dtype=np.int64)          # an index without an allocator: no slot tags
 ALL_LO = 0b11
@@ -24,12 +25,17 @@ ALL_LO = 0b11
 
 @pytest.fixture
 def buf() -> np.ndarray:
-    mm = mmap.mmap(-1, CAP * ix.ENTRY_BYTES)
+    mm = mmap.mmap(-1, EOFF + CAP * ix.ENTRY_BYTES)
     return np.frombuffer(mm, dtype=np.uint8)
 
 
-def _mem(buf: np.ndarray, seed: int, skip: int = -1) -> K.Mem:
-    return K.make_mem(buf, "sim", seed=seed, evict_prob=0.0, skip_site=skip)
+def _mem(buf: np.ndarray, seed: int, skip: int = -1, lane: int = -1) -> K.Mem:
+    """A node's view; with ``lane``, that node first takes its lane over (``clear_lane``: marks
+    it active, as an engine's first hold of the lock does)."""
+    m = K.make_mem(buf, "sim", seed=seed, evict_prob=0.0, skip_site=skip)
+    if lane >= 0:
+        ix.clear_lane(m, EOFF, MASK, LANES, lane)
+    return m
 
 
 def _key(home_group: int, tag: int) -> np.ndarray:
@@ -39,7 +45,7 @@ def _key(home_group: int, tag: int) -> np.ndarray:
 
 def _reserve(m: K.Mem, lane: int, key: np.ndarray, poff: int = 4096) -> int:
     out = np.zeros((1, 3), dtype=np.int64)
-    ix.reserve_batch(m, 0, TGEO, MASK, PROBE, LANES, lane, key,
+    ix.reserve_batch(m, EOFF, TGEO, MASK, PROBE, LANES, lane, key,
                      np.array([poff], dtype=np.uint64), np.array([64], dtype=np.uint64),
                      np.array([lane], dtype=np.uint64), np.array([1], dtype=np.uint64),
                      1, lane, 0, 0, out)
@@ -47,7 +53,7 @@ def _reserve(m: K.Mem, lane: int, key: np.ndarray, poff: int = 4096) -> int:
 
 
 def _publish(m: K.Mem, slot: int) -> None:
-    ix.publish_layers(m, 0, np.array([slot], dtype=np.int64), ALL_LO, 0, ALL_LO, 0)
+    ix.publish_layers(m, EOFF, np.array([slot], dtype=np.int64), ALL_LO, 0, ALL_LO, 0)
 
 
 def _put(m: K.Mem, lane: int, key: np.ndarray) -> int:
@@ -60,19 +66,19 @@ def _put(m: K.Mem, lane: int, key: np.ndarray) -> int:
 def _found(m: K.Mem, key: np.ndarray) -> tuple[int, int]:
     """(slot, state) a reader snapshots for ``key``."""
     out = np.zeros((1, 8), dtype=np.int64)
-    ix.snapshot_batch(m, 0, MASK, PROBE, LANES, key, out)
+    ix.snapshot_batch(m, EOFF, MASK, PROBE, LANES, key, out)
     return int(out[0, 0]), int(out[0, 2])
 
 
 def _evict(m: K.Mem, slot: int, own_lane: int) -> None:
-    ix.evict_batch(m, 0, TGEO, MASK, LANES, own_lane, np.array([slot], dtype=np.int64),
+    ix.evict_batch(m, EOFF, TGEO, MASK, LANES, own_lane, np.array([slot], dtype=np.int64),
                    ix.TOMBSTONE, np.zeros((1, 5), dtype=np.int64))
 
 
 def test_two_nodes_reserve_one_home_group_without_losing_either(buf: np.ndarray) -> None:
     """Both nodes' entries of one home group live in their own lanes (own lines): written
     without any lock and flushed whole, neither write-back undoes the other."""
-    a, b, reader = _mem(buf, 1), _mem(buf, 2), _mem(buf, 3)
+    a, b, reader = _mem(buf, 1, lane=1), _mem(buf, 2, lane=2), _mem(buf, 3)
     ka, kb = _key(5, 1), _key(5, 2)
     sa, sb = _reserve(a, 1, ka), _reserve(b, 2, kb)
     assert sa // LANES == sb // LANES == 5 and (sa % LANES, sb % LANES) == (1, 2)
@@ -82,7 +88,7 @@ def test_two_nodes_reserve_one_home_group_without_losing_either(buf: np.ndarray)
 
 
 def test_a_key_live_in_another_lane_is_not_reserved_twice(buf: np.ndarray) -> None:
-    a, b = _mem(buf, 1), _mem(buf, 2)
+    a, b = _mem(buf, 1, lane=0), _mem(buf, 2, lane=3)
     k = _key(7, 9)
     s = _put(a, 0, k)
     assert _reserve(b, 3, k) == -(2 + s)
@@ -93,7 +99,7 @@ def test_without_the_reserve_flush_no_reader_finds_the_reservation(buf: np.ndarr
     (key, payload) before the producer publishes the whole block."""
     for skip, visible in ((-1, True), (ix.S_IX_RESERVE_FLUSH, False)):
         buf[:] = 0
-        a, reader = _mem(buf, 1, skip), _mem(buf, 3)
+        a, reader = _mem(buf, 1, skip, lane=2), _mem(buf, 3)
         k = _key(3, 4)
         slot = _reserve(a, 2, k)
         assert slot >= 0
@@ -103,7 +109,7 @@ def test_without_the_reserve_flush_no_reader_finds_the_reservation(buf: np.ndarr
 def test_without_the_readers_invalidate_it_keeps_missing(buf: np.ndarray) -> None:
     for skip, visible in ((-1, True), (ix.S_IX_READ, False)):
         buf[:] = 0
-        a, reader = _mem(buf, 1), _mem(buf, 3, skip)
+        a, reader = _mem(buf, 1, lane=1), _mem(buf, 3, skip)
         k = _key(9, 5)
         assert _found(reader, k)[0] == -1          # the reader now caches the home group
         slot = _put(a, 1, k)
@@ -119,13 +125,13 @@ def test_a_lock_holders_eviction_lands_before_the_owner_reuses_the_entry(
     overwrites what the owner wrote: the flush is what hands the entry back."""
     for skip in (-1, ix.S_IX_EVICT_FLUSH):
         buf[:] = 0
-        owner, holder, reader = _mem(buf, 1), _mem(buf, 3, skip), _mem(buf, 4)
+        owner, holder, reader = _mem(buf, 1, lane=1), _mem(buf, 3, skip), _mem(buf, 4)
         k1, k2 = _key(2, 1), _key(2, 2)
         s1 = _put(owner, 1, k1)
         _evict(holder, s1, own_lane=3)              # another lane: no sweep
         s2 = _reserve(owner, 1, k2)
         _publish(owner, s2)
-        K.flush(holder, s1 * ix.ENTRY_BYTES, ix.S_IX_TOUCH_FLUSH)   # the evictor's line, late
+        K.flush(holder, EOFF + s1 * ix.ENTRY_BYTES, ix.S_IX_TOUCH_FLUSH)   # the evictor's line, late
         K.full_fence(holder)
         if skip < 0:
             assert s2 == s1, "the owner takes the tombstone"
@@ -140,35 +146,57 @@ def test_an_owners_sweep_follows_its_lanes_chain(buf: np.ndarray) -> None:
     """Two keys of one home group in lane 0: the second lies one *group* further (slot + lanes).
     Evicting the first must leave it a tombstone -- the next entry of lane 0's chain is live --
     even though the next entry in memory (lane 1 of the same group) is EMPTY."""
-    a, reader = _mem(buf, 1), _mem(buf, 3)
+    a, reader = _mem(buf, 1, lane=0), _mem(buf, 3)
     k1, k2 = _key(4, 1), _key(4, 2)
     s1, s2 = _put(a, 0, k1), _put(a, 0, k2)
     assert s2 == s1 + LANES
     _evict(a, s1, own_lane=0)
     assert _found(reader, k1)[0] == -1 and _found(reader, k2) == (s2, ix.READY)
-    assert int(K.load_fresh(reader, s1 * ix.ENTRY_BYTES + ix.E_STATE, ix.S_IX_READ)) == ix.TOMBSTONE
+    assert int(K.load_fresh(reader, EOFF + s1 * ix.ENTRY_BYTES + ix.E_STATE, ix.S_IX_READ)) == ix.TOMBSTONE
     _evict(a, s2, own_lane=0)                       # the chain's end: both become EMPTY again
     for s in (s1, s2):
-        assert int(K.load_fresh(reader, s * ix.ENTRY_BYTES + ix.E_STATE, ix.S_IX_READ)) == ix.EMPTY
+        assert int(K.load_fresh(reader, EOFF + s * ix.ENTRY_BYTES + ix.E_STATE, ix.S_IX_READ)) == ix.EMPTY
 
 
 def test_a_lock_holder_leaves_another_lanes_tombstones(buf: np.ndarray) -> None:
     """Only a lane's owner empties its tombstones: the lock holder's last write to an entry of
     another lane is the tombstone itself (the owner may take it at once)."""
-    a, holder, reader = _mem(buf, 1), _mem(buf, 3), _mem(buf, 4)
+    a, holder, reader = _mem(buf, 1, lane=2), _mem(buf, 3), _mem(buf, 4)
     k = _key(6, 1)
     s = _put(a, 2, k)
     _evict(holder, s, own_lane=3)
-    assert int(K.load_fresh(reader, s * ix.ENTRY_BYTES + ix.E_STATE, ix.S_IX_READ)) == ix.TOMBSTONE
+    assert int(K.load_fresh(reader, EOFF + s * ix.ENTRY_BYTES + ix.E_STATE, ix.S_IX_READ)) == ix.TOMBSTONE
 
 
 def test_clear_lane_empties_only_its_lane(buf: np.ndarray) -> None:
-    a, b, reader = _mem(buf, 1), _mem(buf, 2), _mem(buf, 3)
+    a, b, reader = _mem(buf, 1, lane=1), _mem(buf, 2, lane=2), _mem(buf, 3)
     ka, kb = _key(1, 1), _key(1, 2)
     sa, _ = _put(a, 1, ka), _put(b, 2, kb)
-    assert ix.clear_lane(_mem(buf, 5), 0, MASK, LANES, 1) == 1
+    assert ix.clear_lane(_mem(buf, 5), EOFF, MASK, LANES, 1) == 1
     assert _found(reader, ka)[0] == -1 and _found(reader, kb)[1] == ix.READY
-    assert int(K.load_fresh(reader, sa * ix.ENTRY_BYTES + ix.E_VERSION, ix.S_IX_READ)) == 2
+    assert int(K.load_fresh(reader, EOFF + sa * ix.ENTRY_BYTES + ix.E_VERSION, ix.S_IX_READ)) == 2
+
+
+def test_without_the_lanes_activation_flush_readers_skip_its_blocks(buf: np.ndarray) -> None:
+    """Readers search only active lanes (``_active``): the owner's flush of its ``active`` word
+    (``clear_lane``, before its first reservation) is what makes its entries findable."""
+    for skip, visible in ((-1, True), (ix.S_IX_LANE_FLUSH, False)):
+        buf[:] = 0
+        a, reader = _mem(buf, 1, skip, lane=3), _mem(buf, 2)
+        k = _key(8, 3)
+        slot = _put(a, 3, k)
+        assert (_found(reader, k) == (slot, ix.READY)) is visible, skip
+
+
+def test_without_the_readers_lane_invalidate_it_never_sees_a_new_lane(buf: np.ndarray) -> None:
+    for skip, visible in ((-1, True), (ix.S_IX_LANE_READ, False)):
+        buf[:] = 0
+        reader = _mem(buf, 2, skip)
+        k = _key(8, 4)
+        assert _found(reader, k)[0] == -1           # caches the lane lines: all inactive
+        a = _mem(buf, 1, lane=1)
+        slot = _put(a, 1, k)
+        assert (_found(reader, k) == (slot, ix.READY)) is visible, skip
 
 
 def test_lanes_for() -> None:

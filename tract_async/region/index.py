@@ -109,6 +109,8 @@ S_IX_EVICT_FLUSH = K.site("index.evict.flush")
 S_IX_TOUCH_FLUSH = K.site("index.touch.flush")
 S_IX_HDR = K.site("index.header.flush")
 S_IX_TAG_READ = K.site("index.slot_tag.invalidate")
+S_IX_LANE_READ = K.site("index.lane.invalidate")
+S_IX_LANE_FLUSH = K.site("index.lane.flush")
 
 ENTRY_BYTES = L.INDEX_ENTRY.itemsize
 """Every entry offset below is derived from the layout table (``layout.INDEX_ENTRY``), which the
@@ -125,7 +127,10 @@ E_LAST, E_PRODUCER, E_FLAGS, E_DEADLINE = (_E["last_access_ns"], _E["producer"],
 _H = {n: L.INDEX_HEADER.dtype.fields[n][1] for n in L.INDEX_HEADER.dtype.names}
 H_CLOCK = _H["clock_hand"]
 _LN = {n: L.INDEX_LANE.dtype.fields[n][1] for n in L.INDEX_LANE.dtype.names}
-LN_PUBLISHES, LN_EVICTIONS = _LN["publishes"], _LN["evictions"]
+LN_PUBLISHES, LN_EVICTIONS, LN_ACTIVE = _LN["publishes"], _LN["evictions"], _LN["active"]
+_LANES_FROM_ENTRIES = L.INDEX_LANES_OFFSET - L.PAGE_BYTES
+"""Lane 0's counter line relative to the entry array (which starts one page after the header,
+checked on attach): the kernels find the lane lines from ``eoff`` alone."""
 """Counter words of a lane's line (``layout.INDEX_LANE``), at ``lane_line(hoff, lane)``."""
 
 EMPTY, RESERVED, READY, TOMBSTONE = L.IX_EMPTY, L.IX_RESERVED, L.IX_READY, L.IX_TOMBSTONE
@@ -195,6 +200,27 @@ def _tag_of(slot, version):
         np.uint64(version) & np.uint64(TAG_VERSION_MASK))
 
 
+@njit(cache=True, nogil=True)
+def _active(m, eoff, lanes, own=-1):
+    """Bit n set when lane n is active (its ``active`` word, fresh): lanes no node ever wrote
+    hold only EMPTY entries, so readers skip them. One invalidate per lane and one fence per
+    batch, instead of a line per lane per key. A lane that becomes active after this read is
+    one whose entries were all reserved after it, so missing them is what a reader that ran a
+    moment earlier would have seen; waits read the mask again on every look."""
+    if lanes == 1:
+        return np.uint64(1)
+    base = eoff + _LANES_FROM_ENTRIES
+    for n in range(lanes):
+        if n != own:     # the caller's own lane: known active, and its line is its own to write
+            K.invalidate(m, base + n * L.LINE_BYTES, S_IX_LANE_READ)
+    K.full_fence(m)
+    act = np.uint64(0) if own < 0 else np.uint64(1) << np.uint64(own)
+    for n in range(lanes):
+        if n != own and K.load(m, base + n * L.LINE_BYTES + LN_ACTIVE) != 0:
+            act |= np.uint64(1) << np.uint64(n)
+    return act
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _home(k0, mask, lanes):
     """First entry of the key's home group: the group of ``lanes`` entries its hash names."""
@@ -202,14 +228,16 @@ def _home(k0, mask, lanes):
 
 
 @njit(cache=True, nogil=True)
-def _find_from(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3, home_fresh):
+def _find_from(m, eoff, mask, max_probe, lanes, act, k0, k1, k2, k3, home_fresh):
     """Slot of the live (RESERVED/READY) entry for the key, or -1. Probes group by group (each
     lane's chain is its own: lane n of group p, p = 0, 1, ...); a lane's chain ends at its first
     EMPTY entry, the search when every lane's has (or after ``max_probe`` groups). Invalidates
     each line read, one fence per group, except the home group when ``home_fresh`` (the caller
-    invalidated it and fenced)."""
+    invalidated it and fenced). Only the lanes of ``act`` (``_active``) are searched."""
     base = _home(k0, mask, lanes)
-    open_ = (np.uint64(1) << np.uint64(lanes)) - np.uint64(1)
+    open_ = act
+    if open_ == 0:
+        return -1
     for p in range(max_probe):
         g = (base + p * lanes) & mask
         if p > 0 or not home_fresh:
@@ -238,11 +266,12 @@ def _find_from(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3, home_fresh):
 @njit(cache=True, nogil=True)
 def _find(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3):
     """Slot of the live (RESERVED/READY) entry for the key, or -1. Invalidates each line read."""
-    return _find_from(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3, False)
+    return _find_from(m, eoff, mask, max_probe, lanes, _active(m, eoff, lanes), k0, k1, k2, k3,
+                      False)
 
 
 @njit(cache=True, nogil=True)
-def _invalidate_homes(m, eoff, mask, lanes, keys):
+def _invalidate_homes(m, eoff, mask, lanes, act, keys):
     """Invalidate line 0 of every entry of every key's home group, then one ``mfence``.
 
     Batching: a clflushopt + mfence pair costs ~300-400 ns because the fence waits for the
@@ -252,20 +281,22 @@ def _invalidate_homes(m, eoff, mask, lanes, keys):
     for i in range(keys.shape[0]):
         base = _home(keys[i, 0], mask, lanes)
         for n in range(lanes):
-            K.invalidate(m, eoff + (base + n) * ENTRY_BYTES, S_IX_READ)
+            if (act >> np.uint64(n)) & np.uint64(1):
+                K.invalidate(m, eoff + (base + n) * ENTRY_BYTES, S_IX_READ)
     K.full_fence(m)
-    _touch_lines(m, eoff, mask, lanes, keys)
+    _touch_lines(m, eoff, mask, lanes, act, keys)
 
 
 @njit(cache=True, nogil=True)
-def _touch_lines(m, eoff, mask, lanes, keys):
+def _touch_lines(m, eoff, mask, lanes, act, keys):
     """Load one word of every home line in a branch-free loop, so that the cache misses overlap
     (the probe loop that follows branches on each line and would take them one at a time)."""
     acc = np.uint64(0)
     for i in range(keys.shape[0]):
         base = _home(keys[i, 0], mask, lanes)
         for n in range(lanes):
-            acc ^= K.load(m, eoff + (base + n) * ENTRY_BYTES + E_STATE)
+            if (act >> np.uint64(n)) & np.uint64(1):
+                acc ^= K.load(m, eoff + (base + n) * ENTRY_BYTES + E_STATE)
     return acc
 
 
@@ -273,10 +304,11 @@ def _touch_lines(m, eoff, mask, lanes, keys):
 def lookup_batch(m, eoff, mask, max_probe, lanes, keys):
     """Number of leading keys whose entries are READY (resident and complete)."""
     n = keys.shape[0]
-    _invalidate_homes(m, eoff, mask, lanes, keys)
+    act = _active(m, eoff, lanes)
+    _invalidate_homes(m, eoff, mask, lanes, act, keys)
     for i in range(n):
-        slot = _find_from(m, eoff, mask, max_probe, lanes, keys[i, 0], keys[i, 1], keys[i, 2],
-                          keys[i, 3], True)
+        slot = _find_from(m, eoff, mask, max_probe, lanes, act, keys[i, 0], keys[i, 1],
+                          keys[i, 2], keys[i, 3], True)
         if slot < 0:
             return i
         if K.load(m, eoff + slot * ENTRY_BYTES + E_STATE) != READY:
@@ -293,10 +325,11 @@ def snapshot_batch(m, eoff, mask, max_probe, lanes, keys, out):
     (layer bits) of every found entry, invalidated only *after* its line 0 was read, so the
     layer bits are never older than the key and version they are paired with (a reserve clears
     line 1 before it writes line 0: older bits could be a previous occupant's)."""
-    _invalidate_homes(m, eoff, mask, lanes, keys)
+    act = _active(m, eoff, lanes)
+    _invalidate_homes(m, eoff, mask, lanes, act, keys)
     for i in range(keys.shape[0]):
-        slot = _find_from(m, eoff, mask, max_probe, lanes, keys[i, 0], keys[i, 1], keys[i, 2],
-                          keys[i, 3], True)
+        slot = _find_from(m, eoff, mask, max_probe, lanes, act, keys[i, 0], keys[i, 1],
+                          keys[i, 2], keys[i, 3], True)
         out[i, 0] = slot
         if slot < 0:
             continue
@@ -510,7 +543,8 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, poffs, pnbs
     while size < 2 * n:
         size *= 2
     claimed = np.full((size, 2), -1, dtype=np.int64)
-    _invalidate_homes(m, eoff, mask, lanes, keys)
+    act = _active(m, eoff, lanes, lane)
+    _invalidate_homes(m, eoff, mask, lanes, act, keys)
     for g0 in range(0, n, RESERVE_GROUP):
         g1 = min(n, g0 + RESERVE_GROUP)
         for i in range(g0, g1):
@@ -519,7 +553,7 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, poffs, pnbs
             free = np.int64(-1)
             prev = np.uint64(EMPTY)
             dup = np.int64(-1)
-            open_ = (np.uint64(1) << np.uint64(lanes)) - np.uint64(1)
+            open_ = act
             for p in range(max_probe):
                 grp = (base + p * lanes) & mask
                 if p > 0:
@@ -708,8 +742,9 @@ def evict_batch(m, eoff, tgeo, mask, lanes, own_lane, slots, new_state, info):
 
 @njit(cache=True, nogil=True)
 def clear_lane(m, eoff, mask, lanes, lane):
-    """Empty every entry of ``lane`` (its owner's first step, under the global lock, before its
-    first lock-free write: a new incarnation of a node takes over what its predecessor left).
+    """Empty every entry of ``lane`` and mark the lane active (its owner's first step, under the
+    global lock, before its first write of the lane: a new incarnation of a node takes over
+    what its predecessor left).
     Live entries get ``version + 1`` (a reader mid-copy then misses); every entry ends EMPTY --
     with no live entry left in the lane, no chain of the lane needs a tombstone. Payloads are
     not freed: they lie in the predecessor's chunks, which recovery reclaims whole. Returns how
@@ -725,6 +760,10 @@ def clear_lane(m, eoff, mask, lanes, lane):
             n += 1
         K.store(m, off + E_STATE, EMPTY)
         K.flush(m, off, S_IX_EVICT_FLUSH)
+    K.full_fence(m)
+    # active before any entry of the lane is reserved (readers skip inactive lanes: _active)
+    K.store(m, eoff + _LANES_FROM_ENTRIES + lane * L.LINE_BYTES + LN_ACTIVE, np.uint64(1))
+    K.flush(m, eoff + _LANES_FROM_ENTRIES + lane * L.LINE_BYTES, S_IX_LANE_FLUSH)
     K.full_fence(m)
     return n
 

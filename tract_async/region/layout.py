@@ -464,7 +464,9 @@ STRUCTS += [DOORBELL]
 # |-----|------|------|------------|------------|
 # |   0 |    8 | u64  | publishes  | lane owner |  entries this node reserved
 # |   8 |    8 | u64  | evictions  | lane owner |  entries this node evicted (anyone's)
-# |  16 |   48 | V48  | pad        | nobody     |
+# |  16 |    8 | u64  | active     | lane owner |  1 once its owner may have written the lane:
+# |     |      |      |            |            |  readers skip lanes still 0 (set before any entry)
+# |  24 |   40 | V40  | pad        | nobody     |
 #
 # INDEX_ENTRY: line 0 says *what* and *where*, line 1 *how far* and *how recently*.
 # Hand-off rule (DESIGN.md invariant 2; index.py, "Who writes what"): an EMPTY or TOMBSTONE
@@ -514,9 +516,11 @@ INDEX_LANE = Struct(
     fields=(
         Field(offset=0, size=8, type="<u8", name="publishes", writer="lane owner"),
         Field(offset=8, size=8, type="<u8", name="evictions", writer="lane owner"),
-        Field(offset=16, size=48, type="V48", name="pad", writer="nobody"),
+        Field(offset=16, size=8, type="<u8", name="active", writer="lane owner"),
+        Field(offset=24, size=40, type="V40", name="pad", writer="nobody"),
     ),
-    dtype=np.dtype([("publishes", "<u8"), ("evictions", "<u8"), ("pad", "V48")]), itemsize=64)
+    dtype=np.dtype([("publishes", "<u8"), ("evictions", "<u8"), ("active", "<u8"),
+                    ("pad", "V40")]), itemsize=64)
 INDEX_LANES_OFFSET = 128
 """Byte of the header page where lane 0's INDEX_LANE line starts."""
 INDEX_MAX_LANES = 32
