@@ -280,39 +280,50 @@ class BlockLifecycle:
         """Reserve entries and payload for ``positions``: without the global lock when this node
         has a lane of its own and its free slots suffice (``_reserve_lockfree``), else under one
         hold of the lock (``_reserve_locked``)."""
-        if self._lane_ready and self._reserve_lockfree(keys, words, positions):
-            return
-        await self._reserve_locked(keys, words, positions, timeout)
+        have: list[Allocation] = []
+        if self._lane_ready:
+            done, have = self._reserve_lockfree(keys, words, positions)
+            if done:
+                return
+        await self._reserve_locked(keys, words, positions, timeout, have)
 
     def _reserve_lockfree(self, keys: list[bytes], words: np.ndarray,
-                          positions: list[int]) -> bool:
+                          positions: list[int]) -> tuple[bool, list[Allocation]]:
         """The steady-state reservation (index.py, "Who writes what"): slots from this node's
         free lists (``alloc_many_nowait``, which first checks that this node was not judged
         dead), entries in this node's lane. False when the lock is needed instead -- a chunk to
         claim, blocks to evict, another node asking for chunks, a probe window without a free
-        entry of this lane -- with nothing left changed."""
+        entry of this lane -- with nothing left changed but the slots already taken from the
+        free lists, which are returned for the locked path to use (a large put that needs new
+        chunks would otherwise allocate its first slots twice)."""
         t = time.monotonic()
         if t >= self._give_check_at:
             self._give_check_at = t + GIVE_CHECK_S
             if self._others_ask():
                 self._give_check_at = 0.0          # the locked path gives them chunks
-                return False
+                return False, []
         count = len(positions)
         allocs = self.alloc.alloc_many_nowait(self.layout.block_bytes, count)
         if len(allocs) < count:
-            self.alloc.free_many(allocs)
-            return False
+            return False, allocs
         if CP.ARMED:
             CP.hit("reserve.lockfree")
         self.stats.lockfree_reservations += 1
-        return self._place(keys, words, positions, allocs) is None
+        return self._place(keys, words, positions, allocs) is None, []
 
     async def _reserve_locked(self, keys: list[bytes], words: np.ndarray, positions: list[int],
-                              timeout: float | None) -> None:
+                              timeout: float | None, have: list[Allocation] | None = None
+                              ) -> None:
         """Reserve under one hold of the global lock: allocation with chunk claims and LRU
         eviction (``_alloc_many_locked``), and, where a key's probe window holds no free entry
-        of this node's lane, the eviction of this lane's oldest entry there."""
-        await self._locked(timeout)
+        of this node's lane, the eviction of this lane's oldest entry there. ``have``: slots
+        already allocated for this batch (freed here on any failure)."""
+        try:
+            await self._locked(timeout)
+        except BaseException:
+            if have:
+                self.alloc.free_many(have)
+            raise
         try:
             if CP.ARMED:
                 CP.hit("reserve.locked")
@@ -328,7 +339,14 @@ class BlockLifecycle:
                 self._give_check_at = t + GIVE_CHECK_S
                 self._give_chunks_locked()
             for attempt in range(2):
-                allocs = self._alloc_many_locked(len(positions))
+                got = have or []
+                try:
+                    allocs = got + self._alloc_many_locked(len(positions) - len(got))
+                except BaseException:
+                    if have:
+                        self.alloc.free_many(have)
+                    raise
+                have = None
                 if CP.ARMED:
                     CP.hit("reserve.allocated")
                 full = self._place(keys, words, positions, allocs)
