@@ -463,3 +463,46 @@ async def test_large_get_is_exact_with_one_or_two_copy_threads(region_path: str,
         out = torch.empty_like(kv)
         assert (await eng.get_kv(keys, out=out)) is out
         assert torch.equal(out, kv)
+
+
+@pytest.mark.parametrize("backend", ["hw", "sim"])
+async def test_small_whole_block_transfers_take_one_kernel_call(region_path: str,
+                                                                backend: str) -> None:
+    """Puts and gets of at most FUSED_MAX_BLOCKS whole blocks run as one fused kernel call
+    (``stores/fused.py``) once the node has its lane; layer puts, larger puts and a get that
+    must wait first take the step-by-step path or wait and then fuse. Bytes match everywhere;
+    spare slots go back to the free lists."""
+    from tract_async.region import index as ix
+    from tract_async.stores.fused import FUSED_MAX_BLOCKS
+    a, b = await _pair(region_path, backend)
+    try:
+        first = a.block_keys(range(16))
+        await a.put_kv(first, kv_for_keys(first))          # takes the lane: the locked path
+        sa, sb = a._store.stats, b._store.stats
+        f0 = sa.fused_puts
+        small = a.block_keys(range(1000, 1000 + 16 * FUSED_MAX_BLOCKS))
+        kv = kv_for_keys(small)
+        assert await a.put_kv(small, kv) == FUSED_MAX_BLOCKS
+        assert sa.fused_puts == f0 + 1
+        assert torch.equal(await b.get_kv(small), kv) and sb.fused_gets == 1
+        assert await a.put_kv(small, kv) == 0 and sa.fused_puts == f0 + 2   # all present
+        big = a.block_keys(range(5000, 5000 + 16 * (FUSED_MAX_BLOCKS + 1)))
+        await a.put_kv(big, kv_for_keys(big))
+        assert sa.fused_puts == f0 + 2
+        assert torch.equal(await b.get_kv(big), kv_for_keys(big)) and sb.fused_gets == 1
+        lay = a.block_keys(range(9000, 9032))
+        kl = kv_for_keys(lay)
+        waiter = asyncio.create_task(b.get_kv(lay, timeout=20.0))     # waits, then fuses
+        await asyncio.sleep(0.02)
+        for layer in range(TINY.num_layers):
+            await a.put_kv(lay, kl[layer].contiguous(), layer=layer)
+        assert sa.fused_puts == f0 + 2
+        assert torch.equal(await asyncio.wait_for(waiter, 20), kl) and sb.fused_gets == 2
+        assert a._store.blocks._spares, "a fused put keeps spare slots"
+        a._store.blocks.drop_spares()
+        table = a._store.index.scan()
+        mine = int(((table[:, 0] == ix.READY) & ((table[:, 6] & 0xFFFF) == 0)).sum())
+        assert a._store.alloc.statistics().slots_used == mine
+    finally:
+        await b.close()
+        await a.close()

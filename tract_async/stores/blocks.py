@@ -22,6 +22,14 @@ A get::
     blocks.validate_read(keys, words, snap, nbytes)   # after the copy (or its DMA): else a miss
     await blocks.consume(keys, words, snap, layer)     # transfer-only mode
 
+A put or get of a few whole blocks from the CPU (``fused.FUSED_MAX_BLOCKS``) takes one kernel
+call for all of these steps instead (``put_fused``, ``get_fused``; ``stores/fused.py`` says
+why): the same stores, flushes and fences in the same order, without the Python between them.
+Its payload slots come from this node's *spares*: slots taken from its free lists ahead of
+need, ``SPARE_SLOTS`` at a time (one allocator call for many puts). Spares are this node's
+used slots that no entry names yet; the step-by-step path takes them first, and they go back
+to the free lists before chunks are given away and at close.
+
 Block lifetime. A block lives in a slot of its producer's heap. It is READY until evicted (LRU
 under memory pressure), consumed (transfer-only mode), expired (transfer-only deadline), or
 reclaimed with its owner's chunks when the owner node dies or leaves. A put that fails or is
@@ -42,8 +50,8 @@ import tract_kernels as K
 
 from .. import crashpoints as CP
 from ..config import EngineConfig
-from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, RegionFull,
-                      TransferTimeout)
+from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, NodeEvicted,
+                      RegionFull, TransferTimeout)
 from ..keys import keys_to_words
 from ..region import Region
 from ..region import index as ix
@@ -52,6 +60,7 @@ from ..region.alloc import (A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_TOKEN, Allocat
 from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
+from . import fused
 from . import plan as kvplan
 from . import waits
 from .stats import TransferStats
@@ -83,6 +92,11 @@ LOOP_SPIN_NS = int(float(os.environ.get("TRACT_WAIT_SPIN_US", "300")) * 1000)
 (``BlockLifecycle._spin_on_loop``); ``$TRACT_WAIT_SPIN_US`` (default 300), 0 turns it off."""
 LOOP_SLICE_NS = 20_000
 """The longest the loop is held by one slice of that spin (other tasks run between slices)."""
+
+SPARE_SLOTS = 16
+"""Payload slots a fused put takes from the free lists at a time (``BlockLifecycle`` spares):
+one allocator call (~10-20 µs of Python) per this many small puts instead of one per put. The
+cost: this many blocks' worth of a node's chunks held for it (1 MiB of 64 KiB blocks)."""
 
 _TIMER = object()
 """What a wait's safety timer resolves its future with (``BlockLifecycle._wait_on_doorbell``)."""
@@ -129,6 +143,10 @@ class StoreStats(TransferStats):
     lock_wait_s: float = 0.0
     lockfree_reservations: int = 0
     """Reservation batches placed without the global lock (index.py, "Who writes what")."""
+    fused_puts: int = 0
+    """Puts done in one kernel call (``put_fused``), a subset of ``lockfree_reservations``."""
+    fused_gets: int = 0
+    """Gets done in one kernel call (``get_fused``)."""
     spin_wakes: int = 0
     """Waits that the brief spin on the loop's thread satisfied (``_spin_on_loop``)."""
     doorbell_wakes: int = 0
@@ -177,6 +195,39 @@ class BlockLifecycle:
         self.doorbell = db.Doorbell(region, self.node_id, allocator.epoch)
         """Same-host wake-ups of waits on this region (``stores/doorbell.py``)."""
         self._db_off, self._db_nodes = self.doorbell.offset, self.doorbell.max_nodes
+        self._spares: list[Allocation] = []
+        """Slots taken from the free lists ahead of need (module docstring); the top
+        ``len(_spares)`` rows of ``_spare_info`` are their (offset, nbytes, owner word, token)."""
+        self._spare_info = np.zeros((SPARE_SLOTS + fused.FUSED_MAX_BLOCKS, 4), dtype=np.uint64)
+        self._fp = self._fused_params()
+        self._fres = np.zeros((fused.FUSED_MAX_BLOCKS, 3), dtype=np.int64)
+        self._fsnap = np.zeros((fused.FUSED_MAX_BLOCKS, 8), dtype=np.int64)
+        self._fok = np.zeros(fused.FUSED_MAX_BLOCKS, dtype=np.bool_)
+
+    def _fused_params(self) -> np.ndarray:
+        """The constant arguments of the fused kernels (``fused.P_*``) for this node."""
+        g, ag = self.geo, self.ageo
+        p = np.zeros(fused.P_FIELDS, dtype=np.int64)
+        p[fused.P_LOFF] = self._lane_off
+        p[fused.P_EOFF] = g.entries_offset
+        p[fused.P_MASK] = self.index.mask
+        p[fused.P_MAX_PROBE] = g.max_probe
+        p[fused.P_LANES] = g.lanes
+        p[fused.P_LANE] = self.lane
+        p[fused.P_PRODUCER] = self.node_id
+        transfer = self.cfg.mode == "transfer"
+        p[fused.P_FLAGS] = ix.FLAG_TRANSFER if transfer else 0
+        p[fused.P_ALL_LO] = np.uint64(self._all_lo).astype(np.int64)
+        p[fused.P_ALL_HI] = np.uint64(self._all_hi).astype(np.int64)
+        p[fused.P_DBOFF] = self._db_off
+        p[fused.P_DBNODES] = self._db_nodes
+        p[fused.P_FENCE_OFF] = self.alloc.geo.count_off(self.node_id) + 8
+        p[fused.P_EPOCH] = self.alloc.epoch
+        p[fused.P_POS_STEP] = kvplan.block_step(self.layout)
+        p[fused.P_CHUNKS_LO] = ag.chunks_offset
+        p[fused.P_CHUNKS_END] = ag.chunks_offset + ag.nchunks * ag.chunk_bytes
+        p[fused.P_BLOCK_BYTES] = self.layout.block_bytes
+        return p
 
     # -- helpers ------------------------------------------------------------------------------
     @property
@@ -280,36 +331,134 @@ class BlockLifecycle:
         """Reserve entries and payload for ``positions``: without the global lock when this node
         has a lane of its own and its free slots suffice (``_reserve_lockfree``), else under one
         hold of the lock (``_reserve_locked``)."""
-        have: list[Allocation] = []
+        have = self._take_spares(len(positions))
         if self._lane_ready:
-            done, have = self._reserve_lockfree(keys, words, positions)
+            done, have = self._reserve_lockfree(keys, words, positions, have)
             if done:
                 return
         await self._reserve_locked(keys, words, positions, timeout, have)
 
-    def _reserve_lockfree(self, keys: list[bytes], words: np.ndarray,
-                          positions: list[int]) -> tuple[bool, list[Allocation]]:
+    def _reserve_lockfree(self, keys: list[bytes], words: np.ndarray, positions: list[int],
+                          have: list[Allocation]) -> tuple[bool, list[Allocation]]:
         """The steady-state reservation (index.py, "Who writes what"): slots from this node's
         free lists (``alloc_many_nowait``, which first checks that this node was not judged
         dead), entries in this node's lane. False when the lock is needed instead -- a chunk to
         claim, blocks to evict, another node asking for chunks, a probe window without a free
         entry of this lane -- with nothing left changed but the slots already taken from the
         free lists, which are returned for the locked path to use (a large put that needs new
-        chunks would otherwise allocate its first slots twice)."""
-        t = time.monotonic()
-        if t >= self._give_check_at:
-            self._give_check_at = t + GIVE_CHECK_S
-            if self._others_ask():
-                self._give_check_at = 0.0          # the locked path gives them chunks
-                return False, []
+        chunks would otherwise allocate its first slots twice). ``have``: slots already taken
+        for this batch (spares)."""
+        if not self._give_check_passes():
+            return False, have
         count = len(positions)
-        allocs = self.alloc.alloc_many_nowait(self.layout.block_bytes, count)
+        allocs = have
+        if len(have) < count:
+            allocs = have + self.alloc.alloc_many_nowait(self.layout.block_bytes,
+                                                         count - len(have))
         if len(allocs) < count:
             return False, allocs
         if CP.ARMED:
             CP.hit("reserve.lockfree")
         self.stats.lockfree_reservations += 1
         return self._place(keys, words, positions, allocs) is None, []
+
+    def _give_check_passes(self) -> bool:
+        """False when it is time to look at other nodes' asks for chunks (every
+        ``GIVE_CHECK_S``) and some node asks: the locked path then gives them chunks."""
+        t = time.monotonic()
+        if t >= self._give_check_at:
+            self._give_check_at = t + GIVE_CHECK_S
+            if self._others_ask():
+                self._give_check_at = 0.0
+                return False
+        return True
+
+    # -- spares and the fused put -------------------------------------------------------------
+    def _take_spares(self, count: int) -> list[Allocation]:
+        """Up to ``count`` spare slots, now the caller's (module docstring)."""
+        k = min(count, len(self._spares))
+        if k == 0:
+            return []
+        out = self._spares[-k:]
+        del self._spares[-k:]
+        return out
+
+    def _add_spares(self, allocs: list[Allocation]) -> None:
+        c = len(self._spares)
+        info = self._spare_info
+        for j, a in enumerate(allocs):
+            info[c + j] = (a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16), a.token)
+        self._spares.extend(allocs)
+
+    def _refill_spares(self, need: int) -> bool:
+        """Top the spares up to ``SPARE_SLOTS + need`` from the free lists (no lock, no chunk
+        claim); True when at least ``need`` are there."""
+        want = min(SPARE_SLOTS + need, self._spare_info.shape[0]) - len(self._spares)
+        if want > 0:
+            # reversed: spares are taken from the top, so the slot the allocator hands out
+            # first (the lowest free, or the one freed last) is used first, as without spares
+            got = self.alloc.alloc_many_nowait(self.layout.block_bytes, want)
+            self._add_spares(got[::-1])
+        return len(self._spares) >= need
+
+    def drop_spares(self) -> None:
+        """Give every spare slot back to the free lists (before chunks are released)."""
+        if self._spares:
+            spares, self._spares = self._spares, []
+            self.alloc.free_many(spares)
+
+    def put_fused(self, keys: list[bytes], words: np.ndarray, src: int,
+                  tmpl: np.ndarray) -> int | None:
+        """A whole put of a few whole blocks (``fused.put_blocks``: reservation in this node's
+        lane, copy from private memory at ``src`` by the plan template ``tmpl``, publish, in one
+        kernel call); returns the blocks stored, or None when this put needs the step-by-step
+        path (nothing then changed): the lane not yet taken over, a crash test armed, a key of
+        this node in flight, too few free slots without the lock, a probe window without a
+        free entry of the lane, or a look at other nodes' asks due. Raises NodeEvicted."""
+        n = len(keys)
+        if (not self._lane_ready or CP.ARMED
+                or (self._reserved and any(k in self._reserved for k in keys))
+                or not self._give_check_passes()):
+            return None
+        if len(self._spares) < n and not self._refill_spares(n):
+            return None
+        c = len(self._spares)
+        res = self._fres[:n]
+        now = time.time_ns()
+        deadline = (now + int(self.cfg.transfer_deadline_s * 1e9)
+                    if self.cfg.mode == "transfer" else 0)
+        st = int(fused.put_blocks(self.mem, self._fp, self.index.tgeo, words,
+                                  self._spare_info[c - n:c], tmpl, np.uint64(src), now,
+                                  deadline, res))
+        if st == fused.FENCED:
+            raise NodeEvicted(f"node {self.node_id} (epoch {self.alloc.epoch}) was judged dead "
+                              f"and its chunks were reclaimed: rejoin before allocating again")
+        rows = res.tolist()
+        used = [j for j in range(n) if rows[j][0] >= 0]
+        if len(used) == n:
+            del self._spares[c - n:]
+        else:                      # keys skipped (or not reached): their slots stay spares
+            kept = [j for j in range(n) if rows[j][0] < 0]
+            allocs = self._spares[c - n:]
+            del self._spares[c - n:]
+            self._add_spares([allocs[j] for j in kept])
+        self.stats.lockfree_reservations += 1
+        if st == fused.WINDOW_FULL:
+            # take back what it reserved, newest first (as ``_undo``: an entry that was EMPTY
+            # goes back to EMPTY); the locked path evicts in the full window
+            for state in (ix.EMPTY, ix.TOMBSTONE):
+                self._evict_many_locked([rows[j][0] for j in reversed(used)
+                                         if rows[j][1] == state], count=False, new_state=state)
+            return None
+        k = len(used)
+        self.stats.blocks_skipped += n - k
+        self.stats.blocks_stored += k
+        self.stats.bytes_put += k * self.layout.block_bytes
+        self.stats.puts += 1
+        self.stats.fused_puts += 1
+        if st:
+            self.doorbell.ring(st)
+        return k
 
     async def _reserve_locked(self, keys: list[bytes], words: np.ndarray, positions: list[int],
                               timeout: float | None, have: list[Allocation] | None = None
@@ -578,6 +727,7 @@ class BlockLifecycle:
         spare = min(len(use) - fair, int(sum(wanted[n] for n in askers)))
         if spare <= 0:
             return 0
+        self.drop_spares()                  # they keep chunks from being empty
         busy = {r.allocation.chunk_index for r in self._reserved.values()}
         pick = [c for c, _ in sorted(use.items(), key=lambda cu: cu[1]) if c not in busy][:spare]
         if not pick:
@@ -721,6 +871,51 @@ class BlockLifecycle:
                                f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
                                f"changed during the read; treat as a miss")
         return words, snap
+
+    def get_fused(self, keys: list[bytes], words: np.ndarray, dst: int,
+                  tmpl: np.ndarray) -> np.ndarray | None:
+        """A whole read of a few READY blocks into private memory at ``dst`` (``fused.get_blocks``:
+        snapshot, bounds, copy by the plan template ``tmpl``, revalidation, in one kernel call),
+        counted and touched as ``validate_read`` does. Returns the snapshot (this node's scratch:
+        valid until its next fused call), or None when the step-by-step path must run (some
+        block absent, not READY, or with payload bounds that do not fit; nothing copied:
+        ``fused_snapshot`` says what it saw). Raises BlockEvicted (the output is not to be
+        trusted), as ``validate_read``."""
+        if self.pause_after_snapshot is not None:
+            return None
+        n = len(keys)
+        snap, ok = self._fsnap[:n], self._fok[:n]
+        bad = int(fused.get_blocks(self.mem, self._fp, self.index.tgeo, words, tmpl,
+                                   np.uint64(dst), self.validate_reads, snap, ok))
+        if bad < 0:
+            return None
+        st = self.stats
+        st.gets += 1
+        if bad:
+            st.validation_failures += 1
+            st.misses += bad
+            first = int(np.flatnonzero(~ok)[0])
+            raise BlockEvicted(f"{bad} of {n} blocks were evicted while being read (first: "
+                               f"block {first}, {keys[first][:8].hex()}…); the output is not "
+                               f"trusted: treat as a miss")
+        st.hits += n
+        st.blocks_read += n
+        st.bytes_got += n * self.layout.block_bytes
+        st.fused_gets += 1
+        touches = self._touches
+        for s_, v in snap[:, :2].tolist():
+            touches[s_] = v
+        return snap
+
+    def fused_snapshot(self, n: int) -> np.ndarray:
+        """A copy of what the last fused get of ``n`` keys snapshotted."""
+        return self._fsnap[:n].copy()
+
+    async def wait_whole(self, words: np.ndarray, snap: np.ndarray, timeout: float) -> None:
+        """Wait up to ``timeout`` until every key is READY (``_wait_ready``, from ``snap``).
+        Returns when it is, or when a block seen has vanished (the read then reports the miss).
+        Raises TransferTimeout."""
+        await self._wait_ready(words, snap, None, timeout)
 
     def validate_read(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
                       nbytes: int) -> None:
@@ -981,6 +1176,7 @@ class BlockLifecycle:
         """Evict unfinished reservations and this node's blocks, return chunks."""
         await self._locked(timeout)
         try:
+            self.drop_spares()
             self._evict_many_locked([r.slot for r in self._reserved.values()])
             self._reserved.clear()
             table = self.index.scan()

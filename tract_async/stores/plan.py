@@ -96,6 +96,18 @@ def _plan_template(layout: KVLayout, layer: int | None, num_blocks_in_tensor: in
     return rows, T * row_bytes
 
 
+def template(layout: KVLayout, num_blocks_in_tensor: int) -> np.ndarray:
+    """The rows of one whole block at payload offset 0 and tensor position 0 (read-only) in a
+    tensor of every layer holding ``num_blocks_in_tensor`` blocks: what the fused kernels
+    (``stores/fused.py``) shift per block, by its payload offset and ``block_step``."""
+    return _plan_template(layout, None, num_blocks_in_tensor)[0]
+
+
+def block_step(layout: KVLayout) -> int:
+    """Tensor bytes between two consecutive blocks within one (layer, K/V) plane."""
+    return layout.block_tokens * (layout.half_layer_bytes // layout.block_tokens)
+
+
 def plan(layout: KVLayout, payload_offsets: np.ndarray, block_positions: np.ndarray,
          num_blocks_in_tensor: int, layer: int | None) -> np.ndarray:
     """Copy plan rows (region_offset, tensor_byte_offset, nbytes) for the given blocks.

@@ -64,6 +64,7 @@ from ..region import Region
 from ..region import index as ix
 from ..region.alloc import Allocator
 from ..sync.lock import GlobalLock
+from . import fused
 from . import plan as kvplan
 from . import waits
 from .blocks import BlockLifecycle, StoreStats
@@ -161,6 +162,14 @@ class RegionStore:
                              else cfg.copy_threads)
         """Threads a large copy runs on (``cfg.copy_threads``, None resolved from the host)."""
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._tmpls: dict[int, np.ndarray] = {}
+
+    def _template(self, n: int) -> np.ndarray:
+        """The whole-block plan template of an n-block tensor (``plan.template``), cached."""
+        t = self._tmpls.get(n)
+        if t is None:
+            t = self._tmpls[n] = kvplan.template(self.layout, n)
+        return t
 
     # -- what the engine and tools read -------------------------------------------------------
     @property
@@ -322,6 +331,13 @@ class RegionStore:
         kv = arrays.contiguous(kv)
         words = keys_to_words(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
+        if layer is None and len(keys) <= fused.FUSED_MAX_BLOCKS:
+            done = b.put_fused(keys, words, arrays.data_ptr(kv), self._template(len(keys)))
+            if done is not None:
+                if ph is not None:      # the publish ended the kernel: stamp it on return
+                    ph.add("fused", t0)
+                    ph.stamp("publish")
+                return done
         snap = b.snapshot(words)
         if ph is not None:
             ph.add("snapshot", t0)
@@ -379,6 +395,20 @@ class RegionStore:
         b, ph = self.blocks, self.phases
         n = len(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
+        if layer is None and n <= fused.FUSED_MAX_BLOCKS:
+            words = keys_to_words(keys)
+            dst, tmpl = arrays.data_ptr(out), self._template(n)
+            snap = b.get_fused(keys, words, dst, tmpl)
+            if snap is None and timeout is not None and timeout > 0:
+                await b.wait_whole(words, b.fused_snapshot(n), timeout)
+                snap = b.get_fused(keys, words, dst, tmpl)
+                timeout = None         # waited: the step-by-step path reports what is missing
+            if snap is not None:
+                if ph is not None:
+                    ph.add("fused", t0)
+                if self.cfg.mode == "transfer":
+                    await b.consume(keys, words, snap.copy(), layer)
+                return out
         words, snap = await b.prepare_read(keys, layer, timeout)
         if ph is not None:
             ph.add("prepare_read", t0)
