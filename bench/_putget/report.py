@@ -29,7 +29,8 @@ def print_putget(p1: dict[str, Any]) -> None:
                                "evictions_during_puts"]))
     print("\nwhere the time goes (instrumented pass, median us of each phase over the calls)")
     print(C.table(p1["phases"], ["size", "op", "total_us", "lock_wait_us", "reserve_held_us",
-                                 "snapshot_us", "copy_kernel_us", "copy_hop_us", "other_us",
+                                 "snapshot_us", "copy_kernel_us", "copy_hop_us", "fused_us",
+                                 "other_us",
                                  "copy_only_GBps", "lock_wait_p50_us"]))
     for k, v in p1.items():
         if k.startswith("fixed_pieces"):

@@ -206,18 +206,21 @@ def phase_rows(s: int, put_phase: dict[str, float], get_phase: dict[str, float],
           "snapshot_us": us(put_phase, "snapshot"),
           "publish_us": us(put_phase, "publish"),
           "copy_kernel_us": us(put_phase, "copy_kernel"),
-          "copy_hop_us": us(put_phase, "copy_call") - us(put_phase, "copy_kernel")}
+          "copy_hop_us": us(put_phase, "copy_call") - us(put_phase, "copy_kernel"),
+          "fused_us": us(put_phase, "fused")}
     pp["other_us"] = pp["total_us"] - sum(pp[k] for k in ("lock_wait_us", "reserve_held_us",
                                                            "snapshot_us", "copy_kernel_us",
-                                                           "copy_hop_us"))
+                                                           "copy_hop_us", "fused_us"))
     pp["copy_only_GBps"] = s / max(put_phase.get("copy_kernel", 0), 1e-12) / 1e9
     pp["lock_wait_p50_us"] = (lock.get("wait_p50_s") or 0) * 1e6
     gp = {"size": size, "op": "get", "total_us": us(get_phase, "total"),
           "snapshot_us": us(get_phase, "prepare_read"),
           "validate_us": us(get_phase, "validate"),
           "copy_kernel_us": us(get_phase, "copy_kernel"),
-          "copy_hop_us": us(get_phase, "copy_call") - us(get_phase, "copy_kernel")}
-    gp["other_us"] = gp["total_us"] - gp["snapshot_us"] - gp["copy_kernel_us"] - gp["copy_hop_us"]
+          "copy_hop_us": us(get_phase, "copy_call") - us(get_phase, "copy_kernel"),
+          "fused_us": us(get_phase, "fused")}
+    gp["other_us"] = (gp["total_us"] - gp["snapshot_us"] - gp["copy_kernel_us"]
+                      - gp["copy_hop_us"] - gp["fused_us"])
     gp["copy_only_GBps"] = s / max(get_phase.get("copy_kernel", 0), 1e-12) / 1e9
     return [pp, gp]
 

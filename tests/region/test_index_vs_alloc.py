@@ -113,8 +113,11 @@ async def test_online_repair_drops_a_dead_nodes_entries(region_path: str, backen
 
 def _free_behind_the_index(eng: tract.Engine, keys: list[bytes]) -> None:
     """Free the slots of ``keys`` in the allocator without touching their index entries: the
-    disagreement the slot tags must make harmless."""
+    disagreement the slot tags must make harmless. The node's spare slots (``blocks.py``) go
+    back to the free lists first, so that its next put takes exactly these freed slots: the
+    reuse the scenarios here are about."""
     st = eng._store
+    st.blocks.drop_spares()
     snap = st.index.snapshot(keys_to_words(keys))
     table = st.index.scan()
     allocs = [st.blocks.allocation_of(int(table[s, 1]), int(table[s, 2]), int(table[s, 6]),

@@ -4,9 +4,9 @@ Why. A 64 KiB put spent ~100 µs on the 2-core VM and ~53 µs on the H200 host, 
 was 8 µs and the reservation kernel ~1 µs: the rest was Python between the steps (allocation
 records, a snapshot, a reservation, plan arrays, a publish, each with its own arrays, checks and
 Numba argument unboxing). NIXL's whole 64 KiB handoff is 14-32 µs. So a put of a few whole
-blocks (``FUSED_MAX_BLOCKS``, every layer at once) and a get of a few READY blocks each run as
-one jitted call made of the same jitted steps, in the same order, with the same stores, flushes
-and fences as the step-by-step path (``stores/blocks.py``, ``region/index.py``); nothing of the
+blocks (``FUSED_MAX_BLOCKS``, every layer at once, at most 1 MiB) and a get of a few READY
+blocks each run as one jitted call made of the same jitted steps, in the same order, with the
+same stores, flushes and fences as the step-by-step path (``stores/blocks.py``, ``region/index.py``); nothing of the
 protocol is new here, only the Python between the steps is gone.
 
 ``put_blocks`` (the lane owner, lock-free: index.py "Who writes what"):
@@ -45,8 +45,9 @@ from ..region.chunks import S_COUNT_READ
 from .doorbell import waiting_mask
 
 FUSED_MAX_BLOCKS = 8
-"""Puts and gets of at most this many blocks take the fused call (larger ones are copy-bound
-and keep the step-by-step path, whose copies may run on several threads)."""
+"""Puts and gets of at most this many blocks take the fused call, if their bytes are also at
+most ``region.INLINE_COPY_BYTES`` (``RegionStore._fusable``): larger ones are copy-bound and
+keep the step-by-step path, whose copies may run on several threads."""
 
 # the parameter array p (int64), built once per node (BlockLifecycle.fused_params)
 P_LOFF = 0          # this lane's counter line

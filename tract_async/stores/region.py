@@ -164,6 +164,13 @@ class RegionStore:
         self._pool: cf.ThreadPoolExecutor | None = None
         self._tmpls: dict[int, np.ndarray] = {}
 
+    def _fusable(self, n: int, layer: int | None) -> bool:
+        """A transfer the fused kernels take (``stores/fused.py``): whole blocks, at most
+        ``FUSED_MAX_BLOCKS`` of them, and small enough to copy on the loop's thread (larger
+        copies run on the copy threads)."""
+        return (layer is None and n <= fused.FUSED_MAX_BLOCKS
+                and n * self.layout.block_bytes <= INLINE_COPY_BYTES)
+
     def _template(self, n: int) -> np.ndarray:
         """The whole-block plan template of an n-block tensor (``plan.template``), cached."""
         t = self._tmpls.get(n)
@@ -331,7 +338,7 @@ class RegionStore:
         kv = arrays.contiguous(kv)
         words = keys_to_words(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
-        if layer is None and len(keys) <= fused.FUSED_MAX_BLOCKS:
+        if self._fusable(len(keys), layer):
             done = b.put_fused(keys, words, arrays.data_ptr(kv), self._template(len(keys)))
             if done is not None:
                 if ph is not None:      # the publish ended the kernel: stamp it on return
@@ -395,7 +402,7 @@ class RegionStore:
         b, ph = self.blocks, self.phases
         n = len(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
-        if layer is None and n <= fused.FUSED_MAX_BLOCKS:
+        if self._fusable(n, layer):
             words = keys_to_words(keys)
             dst, tmpl = arrays.data_ptr(out), self._template(n)
             snap = b.get_fused(keys, words, dst, tmpl)
