@@ -211,7 +211,9 @@ def phase_rows(s: int, put_phase: dict[str, float], get_phase: dict[str, float],
     pp["other_us"] = pp["total_us"] - sum(pp[k] for k in ("lock_wait_us", "reserve_held_us",
                                                            "snapshot_us", "copy_kernel_us",
                                                            "copy_hop_us", "fused_us"))
-    pp["copy_only_GBps"] = s / max(put_phase.get("copy_kernel", 0), 1e-12) / 1e9
+    # a fused call has no copy phase of its own: no copy-only figure then
+    pp["copy_only_GBps"] = (s / put_phase["copy_kernel"] / 1e9
+                            if put_phase.get("copy_kernel", 0) > 0 else None)
     pp["lock_wait_p50_us"] = (lock.get("wait_p50_s") or 0) * 1e6
     gp = {"size": size, "op": "get", "total_us": us(get_phase, "total"),
           "snapshot_us": us(get_phase, "prepare_read"),
@@ -221,7 +223,8 @@ def phase_rows(s: int, put_phase: dict[str, float], get_phase: dict[str, float],
           "fused_us": us(get_phase, "fused")}
     gp["other_us"] = (gp["total_us"] - gp["snapshot_us"] - gp["copy_kernel_us"]
                       - gp["copy_hop_us"] - gp["fused_us"])
-    gp["copy_only_GBps"] = s / max(get_phase.get("copy_kernel", 0), 1e-12) / 1e9
+    gp["copy_only_GBps"] = (s / get_phase["copy_kernel"] / 1e9
+                            if get_phase.get("copy_kernel", 0) > 0 else None)
     return [pp, gp]
 
 
