@@ -788,6 +788,23 @@ def clear_lane(m, eoff, mask, lanes, lane):
     return n
 
 
+_NOT_A_VICTIM = np.uint64(2**64 - 1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _victim_age(m, off, now_ns):
+    """The LRU sort key of the entry at ``off`` (lines already fresh): 0 for an expired
+    transfer-only entry (goes first), else its last touch | 1; ``_NOT_A_VICTIM`` when it is
+    not READY or is an unexpired transfer-only entry (never evicted for space)."""
+    if K.load(m, off + E_STATE) != READY:
+        return _NOT_A_VICTIM
+    if K.load(m, off + E_FLAGS) & np.uint64(FLAG_TRANSFER):
+        if np.int64(K.load(m, off + E_DEADLINE)) > now_ns:
+            return _NOT_A_VICTIM
+        return np.uint64(0)
+    return K.load(m, off + E_LAST) | np.uint64(1)
+
+
 @njit(cache=True, nogil=True)
 def evict_lru_batch(m, hoff, eoff, tgeo, cap, lanes, own_lane, sample, now_ns, k, prefer_node,
                     info):
@@ -817,14 +834,9 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, lanes, own_lane, sample, now_ns, k
         for s in range(walked, walked + step):
             slot = (hand + s) % cap
             off = eoff + slot * ENTRY_BYTES
-            if K.load(m, off + E_STATE) != READY:
+            t = _victim_age(m, off, now_ns)
+            if t == _NOT_A_VICTIM:
                 continue
-            if K.load(m, off + E_FLAGS) & np.uint64(FLAG_TRANSFER):
-                if np.int64(K.load(m, off + E_DEADLINE)) > now_ns:
-                    continue
-                t = np.uint64(0)
-            else:
-                t = K.load(m, off + E_LAST) | np.uint64(1)
             if prefer_node >= 0 and np.int64(K.load(m, off + E_OWNER) & np.uint64(0xFFFF)) != prefer_node:
                 t = (t >> np.uint64(2)) | np.uint64(1 << 62)          # after every own block
             cand_t[nc] = t
@@ -869,14 +881,9 @@ def evict_window_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, now_ns
             K.invalidate(m, off, S_IX_READ)
             K.invalidate(m, off + E_LINE1, S_IX_LINE1_READ)
             K.full_fence(m)
-            if K.load(m, off + E_STATE) != READY:
+            t = _victim_age(m, off, now_ns)
+            if t == _NOT_A_VICTIM:
                 continue
-            if K.load(m, off + E_FLAGS) & np.uint64(FLAG_TRANSFER):
-                if np.int64(K.load(m, off + E_DEADLINE)) > now_ns:
-                    continue
-                t = np.uint64(0)
-            else:
-                t = K.load(m, off + E_LAST) | np.uint64(1)
             seen = False
             for j in range(nv):
                 seen = seen or victims[j] == slot

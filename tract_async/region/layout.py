@@ -511,16 +511,9 @@ INDEX_HEADER = Struct(
         Field(offset=72, size=56, type="V56", name="pad1", writer="nobody"),
     ),
     dtype=_INDEX_HEADER_DTYPE, itemsize=128)
-INDEX_LANE = Struct(
-    name="index_lane",
-    fields=(
-        Field(offset=0, size=8, type="<u8", name="publishes", writer="lane owner"),
-        Field(offset=8, size=8, type="<u8", name="evictions", writer="lane owner"),
-        Field(offset=16, size=8, type="<u8", name="active", writer="lane owner"),
-        Field(offset=24, size=40, type="V40", name="pad", writer="nobody"),
-    ),
-    dtype=np.dtype([("publishes", "<u8"), ("evictions", "<u8"), ("active", "<u8"),
-                    ("pad", "V40")]), itemsize=64)
+_INDEX_LANE_NAMES = ("publishes", "evictions", "active")
+INDEX_LANE = Struct(name="index_lane", fields=_u8_fields(_INDEX_LANE_NAMES, "lane owner"),
+                    dtype=_u8_dtype(_INDEX_LANE_NAMES), itemsize=64)
 INDEX_LANES_OFFSET = 128
 """Byte of the header page where lane 0's INDEX_LANE line starts."""
 INDEX_MAX_LANES = 32
