@@ -27,6 +27,15 @@ ln -sfn "$ROOT/kernels" "$SHIM/tract_kernels"        # pyproject maps kernels/ -
 export PYTHONPATH="$ROOT:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
 
+# the NIXL wheels (~59 MB) plus the tree can pass the 64 MiB a device call carries; an
+# installed copy packed with xz (~31 MB: unzip both wheels into one folder, tar -cJf) fits
+if [ -f .whlnixl/nixl-site.tar.xz ] && ! $PY -c "import nixl._api" 2>/dev/null; then
+  log "unpacking NIXL from .whlnixl/nixl-site.tar.xz into /tmp/site-nixl"
+  mkdir -p /tmp/site-nixl && tar -xJf .whlnixl/nixl-site.tar.xz -C /tmp/site-nixl \
+    >>"$LOGS/setup.log" 2>&1
+  RC[setup_nixl]=$?
+  export PYTHONPATH="$PYTHONPATH:/tmp/site-nixl"
+fi
 if [ -d .whlnixl ] && ls .whlnixl/*.whl >/dev/null 2>&1 && ! $PY -c "import nixl._api" 2>/dev/null; then
   log "installing NIXL from .whlnixl/ into /tmp/site-nixl"
   timeout 120 $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-nixl \
