@@ -107,6 +107,13 @@ def _wake_timer(fut: asyncio.Future) -> None:
         fut.set_result(_TIMER)
 
 
+def _alloc_info(a: Allocation) -> tuple[int, int, int, int]:
+    """An allocation as a reservation's kernel takes it: (payload offset, nbytes, owner word,
+    token); the owner word is the owner node with the chunk generation above bit 16, as an
+    index entry stores it (``allocation_of`` decodes it)."""
+    return (a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16), a.token)
+
+
 class _Starving(RegionFull):
     """No chunk to allocate from; this node's ask for some is recorded (internal: a put
     waits for an owner to release one, then raises RegionFull)."""
@@ -387,7 +394,7 @@ class BlockLifecycle:
         c = len(self._spares)
         info = self._spare_info
         for j, a in enumerate(allocs):
-            info[c + j] = (a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16), a.token)
+            info[c + j] = _alloc_info(a)
         self._spares.extend(allocs)
 
     def _refill_spares(self, need: int) -> bool:
@@ -526,8 +533,8 @@ class BlockLifecycle:
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
             res = np.zeros((len(positions), 3), dtype=np.int64)
             if len(allocs) <= SMALL_READ:       # a few: tuples beat five numpy operations
-                ainfo = np.array([(a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16),
-                                   a.token) for a in allocs], dtype=np.uint64).reshape(-1, 4)
+                ainfo = np.array([_alloc_info(a) for a in allocs],
+                                 dtype=np.uint64).reshape(-1, 4)
             else:
                 a = allocation_rows(allocs)
                 ainfo = np.empty((len(allocs), 4), dtype=np.uint64)
@@ -889,22 +896,8 @@ class BlockLifecycle:
                                    np.uint64(dst), self.validate_reads, snap, ok))
         if bad < 0:
             return None
-        st = self.stats
-        st.gets += 1
-        if bad:
-            st.validation_failures += 1
-            st.misses += bad
-            first = int(np.flatnonzero(~ok)[0])
-            raise BlockEvicted(f"{bad} of {n} blocks were evicted while being read (first: "
-                               f"block {first}, {keys[first][:8].hex()}…); the output is not "
-                               f"trusted: treat as a miss")
-        st.hits += n
-        st.blocks_read += n
-        st.bytes_got += n * self.layout.block_bytes
-        st.fused_gets += 1
-        touches = self._touches
-        for s_, v in snap[:, :2].tolist():
-            touches[s_] = v
+        self._count_read(keys, ok, bad, n * self.layout.block_bytes, snap[:, 0], snap[:, 1])
+        self.stats.fused_gets += 1
         return snap
 
     def fused_snapshot(self, n: int) -> np.ndarray:
@@ -928,17 +921,24 @@ class BlockLifecycle:
         ok = np.ones(n, dtype=np.bool_)
         bad = (self.index.revalidate(slots, versions, snap[:, 3], words, ok)
                if self.validate_reads else 0)
-        self.stats.gets += 1
+        self._count_read(keys, ok, int(bad), nbytes, slots, versions)
+
+    def _count_read(self, keys: list[bytes], ok: np.ndarray, bad: int, nbytes: int,
+                    slots: np.ndarray, versions: np.ndarray) -> None:
+        """After a read's revalidation (``bad`` blocks failed, ``ok`` per block): count it,
+        and either raise BlockEvicted or record the LRU touches."""
+        st, n = self.stats, len(keys)
+        st.gets += 1
         if bad:
-            self.stats.validation_failures += 1
-            self.stats.misses += int(bad)
+            st.validation_failures += 1
+            st.misses += bad
             first = int(np.flatnonzero(~ok)[0])
             raise BlockEvicted(f"{bad} of {n} blocks were evicted while being read (first: "
                                f"block {first}, {keys[first][:8].hex()}…); the output is not "
                                f"trusted: treat as a miss")
-        self.stats.hits += n
-        self.stats.blocks_read += n
-        self.stats.bytes_got += nbytes
+        st.hits += n
+        st.blocks_read += n
+        st.bytes_got += nbytes
         self.touch(slots, versions)
 
     def touch(self, slots: np.ndarray, versions: np.ndarray) -> None:
