@@ -290,6 +290,62 @@ async def test_live_holder_with_a_stale_snapshot_keeps_the_lock(region_path: str
         r.close()
 
 
+async def test_a_live_rival_with_a_stale_snapshot_keeps_its_place_in_the_bakery(
+        region_path: str, backend: str) -> None:
+    """A candidate in the election's critical section whose heartbeat *snapshot* is stale while
+    its sequence keeps moving (every node looks like that to a waiter right after its own host
+    stalled) is not passed: the waiter waits until the rival leaves, and passes a rival only
+    once it is silent for real. Passing on the snapshot put two candidates in the election at
+    once (test_election's stall-lease scenario, once in CI)."""
+    import threading
+    from tests.support.procs_region import StaleSnapshotBeats
+    r = P.make_region(region_path, backend)
+    try:
+        h0 = r.nodes.join(0, timeout_s=LIVENESS_S)
+        h1 = r.nodes.join(1, timeout_s=LIVENESS_S)
+        rival = LockManager(r, h0, liveness_timeout_s=LIVENESS_S)
+        host = StaleSnapshotBeats(r, 0, lag_s=3 * LIVENESS_S)
+        beating = threading.Event()
+        beating.set()
+
+        async def fake_beats() -> None:
+            while beating.is_set():
+                host.beat()
+                await asyncio.sleep(0.02)
+
+        async def one_round(waiter: LockManager) -> tuple[bool, float]:
+            t0 = time.monotonic()
+            won = await waiter._elect()
+            return won, time.monotonic() - t0
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(heartbeat_forever(r, h1, interval_s=0.1)),
+                     tg.create_task(fake_beats())]
+            await asyncio.sleep(0.3)
+            waiter = LockManager(r, h1, liveness_timeout_s=LIVENESS_S)
+            # the rival holds the smaller ticket: it is inside the election's critical section
+            rival._write_candidate(candidate=1, choosing=0, number=1)
+            assert not r.nodes.info(0, timeout_s=LIVENESS_S).live      # the snapshot says stale
+            rnd = tg.create_task(one_round(waiter))
+            await asyncio.sleep(2.5 * LIVENESS_S)
+            assert not rnd.done(), "the waiter passed a live rival on a stale snapshot"
+            rival._write_candidate(candidate=1, choosing=0, number=0)   # the rival leaves
+            won, took = await asyncio.wait_for(rnd, 5)
+            assert won and took >= 2.5 * LIVENESS_S
+            waiter._resign()
+            # a rival silent for real (its sequence stands still) is passed
+            rival._write_candidate(candidate=1, choosing=0, number=1)
+            beating.clear()
+            won, took = await asyncio.wait_for(one_round(waiter), 10 * LIVENESS_S)
+            assert won, "the waiter did not pass a rival that went silent"
+            waiter._resign()
+            rival._write_candidate(candidate=0, choosing=0, number=0)
+            for t in tasks:
+                t.cancel()
+    finally:
+        r.close()
+
+
 @pytest.mark.fsck_dirty   # grant lines written by hand with no request behind them
 def test_a_torn_grant_line_is_not_taken(region_path: str) -> None:
     """A grant line read half old, half new (the new ``grant_seq`` beside the previous grant's

@@ -32,6 +32,11 @@ Two verdicts on a node (``NodeInfo``):
   process with no beat loop of its own (a one-shot tool) has nothing to count with: there
   ``dead`` is ``not live``.
 
+Clock first: ``info`` and ``all`` read the clock *before* the node lines. A reader preempted
+between the two (a loaded host, the GIL) would otherwise compare a line read long ago with a late
+clock and find stale a node that beat meanwhile. Clock first, a delay only makes a line look
+younger than it is: ``live`` may turn False late, never early.
+
 Publish order on join: every field with state still as before, flush, then state = LIVE, flush.
 """
 from __future__ import annotations
@@ -208,8 +213,8 @@ class NodeTable:
         """Read node ``node_id``'s line from memory (invalidate first). Takes no lock."""
         off = self.line_offset(node_id)
         raw = np.zeros(L.NODE.itemsize, dtype=np.uint8)
+        now = time.time_ns() if now_ns is None else now_ns    # before the read ("clock first")
         K.read_bytes(self._view.mem, off, raw.ctypes.data, raw.size, S_NODE_READ)
-        now = time.time_ns() if now_ns is None else now_ns
         return _node_info(int(node_id), raw.view(L.NODE.dtype)[0].tolist(), now, timeout_s)
 
     def all(self, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
@@ -222,8 +227,8 @@ class NodeTable:
         operator's repair, which must not wait for a count to build up."""
         n = self._max_nodes
         raw = np.zeros(n * L.NODE.itemsize, dtype=np.uint8)
+        now = time.time_ns()                                    # before the read ("clock first")
         K.read_bytes(self._view.mem, self._offset, raw.ctypes.data, raw.size, S_NODE_READ)
-        now = time.time_ns()
         recs = raw.view(L.NODE.dtype).tolist()
         silent = self._silence(recs, timeout_s)
         if silent is None or not confirm:

@@ -17,7 +17,12 @@ every live node ``j`` with ``choosing`` set to finish, and for every live ``j`` 
 ``(number, j)`` to leave. Inside that critical section re-read the manager line; only if it is
 still missing or invalid write ``manager = me, term + 1``, flush. Then ``number = 0``, flush.
 Nodes judged dead are skipped by the bakery (a dead node's ticket would block it forever); that
-is safe for the same reason the lease below is.
+is safe for the same reason the lease below is. The waiting candidate skips a rival on the
+``dead`` verdict (stale, and stood still across several of its own beats), never on a single
+stale snapshot (``not live``): after a stall of the waiter's own host every rival looks stale
+until the rivals' beat threads have run again, and a live rival in the critical section would
+be passed (two candidates in the election at once). The node table reads its clock before
+the lines for the same reason (``region/nodes.py``, "Clock first").
 
 A live manager is pre-empted only when it stops granting: takeover happens on its death, its
 resignation (``run()`` cancelled), or its *stall*. While it manages, a node stamps ``scan_ns``
@@ -293,7 +298,9 @@ class LockManager:
                 if j == me:
                     continue
                 while True:
-                    if not self._region.nodes.info(j, timeout_s=self.liveness_timeout_s).live:
+                    # the whole table (not ``_nodes``: the same read, but tests observe that
+                    # call as the start of the critical section): ``dead`` is counted over it
+                    if self._region.nodes.all(timeout_s=self.liveness_timeout_s)[j].dead:
                         break
                     choosing, number, _ = self._read_candidate(j)
                     if choosing:
