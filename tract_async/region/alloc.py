@@ -188,6 +188,11 @@ def allocation_rows(allocations: Sequence[Allocation]) -> np.ndarray:
                        count=len(allocations) * nf).reshape(-1, nf)
 
 
+def allocations_of_rows(rows: np.ndarray) -> list[Allocation]:
+    """``allocation_rows`` back to Allocation objects."""
+    return list(map(Allocation._make, rows.tolist()))
+
+
 @dataclass(kw_only=True)
 class _Chunk:
     index: int
@@ -393,21 +398,26 @@ class Allocator:
         return out
 
     def alloc_many_locked(self, nbytes: int, count: int, lock: Any, *,
-                          partial: bool = False) -> list[Allocation]:
+                          partial: bool = False, rows: bool = False
+                          ) -> list[Allocation] | np.ndarray:
         """``count`` slots for a caller holding ``lock``: free lists first, then new chunks
         (claimed and carved under the lock, recovery run once). When no chunk is left: with
         ``partial`` the slots obtained so far are returned, else RegionFull is raised with them
-        given back. Also raises AllocationTooLarge, NodeEvicted, LockRevoked."""
+        given back. ``rows``: as ``allocation_rows`` (a put of many blocks then builds no
+        Allocation objects for its new chunks' slots). Also raises AllocationTooLarge,
+        NodeEvicted, LockRevoked."""
         out = self.alloc_many_nowait(nbytes, count)
+        carved: list[np.ndarray] = []
+        have = len(out)
         recovered = False
         try:
-            while len(out) < count:
+            while have < count:
                 cls = self.class_for(nbytes)
                 if not recovered:
                     self.recover_locked(lock)
                     recovered = True
                 per_chunk = self.geo.chunk_bytes // cls
-                want = -(-(count - len(out)) // per_chunk)
+                want = -(-(count - have) // per_chunk)
                 got = self.table.claim_many(self.node_id, self.epoch, lock.token,
                                             lock.check_token, want)
                 if not got and self._trim_locked(lock, keep=0):
@@ -415,26 +425,27 @@ class Allocator:
                                                 lock.check_token, want)
                 if not got:
                     if partial:
-                        return out
+                        break
                     most = self.geo.nchunks * per_chunk
                     raise RegionFull(f"no free chunk of {self.geo.chunk_bytes} bytes left in "
                                      f"{self._region.path} ({self.geo.nchunks} chunks) for "
-                                     f"{count - len(out)} more {nbytes}-byte blocks" +
+                                     f"{count - have} more {nbytes}-byte blocks" +
                                      (f" (the whole region holds at most {most} of them)"
                                       if count > most else ""))
                 self._claims += len(got)
-                # carved highest first: the free list hands out its *last* chunk first, so the
-                # slots of a batch then run up through the claimed chunks in address order and
+                # the slots of a batch run up through the claimed chunks in address order, so
                 # a large put's blocks form one contiguous run (one DMA on the GPU path instead
                 # of one per chunk)
-                for chunk, gen in reversed(got):
-                    self._carve(chunk, gen, cls, lock.token)
-                out += self.alloc_many_nowait(nbytes, count - len(out))
+                carved.append(self._carve_run(got, cls, lock.token, nbytes, count - have))
+                have += len(carved[-1])
         except BaseException:
-            for a in out:
+            for a in out + [a for r in carved for a in allocations_of_rows(r)]:
                 self.free(a)
             raise
-        return out
+        if rows:
+            return np.concatenate([allocation_rows(out), *carved]) if out else (
+                np.concatenate(carved) if carved else allocation_rows([]))
+        return out + [a for r in carved for a in allocations_of_rows(r)]
 
     async def alloc(self, nbytes: int, lock: Any, *, timeout: float | None = None) -> Allocation:
         """A slot; claims a chunk under ``lock`` (the global lock, index 0) when needed.
@@ -472,32 +483,73 @@ class Allocator:
         return a
 
     def _carve(self, chunk: int, generation: int, slot_bytes: int, token: int) -> None:
-        if chunk in self._chunks:
-            raise AssertionError(f"allocator: chunk {chunk} claimed while this node already owns "
-                                 f"it (the chunk bitmap was written without the global lock?)")
+        self._carve_run([(chunk, generation)], slot_bytes, token, 0, 0)
+
+    def _carve_run(self, got: list[tuple[int, int]], slot_bytes: int, token: int, nbytes: int,
+                   take: int) -> np.ndarray:
+        """Carve the chunks ``got`` (a claimed run: consecutive chunks, ascending, with their
+        generations) into ``slot_bytes`` slots and take the first ``take`` slots of the run, in
+        address order, as ``nbytes`` allocations (``allocation_rows``: at most ``take``, fewer
+        when the run holds fewer slots).
+
+        The run's heap records lie side by side, and so do its slot tags: one non-temporal
+        write of every record (meta line and bitmap, with the taken slots already marked used),
+        one of the zeroed tags, one fence. A 256 MiB put of 64 KiB blocks carves 128 chunks:
+        two kernel calls instead of 256 plus 128 bitmap publications. The tags are zeroed
+        because a tag left from the chunk's previous carving (another owner's, maybe another
+        slot size) could otherwise still name an old index entry for a word that is now inside
+        one of this carving's slots."""
         g, m = self.geo, self._region.mem
+        first, count = got[0][0], len(got)
+        for i, (chunk, _) in enumerate(got):
+            if chunk != first + i:
+                raise AssertionError(f"allocator: chunks {[c for c, _ in got]} are not one run")
+            if chunk in self._chunks:
+                raise AssertionError(f"allocator: chunk {chunk} claimed while this node already "
+                                     f"owns it (the chunk bitmap was written without the global "
+                                     f"lock?)")
         nslots = g.chunk_bytes // slot_bytes
-        base = g.heap_off(chunk)
-        rec = np.zeros((1 + g.heap_bitmap_lines) * L.LINE_BYTES, dtype=np.uint8)
-        meta = rec.view(np.uint64)
-        for name, v in (("slot_bytes", slot_bytes), ("nslots", nslots),
-                        ("generation", generation), ("used", 0)):
-            meta[_H[name] // 8] = v
-        # one non-temporal write of the whole record (meta line + empty bitmap), in memory on
-        # return: one kernel call instead of one per word
-        K.write_bytes(m, base, rec.ctypes.data, rec.size, S_HEAP_FLUSH)
-        # and every slot tag zeroed: a tag left from the chunk's previous carving (another
-        # owner's, maybe another slot size) could otherwise still name an old index entry for
-        # a word that is now inside one of this carving's slots
-        tags = np.zeros(g.tag_lines * L.LINE_BYTES, dtype=np.uint8)
-        K.write_bytes(m, g.tags_off(chunk), tags.ctypes.data, tags.size, S_HEAP_FLUSH)
+        nwords = (nslots + 63) // 64
+        # slots taken from each chunk: whole chunks first, the rest from the last one
+        ks = np.clip(take - np.arange(count, dtype=np.int64) * nslots, 0, nslots)
+        used = np.arange(nslots)[None, :] < ks[:, None]               # bool[count, nslots]
+        words = np.zeros((count, nwords * 8), dtype=np.uint8)
+        words[:, :(nslots + 7) // 8] = np.packbits(used, axis=1, bitorder="little")
+        words = words.view(np.uint64)                                 # [count, nwords]
+        rec = np.zeros((count, (1 + g.heap_bitmap_lines) * L.LINE_BYTES // 8), dtype=np.uint64)
+        rec[:, _H["slot_bytes"] // 8] = slot_bytes
+        rec[:, _H["nslots"] // 8] = nslots
+        rec[:, _H["generation"] // 8] = [gen for _, gen in got]
+        rec[:, _H["used"] // 8] = ks
+        w0 = L.LINE_BYTES // 8                                        # the bitmap's first word
+        rec[:, w0:w0 + nwords] = words
+        K.write_bytes(m, g.heap_off(first), rec.ctypes.data, rec.nbytes, S_HEAP_FLUSH)
+        tags = np.zeros(count * g.tag_lines * L.LINE_BYTES, dtype=np.uint8)
+        K.write_bytes(m, g.tags_off(first), tags.ctypes.data, tags.size, S_HEAP_FLUSH)
         K.full_fence(m)
-        c = _Chunk(index=chunk, generation=generation, token=token, slot_bytes=slot_bytes,
-                   nslots=nslots, used=np.zeros(nslots, dtype=bool),
-                   free=list(range(nslots - 1, -1, -1)),
-                   words=np.zeros((nslots + 63) // 64, dtype=np.uint64))
-        self._chunks[chunk] = c
-        self._free[slot_bytes].append(chunk)
+        free_list = self._free[slot_bytes]
+        for i, (chunk, gen) in enumerate(got):
+            k = int(ks[i])
+            self._chunks[chunk] = _Chunk(index=chunk, generation=gen, token=token,
+                                         slot_bytes=slot_bytes, nslots=nslots,
+                                         used=used[i].copy(),
+                                         free=list(range(nslots - 1, k - 1, -1)),
+                                         words=words[i].copy())
+            if k < nslots:
+                free_list.append(chunk)
+        n = int(ks.sum())
+        out = np.empty((n, len(Allocation._fields)), dtype=np.int64)
+        cis = np.repeat(np.arange(first, first + count, dtype=np.int64), ks)
+        slots = np.arange(n, dtype=np.int64) - np.repeat(np.arange(count) * nslots, ks)
+        out[:, A_OFFSET] = g.chunk_off(0) + cis * g.chunk_bytes + slots * slot_bytes
+        out[:, A_NBYTES] = nbytes
+        out[:, A_SLOT_BYTES] = slot_bytes
+        out[:, A_OWNER] = self.node_id
+        out[:, A_CHUNK] = cis
+        out[:, A_SLOT] = slots
+        out[:, A_GEN] = np.repeat(np.array([gen for _, gen in got], dtype=np.int64), ks)
+        out[:, A_TOKEN] = token
+        return out
 
     # -- free -------------------------------------------------------------------------------
     def free(self, allocation: Allocation) -> bool:

@@ -11,7 +11,7 @@ A put::
     words = keys_to_words(keys); snap = blocks.snapshot(words)
     todo = await blocks.reserve(keys, words, snap, timeout)     # positions this put writes
     res = blocks.reservations(keys, todo)                        # their payload offsets
-    ... copy layer(s) into [r.allocation.offset_bytes, +block_bytes) ...
+    ... copy layer(s) into [r.offset, +block_bytes) ...
     blocks.publish(keys, todo, res, layer)                       # layer bits, READY when whole
     # on any failure or cancellation, once no copy can still land: await blocks.abandon(keys)
 
@@ -42,6 +42,8 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections import deque
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -55,8 +57,8 @@ from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, N
 from ..keys import keys_to_words
 from ..region import Region
 from ..region import index as ix
-from ..region.alloc import (A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_TOKEN, Allocation, Allocator,
-                            allocation_rows)
+from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_TOKEN, Allocation,
+                            Allocator, allocation_rows)
 from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
@@ -119,16 +121,23 @@ class _Starving(RegionFull):
     waits for an owner to release one, then raises RegionFull)."""
 
 
+_SLOT_OF = attrgetter("slot")
+
+
 class Reservation:
     """A block this node reserved and is filling, layer by layer: its index entry (``slot``,
-    ``version``), its payload (``allocation``), and the layers published so far. (A slotted
-    class: one is made per block of every put, under the global lock.)"""
-    __slots__ = ("slot", "version", "allocation", "layers_lo", "layers_hi")
+    ``version``), its payload (``offset``: bytes from the region base, in chunk ``chunk``),
+    and the layers published so far. (A slotted class: one is made per block of every put,
+    under the global lock. It keeps the payload's place, not its ``Allocation``: a 256 MiB put
+    would build 4096 of those for nothing -- a reservation is undone through its index entry,
+    whose payload words say what to free.)"""
+    __slots__ = ("slot", "version", "offset", "chunk", "layers_lo", "layers_hi")
 
-    def __init__(self, slot: int, version: int, allocation: Allocation) -> None:
+    def __init__(self, slot: int, version: int, offset: int, chunk: int) -> None:
         self.slot = slot
         self.version = version
-        self.allocation = allocation
+        self.offset = offset
+        self.chunk = chunk
         self.layers_lo = 0
         self.layers_hi = 0
 
@@ -497,7 +506,8 @@ class BlockLifecycle:
             for attempt in range(2):
                 got = have or []
                 try:
-                    allocs = got + self._alloc_many_locked(len(positions) - len(got))
+                    rows = self._alloc_many_locked(len(positions) - len(got))
+                    allocs = np.concatenate([allocation_rows(got), rows]) if got else rows
                 except BaseException:
                     if have:
                         self.alloc.free_many(have)
@@ -518,13 +528,14 @@ class BlockLifecycle:
             self.lock.release()
 
     def _place(self, keys: list[bytes], words: np.ndarray, positions: list[int],
-               allocs: list[Allocation]) -> list[int] | None:
-        """Index entries in this node's lane for ``positions``, with payloads ``allocs`` (freed
-        here when not used): None when placed (keys found live meanwhile are skipped), else the
-        positions whose probe window had no free entry -- and then nothing is reserved (all or
-        nothing: the region is as it was). Lock-free with a lane per node; else the caller
-        holds the lock."""
+               allocs: list[Allocation] | np.ndarray) -> list[int] | None:
+        """Index entries in this node's lane for ``positions``, with payloads ``allocs`` (a
+        list, or ``allocation_rows``; freed here when not used): None when placed (keys found
+        live meanwhile are skipped), else the positions whose probe window had no free entry --
+        and then nothing is reserved (all or nothing: the region is as it was). Lock-free with
+        a lane per node; else the caller holds the lock."""
         mine: list[tuple[bytes, int]] = []
+        fast: tuple[list[bytes], np.ndarray] | None = None   # all reserved: (keys, previous)
         try:
             now = time.time_ns()
             transfer = self.cfg.mode == "transfer"
@@ -532,16 +543,21 @@ class BlockLifecycle:
             deadline = now + int(self.cfg.transfer_deadline_s * 1e9) if transfer else 0
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
             res = np.zeros((len(positions), 3), dtype=np.int64)
-            if len(allocs) <= SMALL_READ:       # a few: tuples beat five numpy operations
+            if not isinstance(allocs, np.ndarray) and len(allocs) <= SMALL_READ:
+                # a few: tuples beat five numpy operations
                 ainfo = np.array([_alloc_info(a) for a in allocs],
                                  dtype=np.uint64).reshape(-1, 4)
+                offs = [a.offset_bytes for a in allocs]
+                chunks = [a.chunk_index for a in allocs]
             else:
-                a = allocation_rows(allocs)
+                a = allocs if isinstance(allocs, np.ndarray) else allocation_rows(allocs)
                 ainfo = np.empty((len(allocs), 4), dtype=np.uint64)
                 ainfo[:, 0] = a[:, A_OFFSET]
                 ainfo[:, 1] = a[:, A_NBYTES]
                 ainfo[:, 2] = a[:, A_OWNER] | (a[:, A_GEN] << 16)
                 ainfo[:, 3] = a[:, A_TOKEN]
+                offs = a[:, A_OFFSET].tolist()
+                chunks = a[:, A_CHUNK].tolist()
             g = self.geo
             try:
                 # one kernel call: the reservation, then (all reserved) the publishes counter
@@ -552,40 +568,51 @@ class BlockLifecycle:
                     words[np.asarray(positions, dtype=np.int64)], ainfo, now, producer, flags,
                     deadline, res)
             except BaseException:
-                self.alloc.free_many(allocs)
+                self._free_allocs(allocs)
                 raise
             full: list[int] = []
-            unused: list[Allocation] = []
+            unused: list[int] = []
             reserved = self._reserved
             if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: C loops
                 ks = [keys[i] for i in positions]
                 reserved.update(zip(ks, map(Reservation, res[:, 0].tolist(),
-                                            res[:, 2].tolist(), allocs)))
-                mine = list(zip(ks, res[:, 1].tolist()))
-            for j, (slot, prev, version) in enumerate(res.tolist() if not mine else ()):
+                                            res[:, 2].tolist(), offs, chunks)))
+                fast = (ks, res[:, 1])     # ``mine`` is built only if they must be undone
+            for j, (slot, prev, version) in enumerate(res.tolist() if fast is None else ()):
                 i = positions[j]
                 if slot >= 0:
-                    reserved[keys[i]] = Reservation(slot, version, allocs[j])
+                    reserved[keys[i]] = Reservation(slot, version, offs[j], chunks[j])
                     mine.append((keys[i], prev))
                     continue
-                unused.append(allocs[j])
+                unused.append(j)
                 if slot == -1:
                     full.append(i)
                 else:                               # another node reserved it since our snapshot
                     self.stats.blocks_skipped += 1
             if unused:
-                self.alloc.free_many(unused)
+                self._free_allocs(allocs[np.asarray(unused)] if isinstance(allocs, np.ndarray)
+                                  else [allocs[j] for j in unused])
             if full:
                 self._undo(mine)
                 return full
             if not counted:
-                self.index.bump_counter(self.lane, ix.LN_PUBLISHES, len(mine))
+                self.index.bump_counter(self.lane, ix.LN_PUBLISHES,
+                                        len(mine) if fast is None else len(fast[0]))
             if CP.ARMED:
                 CP.hit("reserve.indexed")
             return None
         except BaseException:
+            if fast is not None:
+                mine = list(zip(fast[0], fast[1].tolist()))
             self._undo(mine)
             raise
+
+    def _free_allocs(self, allocs: list[Allocation] | np.ndarray) -> None:
+        """Give slots back, as a list or as ``allocation_rows``."""
+        if isinstance(allocs, np.ndarray):
+            allocs = list(map(Allocation._make, allocs.tolist()))
+        if allocs:
+            self.alloc.free_many(allocs)
 
     def _undo(self, mine: list[tuple[bytes, int]]) -> None:
         """Take back this call's reservations ``mine`` (key, previous state), newest first: an
@@ -626,20 +653,24 @@ class BlockLifecycle:
             CP.hit("put.copied")
         lo, hi = kvplan.layer_mask(self.layout, layer)
         reserved = self._reserved
-        live = [(i, r) for i, r in zip(positions, res) if reserved.get(keys[i]) is r]
-        if live:
-            slots = np.fromiter((r.slot for _, r in live), dtype=np.int64, count=len(live))
+        ks = [keys[i] for i in positions]
+        if list(map(reserved.get, ks)) != res:     # some abandoned meanwhile (the list compares
+            live = [(i, r) for i, r in zip(positions, res)   # by identity first: C loops)
+                    if reserved.get(keys[i]) is r]
+            positions, res = [i for i, _ in live], [r for _, r in live]
+            ks = [keys[i] for i in positions]
+        if res:
+            slots = np.fromiter(map(_SLOT_OF, res), dtype=np.int64, count=len(res))
             waiting = db.publish_and_look(self.mem, self.geo.entries_offset, slots, lo, hi,
                                           self._all_lo, self._all_hi, self._db_off,
                                           self._db_nodes)
             if waiting:
                 self.doorbell.ring(int(waiting))
         if layer is None:             # every layer written: all of them are READY now
-            for i, _ in live:
-                del reserved[keys[i]]
-            self.stats.blocks_stored += len(live)
+            deque(map(reserved.__delitem__, ks), maxlen=0)
+            self.stats.blocks_stored += len(res)
         else:
-            for i, r in live:
+            for i, r in zip(positions, res):
                 r.layers_lo |= lo
                 r.layers_hi |= hi
                 if r.layers_lo == self._all_lo and r.layers_hi == self._all_hi:
@@ -649,23 +680,25 @@ class BlockLifecycle:
         self.stats.bytes_put += nbytes
         if CP.ARMED and layer is not None and reserved:
             CP.hit("publish.layer")
-        return len(live)
+        return len(res)
 
-    def _alloc_many_locked(self, count: int) -> list[Allocation]:
-        """``count`` block slots, evicting this node's LRU blocks while the region is full.
-        Raises _Starving (RegionFull: no chunk to make room in, and the ask for one recorded),
-        RegionFull."""
+    def _alloc_many_locked(self, count: int) -> np.ndarray:
+        """``count`` block slots (``allocation_rows``), evicting this node's LRU blocks while
+        the region is full. Raises _Starving (RegionFull: no chunk to make room in, and the ask
+        for one recorded), RegionFull."""
         nbytes = self.layout.block_bytes
-        out: list[Allocation] = []
+        parts: list[np.ndarray] = []
+        have = 0
         evicted = 0
         table = self.alloc.table
         try:
-            while len(out) < count:
-                out += self.alloc.alloc_many_locked(nbytes, count - len(out), self.lock,
-                                                    partial=True)
-                if len(out) >= count:
+            while have < count:
+                parts.append(self.alloc.alloc_many_locked(nbytes, count - have, self.lock,
+                                                          partial=True, rows=True))
+                have += len(parts[-1])
+                if have >= count:
                     break
-                need = count - len(out)
+                need = count - have
                 g = self.ageo
                 per_chunk = max(1, g.chunk_bytes // self.alloc.class_for(nbytes))
                 most = g.nchunks * per_chunk
@@ -707,12 +740,15 @@ class BlockLifecycle:
                 evicted += got
                 self.alloc.drain_returns()
         except BaseException:
-            self.alloc.free_many(out)
+            if parts:
+                self._free_allocs(np.concatenate(parts))
             raise
         if self._asked:
             table.set_wanted(self.node_id, 0)
             self._asked = False
-        return out
+        if not parts:
+            return allocation_rows([])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _give_chunks_locked(self) -> int:
         """Release spare chunks to nodes that asked for some (alloc.py, "Starving"): while
@@ -735,7 +771,7 @@ class BlockLifecycle:
         if spare <= 0:
             return 0
         self.drop_spares()                  # they keep chunks from being empty
-        busy = {r.allocation.chunk_index for r in self._reserved.values()}
+        busy = {r.chunk for r in self._reserved.values()}
         pick = [c for c, _ in sorted(use.items(), key=lambda cu: cu[1]) if c not in busy][:spare]
         if not pick:
             return 0
