@@ -110,6 +110,10 @@ class Checker:
         self.holder: int | None = None
         self.last_token = 0
         self.last_beat: dict[int, float] = {}     # beating (not stalled) nodes: last beat
+        # diagnostics only (they decide nothing): a bakery violation names what the entering
+        # candidate last read of every node line, and each beat thread's longest recent gap
+        self.saw: dict[int, list[tuple[int, float, bool, bool]]] = {}
+        self.gaps: dict[int, tuple[float, float]] = {}   # node -> (longest gap, when it ended)
 
     # -- failures -----------------------------------------------------------------------------
     def violation(self, kind: str, text: str) -> None:
@@ -229,8 +233,14 @@ class Checker:
             self.in_cs.add(node)
             self.cond.notify_all()
         if others:
+            now = time.monotonic()
+            with self.cond:
+                saw = self.saw.get(node)
+                gaps = {n: (round(g, 3), round(now - t, 3)) for n, (g, t) in self.gaps.items()}
             self.violation("bakery", f"candidate {node} entered the election's critical "
-                                     f"section while {sorted(others)} was in it")
+                                     f"section while {sorted(others)} was in it (its last read "
+                                     f"of the node table, (node, age s, live, dead): {saw}; "
+                                     f"longest beat gap per node, (gap s, ended s ago): {gaps})")
             return
         with self.cond:
             mark = dict(self.blocked)
@@ -256,6 +266,18 @@ class Checker:
                 self.cond.notify_all()
             if waited:
                 self.res.overlaps += 1
+
+    def on_table(self, node: int, infos: list) -> None:  # noqa: ANN001
+        with self.cond:
+            self.saw[node] = [(i.node_id, round(i.heartbeat_age_s, 3), i.live, i.dead)
+                              for i in infos[:len(CANDIDATES) + 2]]
+
+    def on_gap(self, node: int, gap: float) -> None:
+        with self.cond:
+            now = time.monotonic()
+            g, t = self.gaps.get(node, (0.0, 0.0))
+            if gap >= g or now - t > 2 * LIVENESS_S:
+                self.gaps[node] = (gap, now)
 
     def round_end(self, node: int) -> None:
         with self.cond:
@@ -339,6 +361,15 @@ def instrument(mgr: LockManager, node: int, chk: Checker) -> None:
         chk.on_step_down(node)
         step_down()
 
+    table = mgr._region.nodes
+    read_all = table.all
+
+    def all_(**kw) -> list:  # noqa: ANN003
+        res = read_all(**kw)
+        chk.on_table(node, res)
+        return res
+
+    table.all = all_
     mgr._write_candidate = write_candidate
     mgr._read_candidate = read_candidate
     mgr._nodes = nodes_
@@ -432,6 +463,8 @@ class Node:
                     self.chk.last_beat.pop(self.node_id, None)
             else:
                 now = time.monotonic()
+                if last is not None:
+                    self.chk.on_gap(self.node_id, now - last)
                 if last is not None and now - last > STARVED_S:
                     self.chk.starved(f"node {self.node_id}'s heartbeat thread starved for "
                                      f"{now - last:.2f} s")
