@@ -223,3 +223,32 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
     except BaseException as e:  # report, don't hang the parent
         q_out.put(("error", 0, f"{type(e).__name__}: {e}"))
         raise
+
+
+def tight_get_loop(path: str, backend: str, node_id: int, token_ids: list[int], seconds: float,
+                   yield_to_lock: bool, q_in, q_out) -> None:  # noqa: ANN001
+    """Node ``node_id`` of the lock-yield test: one get of the prompt (LRU touches to flush, so
+    its maintenance wants the lock), then on "go" one pause of 0.3 s (its maintenance posts a
+    lock request meanwhile), then gets of the prompt back to back for ``seconds`` without any
+    await of its own (fused hits never suspend). Reports the gets and the lock acquisitions
+    made during the loop."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(path, node_id, backend=backend)) as eng:
+            eng._store.yield_to_lock = yield_to_lock
+            keys = eng.block_keys(token_ids)
+            out = np_out(keys)
+            assert block_matches(keys, await eng.get_kv(keys, out=out)) == [True] * len(keys)
+            q_out.put(("ready", node_id, None))
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, q_in.get) == "go"
+            await eng.get_kv(keys, out=out)            # touches for the next maintenance round
+            await asyncio.sleep(0.3)
+            acq0 = eng.stats()["lock_acquisitions"]
+            gets, t_end = 0, time.monotonic() + seconds
+            while time.monotonic() < t_end:
+                await eng.get_kv(keys, out=out)
+                gets += 1
+            acquired = eng.stats()["lock_acquisitions"] - acq0
+            q_out.put(("done", node_id, (gets, acquired, eng.stats()["fused_gets"])))
+            assert await loop.run_in_executor(None, q_in.get) == "close"
+    tract.run(main())

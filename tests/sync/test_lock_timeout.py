@@ -32,3 +32,23 @@ async def test_a_timed_out_acquire_releases_the_node_local_tier(region_path: str
         other.close()
         r.nodes.leave(h)
         r.close()
+
+
+async def test_a_timeout_says_what_the_lock_lines_hold(region_path: str) -> None:
+    """The error names the manager line, the holder, this node's sequences and the node table:
+    the stress's 9 s timeout was explained by exactly these (a live holder, a valid manager)."""
+    r = P.make_region(region_path, "hw")
+    h = r.nodes.join(2, timeout_s=1.0)
+    lock = GlobalLock(r, h)
+    try:
+        with pytest.raises(E.LockTimeout) as info:
+            await lock.acquire(timeout=0.05)
+        msg = str(info.value)
+        assert "no manager (term 0)" in msg and "holder None" in msg, msg
+        # the withdrawn request: req_seq == rel_seq, never granted
+        assert "node 2 req_seq 1 " in msg and "rel_seq 1 grant_seq 0" in msg, msg
+        assert "nodes 2:live(" in msg, msg
+    finally:
+        lock.close()
+        r.nodes.leave(h)
+        r.close()

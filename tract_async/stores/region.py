@@ -42,6 +42,17 @@ The sim backend stays on one thread (its caches are per thread: ``waits.ThreadMe
 two-thread read (one thread drops the lines ahead, the other copies behind: ``_copy_out_split``)
 is kept for ``copy_read_ahead=True``: large reads then take that pair whatever ``copy_threads``
 says (puts still follow ``copy_threads``).
+
+Yielding to this node's lock. A small put or get (the fused kernels, an inline copy) completes
+without suspending, so a caller's loop of them never lets other tasks of its event loop run.
+One of those tasks may be waiting for the global lock (the engine's maintenance flushing LRU
+touches): once the manager grants it, the rack's lock is held by a task that cannot run, and
+every other node's reservation waits until the loop of transfers ends (the disagreement
+stress's intermittent LockTimeout: a reader's get loop held the rack's lock for 9 s). So each
+put and get first yields one loop turn (``asyncio.sleep(0)``) while any task of this process
+waits for or holds the lock (``GlobalLock.wanted``: one attribute read when nobody does). A
+granted waiter then runs within two transfers. A loop that never awaits anything still stalls
+it: only the heartbeat is immune to that (``engine.py``).
 """
 from __future__ import annotations
 
@@ -163,6 +174,10 @@ class RegionStore:
         """Threads a large copy runs on (``cfg.copy_threads``, None resolved from the host)."""
         self._pool: cf.ThreadPoolExecutor | None = None
         self._tmpls: dict[int, np.ndarray] = {}
+        self.yield_to_lock = True
+        """Yield one loop turn before a transfer while a task of this process waits for or
+        holds the global lock ("Yielding to this node's lock"). Off only in the negative
+        control of the test that shows why."""
 
     def _fusable(self, n: int, layer: int | None) -> bool:
         """A transfer the fused kernels take (``stores/fused.py``): whole blocks, at most
@@ -325,6 +340,8 @@ class RegionStore:
                   timeout: float | None) -> int:
         """Store blocks not yet present; returns how many this call stored (or filled).
         Raises RegionFull (nothing stored), TransferTimeout, NodeEvicted."""
+        if self.yield_to_lock and self.blocks.lock.wanted:
+            await asyncio.sleep(0)
         if arrays.is_cuda(kv):
             return await self._put_cuda(keys, kv, layer, timeout)
         if len(keys) < PAUSE_MIN_BLOCKS:     # skip the context manager (~1 µs) when it is a no-op
@@ -390,6 +407,8 @@ class RegionStore:
                   timeout: float | None) -> Any:
         """Read ``keys`` into ``out`` (CPU or CUDA). Raises BlockNotFound, LayerNotReady,
         TransferTimeout, BlockEvicted."""
+        if self.yield_to_lock and self.blocks.lock.wanted:
+            await asyncio.sleep(0)
         if arrays.is_cuda(out):
             return await self._get_cuda(keys, out, layer, timeout)
         if len(keys) < PAUSE_MIN_BLOCKS:     # as in put

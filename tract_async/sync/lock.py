@@ -126,6 +126,13 @@ class GlobalLock:
             raise LockNotHeld(f"lock {self.lock_index} is not held by node {self.node_id}")
         return self._token
 
+    @property
+    def wanted(self) -> bool:
+        """True while a task of this process waits for this lock or holds it (the node-local
+        tier is taken). Callers that may run many transfers without suspending yield a loop
+        turn while it is (``stores/region.py``, "Yielding to this node's lock")."""
+        return self._local.locked
+
     def locked(self) -> bool:
         """True while some node holds the lock (reads the manager's state line)."""
         return self._read_state()["holder"] is not None
@@ -154,7 +161,8 @@ class GlobalLock:
                 self._local.release()
             self._timeouts += 1
             raise LockTimeout(f"global lock {self.lock_index} not granted to node {self.node_id} "
-                              f"within {timeout} s (is a LockManager running on a live node?)")
+                              f"within {timeout} s (is a LockManager running on a live node?) "
+                              f"[{self.diagnosis()}]")
         self._granted(req, token, time.monotonic() - t0)
         return token
 
@@ -279,6 +287,49 @@ class GlobalLock:
         holder = int(rec["holder"])
         return {"holder": holder - 1 if holder else None, "token": int(rec["token"]),
                 "grants": int(rec["grants"]), "revocations": int(rec["revocations"])}
+
+    def diagnosis(self) -> str:
+        """One line on why a grant may not come: the manager line (node, term, whether it is
+        valid, how old its scan stamp is), the lock's holder, this node's request and grant
+        sequences, and each node's liveness. Fresh reads through the calling thread's view;
+        for error messages, not for decisions."""
+        import numpy as np
+
+        import tract_kernels as K
+        from .manager import SCAN_NS, manager_valid, read_manager
+        try:
+            m, geo = self._region.mem, self._geo
+            nodes = self._region.nodes.all(confirm=False)
+            info = read_manager(self._region, geo, m)
+            parts = []
+            if info.node_id is None:
+                parts.append(f"no manager (term {info.term})")
+            else:
+                scan = int(K.load_fresh(m, geo.cand_off(info.node_id) + SCAN_NS, S.S_STATE_READ))
+                age = (time.time_ns() - scan) / 1e9 if scan else float("inf")
+                ok = manager_valid(info, nodes)
+                parts.append(f"manager node {info.node_id} term {info.term} "
+                             f"{'valid' if ok else 'invalid'}, scan stamp {age:.3f} s old")
+            st = self._read_state()
+            raw = np.zeros(64, dtype=np.uint8)
+            K.read_bytes(m, self._req_off, raw.ctypes.data, 64, S.S_REQ_RELOAD)
+            req = raw.view(S.L.LOCK_REQ.dtype)[0].copy()
+            K.read_bytes(m, self._grant_off, raw.ctypes.data, 64, S.S_GRANT_READ)
+            grant = raw.view(S.L.LOCK_GRANT.dtype)[0].copy()
+            now = time.time_ns()
+            parts.append(f"holder {st['holder']} token {st['token']:#x} grants {st['grants']}")
+            parts.append(
+                f"node {self.node_id} req_seq {int(req['req_seq'])} (requested "
+                f"{(now - int(req['requested_ns'])) / 1e9:.3f} s ago) rel_seq "
+                f"{int(req['rel_seq'])} grant_seq {int(grant['grant_seq'])} (granted "
+                f"{(now - int(grant['granted_ns'])) / 1e9:.3f} s ago, token "
+                f"{int(grant['token']):#x})")
+            parts.append("nodes " + ", ".join(
+                f"{n.node_id}:{n.state_name}{'' if n.live else ' stale'}"
+                f"({n.heartbeat_age_s:.2f} s)" for n in nodes if n.state_name != "free"))
+            return "; ".join(parts)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the error it explains
+            return f"no diagnosis: {exc!r}"
 
     def statistics(self) -> LockStatistics:
         """Counters of this object plus the lock's current holder and revocation count."""
