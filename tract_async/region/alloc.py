@@ -188,9 +188,9 @@ def allocation_rows(allocations: Sequence[Allocation]) -> np.ndarray:
                        count=len(allocations) * nf).reshape(-1, nf)
 
 
-def allocations_of_rows(rows: np.ndarray) -> list[Allocation]:
-    """``allocation_rows`` back to Allocation objects."""
-    return list(map(Allocation._make, rows.tolist()))
+def allocations_of_rows(*rows: np.ndarray) -> list[Allocation]:
+    """``allocation_rows`` (one array or several) back to Allocation objects, in order."""
+    return [Allocation._make(r) for part in rows for r in part.tolist()]
 
 
 @dataclass(kw_only=True)
@@ -439,13 +439,13 @@ class Allocator:
                 carved.append(self._carve_run(got, cls, lock.token, nbytes, count - have))
                 have += len(carved[-1])
         except BaseException:
-            for a in out + [a for r in carved for a in allocations_of_rows(r)]:
+            for a in out + allocations_of_rows(*carved):
                 self.free(a)
             raise
         if rows:
-            return np.concatenate([allocation_rows(out), *carved]) if out else (
-                np.concatenate(carved) if carved else allocation_rows([]))
-        return out + [a for r in carved for a in allocations_of_rows(r)]
+            parts = ([allocation_rows(out)] if out else []) + carved
+            return np.concatenate(parts) if parts else allocation_rows([])
+        return out + allocations_of_rows(*carved)
 
     async def alloc(self, nbytes: int, lock: Any, *, timeout: float | None = None) -> Allocation:
         """A slot; claims a chunk under ``lock`` (the global lock, index 0) when needed.

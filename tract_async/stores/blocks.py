@@ -58,7 +58,7 @@ from ..keys import keys_to_words
 from ..region import Region
 from ..region import index as ix
 from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_TOKEN, Allocation,
-                            Allocator, allocation_rows)
+                            Allocator, allocation_rows, allocations_of_rows)
 from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
@@ -610,7 +610,7 @@ class BlockLifecycle:
     def _free_allocs(self, allocs: list[Allocation] | np.ndarray) -> None:
         """Give slots back, as a list or as ``allocation_rows``."""
         if isinstance(allocs, np.ndarray):
-            allocs = list(map(Allocation._make, allocs.tolist()))
+            allocs = allocations_of_rows(allocs)
         if allocs:
             self.alloc.free_many(allocs)
 
