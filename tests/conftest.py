@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 
+import tract_async  # noqa: F401 - first: its import keeps ./kernels from shadowing Hugging Face's
+
 
 def _cuda_available() -> bool:
     try:

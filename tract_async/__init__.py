@@ -17,6 +17,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _kernels_name
+
+_kernels_name.install()    # before anything imports transformers (that module says why)
+
 _EXPORTS: dict[str, str] = {
     "BlockKey": "keys",
     "Engine": "engine",
