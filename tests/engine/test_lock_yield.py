@@ -1,12 +1,18 @@
-"""A loop of small transfers must not hold the rack's global lock.
+"""A busy event loop must not hold the rack's global lock.
 
-Small puts and gets (the fused kernels) complete without suspending. When a task of the same
-loop (the engine's maintenance, flushing LRU touches) is granted the lock meanwhile, it cannot
-run to release it until the caller's loop suspends: every other node's reservation waits for
-the whole loop of transfers (the disagreement stress's LockTimeout: 9 s). Each transfer
-therefore yields one loop turn while a task of its process waits for or holds the lock
-(``stores/region.py``, "Yielding to this node's lock"); the negative control switches that off
-and node 0 waits for the whole loop.
+A grant is its waiter's only once the waiter's event loop runs again. Two ways a loop stays
+busy while a task of it (the engine's maintenance, flushing LRU touches) has been granted:
+
+* a loop of small puts or gets: the fused kernels complete without suspending (the
+  disagreement stress's LockTimeout: a reader's get loop held the rack's lock for 9 s). Each
+  transfer yields one loop turn while a task of its process waits for or holds the lock
+  (``stores/region.py``, "Yielding to this node's lock");
+* a blocking call on the loop (a model step). The thread that sees the grant hands it back when
+  the loop does not confirm within ``PollPolicy.handback_s`` (``sync/lock.py``, "Handing a
+  grant back").
+
+The hand-back also covers a loop of transfers without the yield. The negative controls switch
+the defences off: node 0 then waits for the whole busy time.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from tests.support import procs_engine as P
 from tests.support.engine_util import TINY, cfg, kv_for_keys
 
 SPAWN = mp.get_context("spawn")
-LOOP_S = 3.0
+BUSY_S = 3.0
 
 
 async def _qget(q, timeout: float = 120.0):  # noqa: ANN001, ANN202
@@ -40,16 +46,19 @@ def _waiting(eng: tract.Engine, node_id: int) -> bool:
     return req > rel
 
 
-@pytest.mark.parametrize("yield_to_lock", [True, False], ids=["yields", "negative_control"])
-async def test_a_loop_of_small_gets_does_not_hold_the_racks_lock(region_path: str,
-                                                                   yield_to_lock: bool) -> None:
+@pytest.mark.parametrize("mode", ["gets", "gets-no-yield", "gets-no-yield-no-handback", "block",
+                                  "block-no-handback"])
+async def test_a_busy_loop_does_not_hold_the_racks_lock(region_path: str, mode: str) -> None:
+    """``gets``: the yield lets the maintenance run inside the loop; ``gets-no-yield`` and
+    ``block``: the grant is handed back; the ``-no-handback`` cases are the negative controls."""
+    defended = "-no-handback" not in mode
     async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
         tokens = list(range(4 * TINY.block_tokens))
         keys = eng.block_keys(tokens)
         await eng.put_kv(keys, kv_for_keys(keys))
         q_in, q_out = SPAWN.Queue(), SPAWN.Queue()
-        p = SPAWN.Process(target=P.tight_get_loop,
-                          args=(region_path, "hw", 1, tokens, LOOP_S, yield_to_lock, q_in, q_out))
+        p = SPAWN.Process(target=P.busy_loop_node,
+                          args=(region_path, "hw", 1, tokens, BUSY_S, mode, q_in, q_out))
         p.start()
         try:
             assert (await _qget(q_out))[0] == "ready"
@@ -58,32 +67,37 @@ async def test_a_loop_of_small_gets_does_not_hold_the_racks_lock(region_path: st
             try:
                 q_in.put("go")
                 # node 1 touches the prompt, pauses 0.3 s (its maintenance asks for the lock,
-                # behind us), then runs its loop of gets
+                # behind us), then its loop is busy
                 t_wait = time.monotonic() + 10
                 while not _waiting(eng, 1):
                     assert time.monotonic() < t_wait, "node 1's maintenance never asked for the lock"
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.6)          # node 1 is inside its loop of gets now
+                await asyncio.sleep(0.6)          # node 1's loop is busy now
                 assert _waiting(eng, 1)
             finally:
                 lock.release()                    # the manager grants node 1 next
             t0 = time.monotonic()
-            await lock.acquire(timeout=LOOP_S + 30)
+            await lock.acquire(timeout=BUSY_S + 30)
             waited = time.monotonic() - t0
             lock.release()
-            kind, node, (gets, acquired, fused) = await _qget(q_out)
+            kind, node, (gets, acquired, fused, handbacks) = await _qget(q_out)
             assert (kind, node) == ("done", 1)
-            print(f"yield_to_lock={yield_to_lock}: node 0 waited {waited:.3f} s for the lock "
-                  f"node 1 was granted; node 1 made {gets} gets ({fused} fused) and "
-                  f"{acquired} lock acquisitions in its {LOOP_S} s loop")
-            assert gets > 100 and fused >= gets, "node 1's loop was not a loop of fused gets"
-            if yield_to_lock:
-                assert waited < 0.5, f"node 0 waited {waited:.3f} s behind node 1's loop"
-                assert acquired >= 1, "node 1's maintenance never ran inside its loop"
+            print(f"{mode}: node 0 waited {waited:.3f} s for the lock node 1 was granted; node 1 "
+                  f"made {gets} gets ({fused} fused), {acquired} lock acquisitions and "
+                  f"{handbacks} hand-backs in its {BUSY_S} s busy time")
+            if mode.startswith("gets"):
+                assert gets > 100 and fused >= gets, "node 1's loop was not a loop of fused gets"
+            if defended:
+                assert waited < 0.5, f"node 0 waited {waited:.3f} s behind node 1's busy loop"
             else:
-                # the granted maintenance task of node 1 could only run when its loop ended
-                assert waited > LOOP_S - 1.0, f"negative control: node 0 waited only {waited:.3f} s"
-                assert acquired == 0
+                # the granted maintenance task of node 1 could only run when its loop was free
+                assert waited > BUSY_S - 1.0, f"negative control: node 0 waited only {waited:.3f} s"
+            if mode == "gets":
+                assert acquired >= 1, "node 1's maintenance never ran inside its loop"
+            if mode in ("block", "gets-no-yield"):
+                assert handbacks >= 1, "the grant was not handed back"
+            if not defended:
+                assert handbacks == 0
         finally:
             q_in.put("close")
             await asyncio.get_running_loop().run_in_executor(None, p.join, 30)

@@ -225,16 +225,24 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
         raise
 
 
-def tight_get_loop(path: str, backend: str, node_id: int, token_ids: list[int], seconds: float,
-                   yield_to_lock: bool, q_in, q_out) -> None:  # noqa: ANN001
-    """Node ``node_id`` of the lock-yield test: one get of the prompt (LRU touches to flush, so
-    its maintenance wants the lock), then on "go" one pause of 0.3 s (its maintenance posts a
-    lock request meanwhile), then gets of the prompt back to back for ``seconds`` without any
-    await of its own (fused hits never suspend). Reports the gets and the lock acquisitions
-    made during the loop."""
+def busy_loop_node(path: str, backend: str, node_id: int, token_ids: list[int], seconds: float,
+                   mode: str, q_in, q_out) -> None:  # noqa: ANN001
+    """Node ``node_id`` of the busy-loop lock tests: one get of the prompt (LRU touches to
+    flush, so its maintenance wants the lock), then on "go" one pause of 0.3 s (its maintenance
+    posts a lock request meanwhile), then ``seconds`` in which its event loop runs nothing else:
+    ``mode`` "gets" runs gets of the prompt back to back without any await of its own (fused
+    hits never suspend), "block" one blocking call (a model step). "-no-yield" in it turns
+    off the transfers' yield to the lock (``RegionStore.yield_to_lock``), "-no-handback" the
+    lock's hand-back of a grant its busy loop cannot take (``PollPolicy.handback_s = 0``).
+    Reports the gets and the lock acquisitions made during the busy time."""
+    import dataclasses
+
     async def main() -> None:
         async with tract.Engine.open(cfg(path, node_id, backend=backend)) as eng:
-            eng._store.yield_to_lock = yield_to_lock
+            if "-no-yield" in mode:
+                eng._store.yield_to_lock = False
+            if "-no-handback" in mode:
+                eng._lock.policy = dataclasses.replace(eng._lock.policy, handback_s=0.0)
             keys = eng.block_keys(token_ids)
             out = np_out(keys)
             assert block_matches(keys, await eng.get_kv(keys, out=out)) == [True] * len(keys)
@@ -245,10 +253,14 @@ def tight_get_loop(path: str, backend: str, node_id: int, token_ids: list[int], 
             await asyncio.sleep(0.3)
             acq0 = eng.stats()["lock_acquisitions"]
             gets, t_end = 0, time.monotonic() + seconds
-            while time.monotonic() < t_end:
-                await eng.get_kv(keys, out=out)
-                gets += 1
-            acquired = eng.stats()["lock_acquisitions"] - acq0
-            q_out.put(("done", node_id, (gets, acquired, eng.stats()["fused_gets"])))
+            if mode.startswith("block"):
+                time.sleep(seconds)                    # the loop is blocked: nothing else runs
+            else:
+                while time.monotonic() < t_end:
+                    await eng.get_kv(keys, out=out)
+                    gets += 1
+            st = eng.stats()
+            q_out.put(("done", node_id, (gets, st["lock_acquisitions"] - acq0, st["fused_gets"],
+                                         st["lock"]["handbacks"])))
             assert await loop.run_in_executor(None, q_in.get) == "close"
     tract.run(main())

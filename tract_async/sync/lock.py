@@ -9,17 +9,33 @@ are in ``slots.py``; this module is the asyncio shape around it.
 
 Waiting: the grant is first polled in the event loop for ``PollPolicy.loop_spin_s``, in nogil
 slices of ``loop_slice_s`` (the GIL free for a manager thread of this process; other tasks run
-between slices: the cheap path when the manager is quick), then from a worker thread
+between slices: the cheap path when the manager is quick), then from one worker thread
 in slices of ``slice_s`` (a nogil jitted poll: ``sched_yield`` for ``thread_spin_s``, then
-``usleep`` doubling up to ``sleep_us_max``), returning to the loop between slices so that a
-deadline or a cancellation is honoured within one slice. A request that times out or is
+``usleep`` doubling up to ``sleep_us_max``), which checks the deadline and a stop flag (set on
+cancellation) between slices, so that both are honoured within one slice. The thread needs
+nothing of the loop between slices (it used to return to the loop after every slice: a blocked
+loop then left a grant unseen, and unreturned, for as long as it stayed blocked). A request that times out or is
 cancelled is withdrawn (``rel_seq = req_seq``); if the grant raced the withdrawal, the manager
 sees the withdrawal as a release, so the lock is never left held by nobody.
+
+Handing a grant back. A grant seen by the polling thread is the waiter's only once its event
+loop runs again. A loop blocked meanwhile (a model step, a long compile, a loop of transfers
+that never suspends) would hold the rack's lock for as long as it stays blocked, although the
+manager keeps granting (issue 13 point 6: one busy process must not freeze the rack). So the
+thread that sees the grant asks the loop to confirm (``call_soon_threadsafe``) and waits
+``PollPolicy.handback_s`` for it; a loop that does not answer in time gets the grant handed
+back: the thread withdraws the request (``rel_seq = req_seq``, which the manager takes as a
+release: the protocol's withdrawal racing a grant, nothing new on memory), and the coroutine
+posts a fresh request when its loop runs again. A blocked loop holds the rack's lock for at most
+``handback_s`` then, not for the whole block. The confirmation costs one more loop wake-up on a
+grant that came through the thread (a wait longer than the in-loop spin); grants polled in the
+loop need none.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from dataclasses import dataclass
 
@@ -43,6 +59,10 @@ class PollPolicy:
     sleep_us_max: int = 200
     slice_s: float = 0.005
     nowait_s: float = 0.002
+    handback_s: float = 0.02
+    """How long a grant seen by the polling thread waits for its event loop before it is handed
+    back (module docstring); 0 keeps every grant however long the loop takes. Above the GIL's
+    5 ms switch interval, so that a loop that only waits for the GIL keeps its grant."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +79,7 @@ class LockStatistics:
     grants: int                 # grants issued by all managers
     revocations: int            # holders revoked for a stale heartbeat
     held_by_me: bool
+    handbacks: int = 0          # grants handed back because this process's loop was busy
 
 
 async def run_slice(loop: asyncio.AbstractEventLoop, fn, *args):  # noqa: ANN001, ANN201
@@ -113,6 +134,7 @@ class GlobalLock:
         self._acquisitions = 0
         self._timeouts = 0
         self._busy = 0
+        self._handbacks = 0
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -149,8 +171,7 @@ class GlobalLock:
         await self._local.acquire(deadline)
         try:
             m = self._mem
-            req = int(S.post_request(m, self._req_off, self._epoch))
-            token = await self._wait_grant(m, req, deadline)
+            req, token = await self._wait_grant(m, deadline)
         except BaseException:
             self._local.release()
             raise
@@ -166,7 +187,19 @@ class GlobalLock:
         self._granted(req, token, time.monotonic() - t0)
         return token
 
-    async def _wait_grant(self, m, req: int, deadline: float) -> int:  # noqa: ANN001
+    async def _wait_grant(self, m, deadline: float) -> tuple[int, int]:  # noqa: ANN001
+        """Post a request and wait for its grant: (request, token), token 0 at the deadline
+        (the request is still posted then). A grant handed back by the polling thread (module
+        docstring) is followed by a fresh request."""
+        while True:
+            req = int(S.post_request(m, self._req_off, self._epoch))
+            tok = await self._wait_one(m, req, deadline)
+            if tok >= 0:
+                return req, tok
+
+    async def _wait_one(self, m, req: int, deadline: float) -> int:  # noqa: ANN001
+        """The grant of ``req``: its token, 0 at the deadline, -1 when the polling thread handed
+        it back (withdrawn already)."""
         pol = self.policy
         try:
             spin_end = time.monotonic() + pol.loop_spin_s
@@ -184,21 +217,51 @@ class GlobalLock:
                                        pol.sleep_us_max))
             if tok:
                 return tok
+            if time.monotonic() >= deadline:
+                return 0
             loop = asyncio.get_running_loop()
-            spin_ns = int(pol.thread_spin_s * 1e9)
-            while True:
-                now = time.monotonic()
-                if now >= deadline:
-                    return 0
-                budget = int(min(pol.slice_s, deadline - now) * 1e9)
-                tok = int(await run_slice(loop, S.wait_grant, m, self._grant_off, req, budget,
-                                          spin_ns, pol.sleep_us_max))
-                if tok:
-                    return tok
-                spin_ns = 0  # later slices go straight to the sleeping phase
+            stop = [False]
+            fut = loop.run_in_executor(None, call_tight, self._poll_in_thread, loop, m, req,
+                                       deadline, stop)
+            try:
+                return int(await asyncio.shield(fut))
+            except asyncio.CancelledError:
+                stop[0] = True        # the thread ends within one slice; nobody else uses m
+                await asyncio.wait([fut])
+                raise
         except BaseException:
             self._withdraw(req)
             raise
+
+    def _poll_in_thread(self, loop: asyncio.AbstractEventLoop, m, req: int,  # noqa: ANN001
+                        deadline: float, stop: list[bool]) -> int:
+        """The thread's poll (a worker thread, one per wait: it needs nothing of the loop, so
+        a grant that comes while the loop is blocked is still seen): the token; 0 at the
+        deadline or once ``stop[0]`` is set (checked every ``slice_s``); -1 when a grant came
+        but the loop did not confirm it within ``handback_s`` and it was handed back."""
+        pol = self.policy
+        spin_ns = int(pol.thread_spin_s * 1e9)
+        while True:
+            now = time.monotonic()
+            if now >= deadline or stop[0]:
+                return 0
+            budget = int(min(pol.slice_s, deadline - now) * 1e9)
+            tok = int(S.wait_grant(m, self._grant_off, req, budget, spin_ns, pol.sleep_us_max))
+            if tok:
+                break
+            spin_ns = 0  # later slices go straight to the sleeping phase
+        if pol.handback_s <= 0:
+            return tok
+        picked = threading.Event()
+        try:
+            loop.call_soon_threadsafe(picked.set)
+        except RuntimeError:        # the loop is closed: nobody will take the grant
+            picked.clear()
+        if picked.wait(pol.handback_s):
+            return tok
+        S.release(m, self._req_off, req)      # the manager takes it as a release
+        self._handbacks += 1
+        return -1
 
     def acquire_nowait(self) -> int:
         """Take the lock only if the manager grants it almost at once; returns the token.
@@ -340,7 +403,7 @@ class GlobalLock:
             wait_p50_s=_pct(waits, 50), wait_p99_s=_pct(waits, 99),
             wait_max_s=max(waits) if waits else float("nan"), holder=st["holder"],
             token=st["token"], grants=st["grants"], revocations=st["revocations"],
-            held_by_me=self._held)
+            held_by_me=self._held, handbacks=self._handbacks)
 
     def close(self) -> None:
         """Release if held and drop the node-local lock's file description. Idempotent."""
