@@ -768,7 +768,9 @@ def test_a_rival_may_enter_once_the_exit_is_in_memory(region_path: str,
         assert not res.violations, res.violations
         assert res.phase == "done"
     else:
-        assert [k for k, _ in res.violations] == ["bakery"], res.violations
+        # every candidate that entered during the lag is reported (one or more), all "bakery"
+        kinds = [k for k, _ in res.violations]
+        assert kinds and set(kinds) == {"bakery"}, res.violations
         assert res.phase.startswith("A"), res.phase
 
 
