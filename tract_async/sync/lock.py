@@ -14,8 +14,8 @@ in slices of ``slice_s`` (a nogil jitted poll: ``sched_yield`` for ``thread_spin
 ``usleep`` doubling up to ``sleep_us_max``), which checks the deadline and a stop flag (set on
 cancellation) between slices, so that both are honoured within one slice. The thread needs
 nothing of the loop between slices (it used to return to the loop after every slice: a blocked
-loop then left a grant unseen, and unreturned, for as long as it stayed blocked). A request that times out or is
-cancelled is withdrawn (``rel_seq = req_seq``); if the grant raced the withdrawal, the manager
+loop then left a grant unseen, and unreturned, for as long as it stayed blocked). A request
+that times out or is cancelled is withdrawn (``rel_seq = req_seq``); if the grant raced the withdrawal, the manager
 sees the withdrawal as a release, so the lock is never left held by nobody.
 
 Handing a grant back. A grant seen by the polling thread is the waiter's only once its event
@@ -82,13 +82,17 @@ class LockStatistics:
     handbacks: int = 0          # grants handed back because this process's loop was busy
 
 
-async def run_slice(loop: asyncio.AbstractEventLoop, fn, *args):  # noqa: ANN001, ANN201
-    """Run a bounded nogil poll in a worker thread; on cancellation wait for it to end (at most
-    one slice) before re-raising, so that nobody touches its Mem concurrently."""
+async def run_slice(loop: asyncio.AbstractEventLoop, fn, *args,  # noqa: ANN001, ANN201
+                    stop: list[bool] | None = None):
+    """Run a bounded nogil poll in a worker thread; on cancellation set ``stop[0]`` (a poll
+    that checks it between its slices) and wait for it to end (at most one slice) before
+    re-raising, so that nobody touches its Mem concurrently."""
     fut = loop.run_in_executor(None, call_tight, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
+        if stop is not None:
+            stop[0] = True
         await asyncio.wait([fut])
         raise
 
@@ -221,14 +225,8 @@ class GlobalLock:
                 return 0
             loop = asyncio.get_running_loop()
             stop = [False]
-            fut = loop.run_in_executor(None, call_tight, self._poll_in_thread, loop, m, req,
-                                       deadline, stop)
-            try:
-                return int(await asyncio.shield(fut))
-            except asyncio.CancelledError:
-                stop[0] = True        # the thread ends within one slice; nobody else uses m
-                await asyncio.wait([fut])
-                raise
+            return int(await run_slice(loop, self._poll_in_thread, loop, m, req, deadline, stop,
+                                       stop=stop))
         except BaseException:
             self._withdraw(req)
             raise
@@ -359,7 +357,7 @@ class GlobalLock:
         import numpy as np
 
         import tract_kernels as K
-        from .manager import SCAN_NS, manager_valid, read_manager
+        from .manager import manager_valid, read_manager, read_scan_ns
         try:
             m, geo = self._region.mem, self._geo
             nodes = self._region.nodes.all(confirm=False)
@@ -368,7 +366,7 @@ class GlobalLock:
             if info.node_id is None:
                 parts.append(f"no manager (term {info.term})")
             else:
-                scan = int(K.load_fresh(m, geo.cand_off(info.node_id) + SCAN_NS, S.S_STATE_READ))
+                scan = read_scan_ns(self._region, info.node_id, geo, m)
                 age = (time.time_ns() - scan) / 1e9 if scan else float("inf")
                 ok = manager_valid(info, nodes)
                 parts.append(f"manager node {info.node_id} term {info.term} "
