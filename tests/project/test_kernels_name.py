@@ -26,7 +26,8 @@ def _run(tmp_path: Path, first: str) -> str:
         sys.path.append({str(tmp_path / 'site')!r})
         {first}
         import kernels
-        print(('ours: ' if kernels.__file__.startswith({str(ROOT)!r}) else 'other: ')
+        print(('ours: ' if kernels.__file__.startswith({str(ROOT / 'kernels') + os.sep!r})
+               else 'other: ')
               + kernels.__file__)
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
