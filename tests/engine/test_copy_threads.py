@@ -1,7 +1,8 @@
-"""Large CPU copies on several threads (``stores/region.py``, "Copies on several threads").
+"""Large CPU copies on several threads (``stores/cpucopy.py``, "Copies on several threads").
 
-A put or get of at least ``PARALLEL_COPY_BYTES`` on the hardware backend is cut into
-``copy_threads`` row groups, each copied on its own thread of the store's pool. These tests
+A put or get of at least ``PARALLEL_COPY_BYTES`` on the hardware backend is cut into row
+groups (``threads_for``: one per ``THREAD_MIN_BYTES``, at most ``copy_threads``), each copied on
+its own thread of the copier's pool. These tests
 check the bytes (whole blocks, one huge block whose two rows must be cut, single layers), that
 the groups really run at once, that a cancelled put or get returns only after every thread is
 done and leaves the region consistent (fsck clean), and that the sim backend stays on one
@@ -28,7 +29,7 @@ from tract_async import errors as E
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
 from tract_async.fsck import run_fsck
 from tract_async.region import index as ix
-from tract_async.stores import region as rs
+from tract_async.stores import cpucopy as rs
 
 HUGE = tract.KVLayout(num_layers=1, block_tokens=4096, kv_heads=8, head_dim=128,
                       dtype=torch.float32)
@@ -161,6 +162,18 @@ async def test_default_store_resolves_copy_threads_from_the_host(region_path: st
         assert eng._store.copy_threads == rs.auto_copy_threads()
 
 
+def test_threads_grow_with_the_copy_up_to_copy_threads() -> None:
+    mib = 1 << 20
+    assert rs.PARALLEL_COPY_BYTES == 2 * mib and rs.THREAD_MIN_BYTES == mib
+    assert rs.threads_for(2 * mib - 1, 8) == 1        # below the threshold: one thread
+    assert rs.threads_for(2 * mib, 8) == 2
+    assert rs.threads_for(4 * mib, 8) == 4            # a 16 MiB handoff's layer
+    assert rs.threads_for(5 * mib - 1, 8) == 4
+    assert rs.threads_for(64 * mib, 8) == 8           # capped by copy_threads
+    assert rs.threads_for(64 * mib, 1) == 1           # a 2-core host: never cut
+    assert rs.threads_for(3 * mib, 2) == 2
+
+
 # -- bytes through the engine -------------------------------------------------------------------
 
 async def test_put_get_32_mib_on_four_threads_is_exact(region_path: str,
@@ -218,6 +231,38 @@ async def test_layer_puts_and_gets_on_four_threads_are_exact(
         out = torch.empty(MID.kv_shape(n), dtype=MID.dtype)
         await eng.get_kv(keys, out=out)
         assert all(block_matches(keys, out, MID))
+
+
+async def test_a_4_mib_layer_is_cut_by_size_and_later_layers_skip_the_index(
+        region_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16 MiB layer-streamed transfer: each 4 MiB layer is copied on four threads (one per
+    MiB), also with eight allowed; only the first layer's put reads the index (later layers
+    fill blocks this node already reserved: ``BlockLifecycle.filling``)."""
+    puts, gets = _spy(monkeypatch, "copy_in"), _spy(monkeypatch, "copy_out")
+    layout = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=4, head_dim=64,
+                            dtype=torch.bfloat16)            # 64 KiB blocks, 16 KiB a layer
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=8, layout=layout,
+                                     region_bytes=96 << 20)) as eng:
+        blocks = eng._store.blocks
+        snaps: list[int] = []
+        real_snapshot = blocks.snapshot
+        monkeypatch.setattr(blocks, "snapshot", lambda w: snaps.append(len(w)) or real_snapshot(w))
+        n = (16 << 20) // layout.block_bytes
+        keys = eng.block_keys(range(layout.block_tokens * n))
+        for layer in range(layout.num_layers):
+            assert await eng.put_kv(keys, kv_for_keys(keys, layout, layer), layer=layer) == n
+        assert snaps == [n]                  # the first layer only
+        _assert_even_groups(puts, 16 << 20, 4 * layout.num_layers)
+        assert eng.lookup(keys) == n
+        for layer in range(layout.num_layers):
+            got = await eng.get_kv(keys, layer=layer)
+            assert torch.equal(got, kv_for_keys(keys, layout, layer)), layer
+        _assert_even_groups(gets, 16 << 20, 4 * layout.num_layers)
+        # a put of the same keys again (all READY now) takes the index path and skips them
+        assert await eng.put_kv(keys, kv_for_keys(keys, layout, 0), layer=0) == 0
+        assert snaps == [n, n]
+    rep = run_fsck(region_path)
+    assert rep.clean, rep.problems
 
 
 @pytest.mark.parametrize("copy_threads", [1, 2, 4])
