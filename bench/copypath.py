@@ -2,7 +2,8 @@
 
 Where a layer's copy spends its time: the jitted kernel called on the caller's thread (no hop),
 the same kernel on one worker thread (one hop: submit, wake a worker, wake the loop when done),
-and the copy cut into 2-16 row groups on as many threads, against torch ``copy_`` of the same
+and the copy cut into 2-16 row groups on as many pool threads and on a ``CopyGang`` of as many
+GIL-free workers (``stores/copygang.py``), against torch ``copy_`` of the same
 bytes between two private buffers (default threads) in the same run. The plan is a layer's: rows
 of 16 KiB (one layer of a 64 KiB block: K and V of 8 KiB, adjacent in the region) 64 KiB apart
 in the region, contiguous in the tensor -- what ``put_kv(keys, kv[l], layer=l)`` copies.
@@ -77,7 +78,8 @@ async def run(sizes: list[int], thread_counts: list[int], reps: int) -> dict[str
     region = Region.create(path, (biggest // ROW) * STRIDE + 64 * MiB, max_nodes=2)
     try:
         base = region.data_offset
-        copier = cpucopy.CpuCopier(region, copy_threads=max(thread_counts))
+        copier = cpucopy.CpuCopier(region, copy_threads=max(thread_counts), gang=False)
+        ganged = cpucopy.CpuCopier(region, copy_threads=max(thread_counts))
         auto = cpucopy.auto_copy_threads()
         src = torch.empty(biggest, dtype=torch.uint8)
         src.copy_(torch.randint(0, 256, (biggest,), dtype=torch.uint8))
@@ -102,16 +104,25 @@ async def run(sizes: list[int], thread_counts: list[int], reps: int) -> dict[str
                     lambda: copier.copy_out(plan, da, s, threads=t), r))
                 if not torch.equal(dst[:s], src[:s]):
                     raise RuntimeError(f"copypath: {s} bytes on {t} threads read back wrong")
+                if t > 1:
+                    dst[:s].zero_()
+                    row[f"put_g{t}_us"] = C.median(await timed(
+                        lambda: ganged.copy_in(plan, sa, s, threads=t), r))
+                    row[f"get_g{t}_us"] = C.median(await timed(
+                        lambda: ganged.copy_out(plan, da, s, threads=t), r))
+                    if not torch.equal(dst[:s], src[:s]):
+                        raise RuntimeError(f"copypath: {s} bytes on a gang of {t} read back wrong")
             pol = cpucopy.threads_for(s, auto)
             row["policy_threads"] = pol
-            row["put_policy_us"] = C.median(await timed(lambda: copier.copy_in(plan, sa, s), r))
-            row["get_policy_us"] = C.median(await timed(lambda: copier.copy_out(plan, da, s), r))
+            row["put_policy_us"] = C.median(await timed(lambda: ganged.copy_in(plan, sa, s), r))
+            row["get_policy_us"] = C.median(await timed(lambda: ganged.copy_out(plan, da, s), r))
             for k in [k for k in row if k.endswith("_us") and k != "torch_us"]:
                 row[k.replace("_us", "_GBps")] = s / row[k] / 1e3
             row["torch_GBps"] = s / row["torch_us"] / 1e3
             rows.append(row)
             print(f"  {C.human_bytes(s)}: done", flush=True)
         copier.shutdown()
+        ganged.shutdown()
         return {"rows": rows, "hop_us_p50": C.median(hop), "hop_us_p99": C.pct(hop, 99),
                 "auto_copy_threads": auto, "thread_counts": thread_counts,
                 "plan": f"rows of {ROW} B, {STRIDE} B apart in the region"}
@@ -134,12 +145,12 @@ def main() -> None:
     res = tract.run(run(sizes, threads, 5 if a.quick else 20))
     rows = res["rows"]
     cols = ["size", "torch_GBps", "kernel_put_GBps"] + [f"put_t{t}_GBps" for t in threads] + [
-        "policy_threads", "put_policy_GBps"]
+        f"put_g{t}_GBps" for t in threads if t > 1] + ["policy_threads", "put_policy_GBps"]
     print("\nput (private -> region, non-temporal), GB/s (medians; kernel = on the caller's "
-          "thread, tN = N worker threads)")
+          "thread, tN = N pool threads, gN = a gang of N, policy = threads_for on the gang)")
     print(C.table(rows, cols))
     cols = ["size", "torch_GBps", "kernel_get_GBps"] + [f"get_t{t}_GBps" for t in threads] + [
-        "policy_threads", "get_policy_GBps"]
+        f"get_g{t}_GBps" for t in threads if t > 1] + ["policy_threads", "get_policy_GBps"]
     print("\nget (region -> private, every line invalidated first), GB/s")
     print(C.table(rows, cols))
     print(f"\nthread hop (an empty call through the copy pool): p50 {res['hop_us_p50']:.1f} us, "

@@ -265,3 +265,49 @@ def realtime_ns(typingctx):
         nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
         return builder.add(builder.mul(sec, ir.Constant(_i64, 1_000_000_000)), nsec)
     return sig, codegen
+
+
+@intrinsic
+def fd_read(typingctx, fd, buf_addr, nbytes):
+    """libc ``read(fd, buf, nbytes)``: blocks (GIL-free) until the descriptor has data. Returns
+    the bytes read, or -1 (errno not reported: a caller retries or gives up by its own rule)."""
+    sig = types.int64(fd, buf_addr, nbytes)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module,
+                                            ir.FunctionType(_i64, [_i32, _i8p, _i64]), "read")
+        f = context.cast(builder, args[0], signature.args[0], types.int32)
+        b = builder.inttoptr(context.cast(builder, args[1], signature.args[1], types.uint64),
+                             _i8p)
+        n = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.call(fn, [f, b, n])
+    return sig, codegen
+
+
+@intrinsic
+def fd_write(typingctx, fd, buf_addr, nbytes):
+    """libc ``write(fd, buf, nbytes)``. Returns the bytes written, or -1."""
+    sig = types.int64(fd, buf_addr, nbytes)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module,
+                                            ir.FunctionType(_i64, [_i32, _i8p, _i64]), "write")
+        f = context.cast(builder, args[0], signature.args[0], types.int32)
+        b = builder.inttoptr(context.cast(builder, args[1], signature.args[1], types.uint64),
+                             _i8p)
+        n = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.call(fn, [f, b, n])
+    return sig, codegen
+
+
+@intrinsic
+def int64_ptr(typingctx, addr):
+    """The integer ``addr`` as an ``int64*`` (for ``numba.carray`` over memory given by address).
+
+    Warning: nothing checks that ``addr`` points at live, aligned int64 memory."""
+    sig = types.CPointer(types.int64)(addr)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint64)
+        return builder.inttoptr(v, _i64p)
+    return sig, codegen

@@ -68,7 +68,7 @@ def copy_threads() -> int | None:
 
 def copy_threads_used() -> int:
     """The threads a large copy runs on in this run (None resolved as the engine does)."""
-    from tract_async.stores.region import auto_copy_threads
+    from tract_async.stores.cpucopy import auto_copy_threads
     n = copy_threads()
     return auto_copy_threads() if n is None else n
 

@@ -11,7 +11,12 @@ read kernel (every line invalidated first, so every line comes from DRAM) at 4.7
 torch's multi-threaded ``copy_`` reached ~31-39 GB/s at 256 MiB. So such a copy is cut into row
 groups of about equal bytes (``split_plan``; a row bigger than its share is cut too, at a 4 KiB
 boundary of its region address, so that a single 256 MiB row still spreads) and each group runs
-on its own thread. The kernels release the GIL, so the threads copy in parallel.
+on its own thread. The kernels release the GIL, so the threads copy in parallel. The groups go
+to the copier's ``CopyGang`` (``stores/copygang.py``: persistent workers that never take the
+GIL, woken by eventfds) when it is idle; a copy that finds it busy, or a wrapped copy function,
+takes the thread pool, whose threads cost two GIL hand-offs each, one after the other (on the
+H200 host ~50 µs per thread: a 2 MiB put on two pool threads took 514 µs, on the loop's thread
+110 µs).
 
 How many threads (``threads_for``): at most ``copy_threads`` (``EngineConfig.copy_threads``;
 None sizes it from the host, ``auto_copy_threads``: half the cores, at most 8, so one thread on a
@@ -55,8 +60,10 @@ import numpy as np
 import tract_kernels as K
 
 from ..region import Region
+from ..region import gangcopy as G
 from ..region import index as ix
 from . import waits
+from .copygang import CopyGang
 from .phases import PhaseTimes
 
 INLINE_COPY_BYTES = 1 << 20
@@ -77,6 +84,17 @@ SPLIT_ALIGN = 4096
 threads never write parts of one region line)."""
 
 MAX_AUTO_COPY_THREADS = 8
+
+_GANG_KINDS = ((ix.copy_in, G.KIND_PUT), (ix.copy_out, G.KIND_GET), (ix.copy_out_nt, G.KIND_GET_NT))
+"""The kernels a gang worker runs, with their job kinds. A wrapped copy function (a test
+watching the threads) is not among them and takes the thread pool."""
+
+
+def _gang_kind(fn: Any) -> int | None:
+    for f, kind in _GANG_KINDS:
+        if fn is f:
+            return kind
+    return None
 
 
 def auto_copy_threads(cpus: int | None = None) -> int:
@@ -147,15 +165,21 @@ class CpuCopier:
 
     ``copy_threads``: the most threads one copy runs on (None: ``auto_copy_threads()``).
     ``read_ahead``: large reads take the two-thread drop-ahead pair (``copy_read_ahead``).
+    ``gang``: cut copies run on a ``CopyGang`` (GIL-free workers) when it is idle, else on the
+    thread pool; False: always the pool (benchmarks compare the two).
     ``phases``: where a benchmark wants the copy's time (``copy_call``, ``copy_kernel``)."""
 
     def __init__(self, region: Region, *, copy_threads: int | None = None,
-                 read_ahead: bool = False) -> None:
+                 read_ahead: bool = False, gang: bool = True) -> None:
         self.region = region
         self.copy_threads = auto_copy_threads() if copy_threads is None else copy_threads
         self.read_ahead = read_ahead
+        self.use_gang = gang
         self.phases: PhaseTimes | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._gang: CopyGang | None = None
+        self.gang_copies = 0
+        """Copies the gang ran (the rest of the cut ones ran on the pool)."""
 
     def _copy_pool(self) -> cf.ThreadPoolExecutor:
         """The copy threads (created on the first threaded copy; ``shutdown``)."""
@@ -169,6 +193,18 @@ class CpuCopier:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        gang, self._gang = self._gang, None
+        if gang is not None:
+            gang.close()
+
+    def _idle_gang(self) -> CopyGang | None:
+        """The gang, made on first use, when it can take a copy now (idle, this loop)."""
+        if not self.use_gang or self.copy_threads < 2:
+            return None
+        if self._gang is None:
+            self._gang = CopyGang(self.copy_threads)
+        g = self._gang
+        return g if g.idle and g.serves(asyncio.get_running_loop()) else None
 
     def _threads(self, nbytes: int) -> int:
         if self.region.mem[K.MEM_BACKEND] != K.BACKEND_HW:
@@ -215,7 +251,13 @@ class CpuCopier:
         if parts > 1 and self.region.mem[K.MEM_BACKEND] == K.BACKEND_HW:
             groups = split_plan(plan, parts)
             if len(groups) > 1:
-                await self._run_all([(fn, g, base) for g in groups], self._copy_pool())
+                kind = _gang_kind(fn)
+                gang = self._idle_gang() if kind is not None else None
+                if gang is not None and len(groups) <= gang.workers:
+                    self.gang_copies += 1
+                    await gang.run(kind, self.region.mem, groups, base)
+                else:
+                    await self._run_all([(fn, g, base) for g in groups], self._copy_pool())
                 if ph is not None:   # several threads: their wall time is the kernel's
                     ph.add("copy_call", t0)
                     ph.add("copy_kernel", t0)

@@ -46,7 +46,7 @@ from .doorbell import waiting_mask
 
 FUSED_MAX_BLOCKS = 8
 """Puts and gets of at most this many blocks take the fused call, if their bytes are also at
-most ``region.INLINE_COPY_BYTES`` (``RegionStore._fusable``): larger ones are copy-bound and
+most ``cpucopy.INLINE_COPY_BYTES`` (``RegionStore._fusable``): larger ones are copy-bound and
 keep the step-by-step path, whose copies may run on several threads."""
 
 # the parameter array p (int64), built once per node (BlockLifecycle.fused_params)
