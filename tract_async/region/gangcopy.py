@@ -61,8 +61,10 @@ def worker_loop(board, worker, wake_fd, done_fd, scratch_addr):
     one = np.uint64(scratch_addr) + np.uint64(8)
     astore64(one, np.uint64(1))
     while True:
-        if fd_read(wake_fd, np.uint64(scratch_addr), 8) != 8:
-            if fd_read(wake_fd, np.uint64(scratch_addr), 8) != 8:   # EINTR once; then give up
+        fails = 0
+        while fd_read(wake_fd, np.uint64(scratch_addr), 8) != 8:
+            fails += 1            # EINTR (a signal): read again; a descriptor that keeps
+            if fails >= 1000:     # failing is broken (closed before the stop): give up
                 return -1
         kind = np.int64(aload64(row + np.uint64(J_KIND * 8)))
         if kind == KIND_STOP:

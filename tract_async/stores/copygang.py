@@ -49,11 +49,12 @@ class CopyGang:
         self._pending = 0
         self._keep: list[np.ndarray] = []     # the posted plans, alive until their jobs are done
         self._closed = False
+        self._broken = False
 
     @property
     def idle(self) -> bool:
-        """No copy in flight and not closed: ``run`` may be called."""
-        return self._fut is None and not self._closed
+        """No copy in flight, not closed, no worker lost: ``run`` may be called."""
+        return self._fut is None and not self._closed and not self._broken
 
     def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
         """This gang can run copies awaited on ``loop`` (the loop of its first copy)."""
@@ -72,7 +73,13 @@ class CopyGang:
         scratch = int(self._scratch.ctypes.data) + 16 * i
         while True:
             try:
-                G.worker_loop(self.board, i, self._wake[i], self._done_fd, scratch)
+                if G.worker_loop(self.board, i, self._wake[i], self._done_fd, scratch) == 0:
+                    return
+                # its wake descriptor failed: no more jobs for this gang (copies take the pool)
+                self._broken = True
+                self._errors[i] = OSError(f"copy gang worker {i}: its eventfd kept failing")
+                if self._fut is not None:
+                    os.eventfd_write(self._done_fd, 1)
                 return
             except BaseException as e:      # noqa: BLE001 - reported to the copy that posted it
                 self._errors[i] = e
