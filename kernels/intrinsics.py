@@ -267,38 +267,31 @@ def realtime_ns(typingctx):
     return sig, codegen
 
 
-@intrinsic
-def fd_read(typingctx, fd, buf_addr, nbytes):
-    """libc ``read(fd, buf, nbytes)``: blocks (GIL-free) until the descriptor has data. Returns
-    the bytes read, or -1 (errno not reported: a caller retries or gives up by its own rule)."""
-    sig = types.int64(fd, buf_addr, nbytes)
 
+def _fd_call_codegen(name: str):  # noqa: ANN202
+    """Codegen of a libc ``ssize_t name(int fd, void *buf, size_t nbytes)`` call, by symbol."""
     def codegen(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module,
-                                            ir.FunctionType(_i64, [_i32, _i8p, _i64]), "read")
+                                            ir.FunctionType(_i64, [_i32, _i8p, _i64]), name)
         f = context.cast(builder, args[0], signature.args[0], types.int32)
         b = builder.inttoptr(context.cast(builder, args[1], signature.args[1], types.uint64),
                              _i8p)
         n = context.cast(builder, args[2], signature.args[2], types.int64)
         return builder.call(fn, [f, b, n])
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def fd_read(typingctx, fd, buf_addr, nbytes):
+    """libc ``read(fd, buf, nbytes)``: blocks (GIL-free) until the descriptor has data. Returns
+    the bytes read, or -1 (errno not reported: a caller retries or gives up by its own rule)."""
+    return types.int64(fd, buf_addr, nbytes), _fd_call_codegen("read")
 
 
 @intrinsic
 def fd_write(typingctx, fd, buf_addr, nbytes):
     """libc ``write(fd, buf, nbytes)``. Returns the bytes written, or -1."""
-    sig = types.int64(fd, buf_addr, nbytes)
-
-    def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module,
-                                            ir.FunctionType(_i64, [_i32, _i8p, _i64]), "write")
-        f = context.cast(builder, args[0], signature.args[0], types.int32)
-        b = builder.inttoptr(context.cast(builder, args[1], signature.args[1], types.uint64),
-                             _i8p)
-        n = context.cast(builder, args[2], signature.args[2], types.int64)
-        return builder.call(fn, [f, b, n])
-    return sig, codegen
-
+    return types.int64(fd, buf_addr, nbytes), _fd_call_codegen("write")
 
 @intrinsic
 def int64_ptr(typingctx, addr):
