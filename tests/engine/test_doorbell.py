@@ -234,33 +234,3 @@ async def test_a_new_incarnation_clears_a_stale_waiting_line(region_path: str) -
         assert db.waiting_mask(eng._region.mem, bell.offset, bell.max_nodes) == 1 << 1
         async with tract.Engine.open(cfg(region_path, 1)):
             assert db.waiting_mask(eng._region.mem, bell.offset, bell.max_nodes) == 0
-
-
-@pytest.mark.parametrize("stream_spin_us", [200_000, 0])
-async def test_a_wait_mid_stream_spins_longer(region_path: str, monkeypatch: pytest.MonkeyPatch,
-                                              stream_spin_us: int) -> None:
-    """A wait for layer 1 of blocks that have layer 0 (a stream in progress) polls for
-    ``STREAM_SPIN_NS`` before it sleeps; a wait for layer 0 of absent blocks polls only
-    ``LOOP_SPIN_NS``. The producer publishes 50 ms after each wait starts: with a 200 ms stream
-    spin the layer-1 wait ends in the spin, the layer-0 wait on the doorbell; with the stream
-    spin off (the control) both end on the doorbell."""
-    from tract_async.stores import blocks as bl
-    monkeypatch.setattr(bl, "STREAM_SPIN_NS", stream_spin_us * 1000)
-    monkeypatch.setattr(db, "SAFETY_FIRST_S", 5.0)        # only the ring or the spin end a wait
-    async with tract.Engine.open(cfg(region_path, 0, create=True)) as prod, \
-            tract.Engine.open(cfg(region_path, 1)) as cons:
-        keys = cons.block_keys(list(range(64)))
-        kv = kv_for_keys(keys, as_numpy=True)
-        ends = []
-        for layer in (0, 1):
-            s0 = cons.stats()
-            waiting = asyncio.create_task(cons.get_kv(keys, layer=layer, out=np_out(keys, layer=layer),
-                                                      timeout=20.0))
-            await asyncio.sleep(0.05)
-            await prod.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer)
-            got = await waiting
-            assert all(block_matches(keys, got, layer=layer))
-            s1 = cons.stats()
-            ends.append((s1["spin_wakes"] - s0["spin_wakes"], s1["doorbell_wakes"] - s0["doorbell_wakes"]))
-        assert ends[0] == (0, 1), ends                   # layer 0: nothing there, the bell
-        assert ends[1] == ((1, 0) if stream_spin_us else (0, 1)), ends

@@ -94,12 +94,6 @@ LOOP_SPIN_NS = int(float(os.environ.get("TRACT_WAIT_SPIN_US", "300")) * 1000)
 (``BlockLifecycle._spin_on_loop``); ``$TRACT_WAIT_SPIN_US`` (default 300), 0 turns it off."""
 LOOP_SLICE_NS = 20_000
 """The longest the loop is held by one slice of that spin (other tasks run between slices)."""
-STREAM_SPIN_NS = int(float(os.environ.get("TRACT_STREAM_SPIN_US", "2000")) * 1000)
-"""How long a wait for layer l polls when every block already has layer l-1 (a layer stream in
-progress: its producer is writing the next layer now), instead of ``LOOP_SPIN_NS``. A layer of a
-16 MiB stream lands ~0.3-1 ms after the one before on the H200 host, past the 300 µs spin, and
-each such wait then paid the doorbell's ~200-300 µs wake-up (README, "Copies on GIL-free
-workers"); ``$TRACT_STREAM_SPIN_US`` (default 2000), 0: the plain spin."""
 
 SPARE_SLOTS = 16
 """Payload slots a fused put takes from the free lists at a time (``BlockLifecycle`` spares):
@@ -1045,7 +1039,7 @@ class BlockLifecycle:
             seen[:] |= present
             return None
 
-        spun = await self._spin_on_loop(words, layer, self._stream_spin_ns(snap, layer))
+        spun = await self._spin_on_loop(words, layer)
         if spun is not None:
             self.stats.spin_wakes += 1
             return spun
@@ -1075,20 +1069,8 @@ class BlockLifecycle:
         finally:
             bell.remove(w)
 
-    @staticmethod
-    def _stream_spin_ns(snap: np.ndarray, layer: int | None) -> int:
-        """How long to spin before sleeping: ``STREAM_SPIN_NS`` while every block of the wait
-        already has the layer before ``layer`` (or is READY), else ``LOOP_SPIN_NS``."""
-        if layer is None or layer == 0 or LOOP_SPIN_NS <= 0 or (snap[:, 0] < 0).any():
-            return LOOP_SPIN_NS
-        word, bit = divmod(layer - 1, 64)
-        prev = (snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)
-        return max(LOOP_SPIN_NS, STREAM_SPIN_NS) if bool(prev.all()) else LOOP_SPIN_NS
-
-    async def _spin_on_loop(self, words: np.ndarray, layer: int | None,
-                            spin_ns: int = LOOP_SPIN_NS) -> np.ndarray | None:
-        """The first ``spin_ns`` (``LOOP_SPIN_NS``, or ``STREAM_SPIN_NS`` mid-stream) of a same-host
-        wait: the jitted poll of ``waits.py`` on the
+    async def _spin_on_loop(self, words: np.ndarray, layer: int | None) -> np.ndarray | None:
+        """The first ``LOOP_SPIN_NS`` of a same-host wait: the jitted poll of ``waits.py`` on the
         loop's own thread, GIL released, in slices of ``LOOP_SLICE_NS`` with the loop's other
         tasks run between them. Returns the snapshot once satisfied (or a block vanished), None
         when the spin ran out. Why (measured on the 16-core H200 host, ``bench/wakeup.py``): a
@@ -1098,13 +1080,13 @@ class BlockLifecycle:
         before its producer writes), so a brief spin sees the block within a poll's time and
         leaves the sleep (and its wake-up) to waits that outlast it. The poll yields the CPU
         (``sched_yield``) between looks, so on 2 cores it gives way to the producer."""
-        if spin_ns <= 0:
+        if LOOP_SPIN_NS <= 0:
             return None
         g = self.geo
         word, bit = (0, 0) if layer is None else divmod(layer, 64)
         out = np.zeros((words.shape[0], 8), dtype=np.int64)
         stop = np.zeros(1, dtype=np.uint8)
-        end = time.perf_counter_ns() + spin_ns
+        end = time.perf_counter_ns() + LOOP_SPIN_NS
         while True:
             now = time.perf_counter_ns()
             if now >= end:
