@@ -53,8 +53,7 @@ def _reserve(m: K.Mem, lane: int, key: np.ndarray, poff: int = 4096) -> int:
 
 
 def _publish(m: K.Mem, slot: int) -> None:
-    ix.publish_layers(m, EOFF, np.array([slot], dtype=np.int64), ALL_LO, 0, ALL_LO, 0,
-                      np.zeros((1, 2), dtype=np.uint64))
+    ix.publish_layers(m, EOFF, np.array([slot], dtype=np.int64), ALL_LO, 0, ALL_LO, 0)
 
 
 def _put(m: K.Mem, lane: int, key: np.ndarray) -> int:

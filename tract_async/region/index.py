@@ -445,23 +445,22 @@ def copy_in(m, plan, src_base):
 
 
 @njit(cache=True, nogil=True)
-def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi, prev):
+def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi):
     """OR layer bits into each entry (bytes already in memory); READY once all are present.
     Returns the number of entries that became READY.
 
     Line 1's layer words have one writer while the entry is RESERVED (its producer: this
-    node), so the producer knows what they hold: ``prev[i]`` (uint64 lo, hi) is what it last
-    stored there (zeros for a fresh reservation: the reserve cleared line 1), and the new words
-    are ``prev | bits``, with no load of line 1. (A load per entry made a 1024-block layer
-    publish take ~0.48 ms on the H200 host, bound by memory latency: README, "Copies on
-    GIL-free workers".) The layer words and the state are non-temporal word stores
-    (``reserve_batch`` says why): no flush, an ``sfence`` between the layer bits and READY."""
+    node), so the value stored is the value to test: the second pass decides READY from what
+    the first pass computed instead of re-loading line 1. The layer words and the state are
+    non-temporal word stores (``reserve_batch`` says why): no flush, an ``sfence`` between the
+    layer bits and READY. The load of line 1 reads memory: the reservation's NT stores left
+    no cached copy, nor do earlier publishes."""
     n = slots.shape[0]
     done = np.zeros(n, dtype=np.bool_)
     for i in range(n):
         off = eoff + slots[i] * ENTRY_BYTES
-        lo = prev[i, 0] | np.uint64(lo_bits)
-        hi = prev[i, 1] | np.uint64(hi_bits)
+        lo = K.load(m, off + E_LLO) | np.uint64(lo_bits)
+        hi = K.load(m, off + E_LHI) | np.uint64(hi_bits)
         K.store_nt(m, off + E_LLO, lo)
         K.store_nt(m, off + E_LHI, hi)
         done[i] = lo == np.uint64(all_lo) and hi == np.uint64(all_hi)

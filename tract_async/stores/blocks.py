@@ -122,8 +122,6 @@ class _Starving(RegionFull):
 
 
 _SLOT_OF = attrgetter("slot")
-_LO_OF = attrgetter("layers_lo")
-_HI_OF = attrgetter("layers_hi")
 
 
 class Reservation:
@@ -672,12 +670,8 @@ class BlockLifecycle:
             ks = [keys[i] for i in positions]
         if res:
             slots = np.fromiter(map(_SLOT_OF, res), dtype=np.int64, count=len(res))
-            prev = np.zeros((len(res), 2), dtype=np.uint64)   # what line 1 holds: our record
-            if layer is not None:
-                prev[:, 0] = np.fromiter(map(_LO_OF, res), dtype=np.uint64, count=len(res))
-                prev[:, 1] = np.fromiter(map(_HI_OF, res), dtype=np.uint64, count=len(res))
             waiting = db.publish_and_look(self.mem, self.geo.entries_offset, slots, lo, hi,
-                                          self._all_lo, self._all_hi, prev, self._db_off,
+                                          self._all_lo, self._all_hi, self._db_off,
                                           self._db_nodes)
             if waiting:
                 self.doorbell.ring(int(waiting))

@@ -98,10 +98,10 @@ def waiting_mask(m, dboff, nodes):
 
 
 @njit(cache=True, nogil=True)
-def publish_and_look(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi, prev, dboff, nodes):
+def publish_and_look(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi, dboff, nodes):
     """``index.publish_layers``, then ``waiting_mask`` (-1 when the region has no doorbells):
     one kernel call for the producer's whole publish."""
-    ix.publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi, prev)
+    ix.publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi)
     if dboff < 0:
         return np.int64(0)
     return waiting_mask(m, dboff, nodes)

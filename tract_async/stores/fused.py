@@ -134,8 +134,7 @@ def put_blocks(m, p, tgeo, keys, ainfo, tmpl, src_base, now_ns, deadline_ns, res
     K.write_rows(m, _plan_rows(tmpl, poffs, positions, p[P_POS_STEP]), src_base,
                  ix.S_IX_PAYLOAD_WRITE)
     all_lo, all_hi = np.uint64(p[P_ALL_LO]), np.uint64(p[P_ALL_HI])
-    ix.publish_layers(m, eoff, slots, all_lo, all_hi, all_lo, all_hi,
-                      np.zeros((slots.shape[0], 2), dtype=np.uint64))   # fresh reservations
+    ix.publish_layers(m, eoff, slots, all_lo, all_hi, all_lo, all_hi)
     if p[P_DBOFF] < 0:
         return np.int64(0)
     return waiting_mask(m, p[P_DBOFF], p[P_DBNODES])
