@@ -114,6 +114,35 @@ async def test_layer_by_layer_and_waiting_consumer(region_path: str, flavor: tup
         await a.close()
 
 
+@pytest.mark.parametrize("backend", ["hw", "sim"])
+async def test_layers_out_of_order_publish_exactly_what_landed(region_path: str,
+                                                               backend: str) -> None:
+    """Layers put in the order 2, 0, 3, 1 (and a layer put twice): after each, the other node
+    reads exactly the layers that landed and no other, and the blocks are complete (READY)
+    only after the last (``index.publish_layers`` ORs each layer's bit into what line 1
+    holds: a publish that overwrote the earlier bits instead would lose them here)."""
+    a, b = await _pair(region_path, backend)
+    try:
+        keys = a.block_keys(range(64))
+        kv = kv_for_keys(keys)
+        landed: list[int] = []
+        for layer in (2, 0, 0, 3, 1):
+            await a.put_kv(keys, kv[layer].contiguous(), layer=layer)
+            if layer not in landed:
+                landed.append(layer)
+            for other in range(TINY.num_layers):
+                if other in landed:
+                    assert torch.equal(await b.get_kv(keys, layer=other), kv[other]), other
+                else:
+                    with pytest.raises(E.LayerNotReady):
+                        await b.get_kv(keys, layer=other)
+            assert b.lookup(keys) == (len(keys) if len(landed) == TINY.num_layers else 0)
+        assert torch.equal(await b.get_kv(keys), kv)
+    finally:
+        await b.close()
+        await a.close()
+
+
 async def test_bad_input_changes_nothing(region_path: str, transport: str) -> None:
     a, b = await _pair(region_path, "hw", transport)
     try:
