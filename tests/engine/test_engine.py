@@ -143,6 +143,51 @@ async def test_layers_out_of_order_publish_exactly_what_landed(region_path: str,
         await a.close()
 
 
+async def test_layer_puts_of_other_shapes_than_the_first(region_path: str, backend: str) -> None:
+    """A layer-streamed put shares one record of its blocks' layers across the batch
+    (``blocks.FillBatch``). Later layers put for a subset, in another key order, or for the
+    whole batch again must each publish exactly their blocks' layers: after each step the other
+    node reads what landed, gets LayerNotReady for what did not, and the blocks turn READY (and
+    leave the producer's bookkeeping) only with their last layer."""
+    a, b = await _pair(region_path, backend)
+    try:
+        keys = a.block_keys(range(32 * TINY.block_tokens))
+        assert len(keys) == 32
+        kv = kv_for_keys(keys)
+        rev = keys[::-1]
+        kv_rev = kv_for_keys(rev)
+        blocks = a._store.blocks
+
+        async def landed(ks: list[bytes], layer: int, want: bool) -> None:
+            if want:
+                assert torch.equal(await b.get_kv(ks, layer=layer), kv_for_keys(ks, layer=layer))
+            else:
+                with pytest.raises(E.LayerNotReady):
+                    await b.get_kv(ks, layer=layer)
+
+        await a.put_kv(keys, kv[0].contiguous(), layer=0)       # reserves: one shared batch
+        await a.put_kv(keys, kv[1].contiguous(), layer=1)       # the whole batch: fast path
+        await landed(keys, 1, True)
+        await landed(keys, 2, False)
+        bt = TINY.block_tokens
+        await a.put_kv(keys[:12], kv[2][:, :12 * bt].contiguous(), layer=2)   # a subset
+        await landed(keys[:12], 2, True)
+        await landed(keys[12:], 2, False)
+        # layer 3 of the other 20 (lacking layer 2), in reverse key order: none is complete
+        await a.put_kv(rev[:20], kv_rev[3][:, :20 * bt].contiguous(), layer=3)
+        assert blocks.in_flight == len(keys) and b.lookup(keys) == 0 and b.lookup(rev) == 0
+        await landed(rev[:20], 3, True)
+        await landed(keys[:12], 3, False)
+        await a.put_kv(keys[:12], kv[3][:, :12 * bt].contiguous(), layer=3)   # 12 complete
+        assert blocks.in_flight == 20 and b.lookup(keys) == 12
+        await a.put_kv(keys[12:], kv[2][:, 12 * bt:].contiguous(), layer=2)   # the rest
+        assert blocks.in_flight == 0 and b.lookup(keys) == len(keys)
+        assert torch.equal(await b.get_kv(keys), kv)
+    finally:
+        await b.close()
+        await a.close()
+
+
 async def test_bad_input_changes_nothing(region_path: str, transport: str) -> None:
     a, b = await _pair(region_path, "hw", transport)
     try:

@@ -192,7 +192,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         b.stats.puts += 1
         return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
     res = b.reservations(keys, todo)
-    poffs = np.fromiter((r.offset for r in res), dtype=np.int64, count=len(res))
+    poffs = b.payload_offsets(res)
     plan = make_plan(poffs, np.array(todo, dtype=np.int64))
     nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)

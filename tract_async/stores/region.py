@@ -186,8 +186,7 @@ class RegionStore:
             b.stats.puts += 1
             return 0
         res = b.reservations(keys, todo)
-        poffs = np.fromiter((r.offset for r in res), dtype=np.int64,
-                            count=len(res))
+        poffs = b.payload_offsets(res)
         plan = kvplan.plan(self.layout, poffs, np.array(todo), len(keys), layer)
         nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
         try:
