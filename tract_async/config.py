@@ -153,6 +153,12 @@ class EngineConfig:
     copy_threads: int | None = None          # threads of one large copy (>= 8 MiB, hw; put and
                                              # get): None = from the host (half the cores, 1-8);
                                              # 1 = one thread (stores/region.py says why)
+    preclaim_bytes: int | None = None        # free slots a node keeps claimed ahead of its puts,
+                                             # claimed in the background while it is idle, so
+                                             # that a put of that size reserves without the
+                                             # global lock: None = as much as its largest put so
+                                             # far, within its fair share of the region; 0 = off
+                                             # (stores/blocks.py, "Pre-claimed chunks")
     copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
                                              # threads (one drops lines ahead, one copies)
                                              # instead of copy_threads row groups
@@ -229,6 +235,12 @@ class EngineConfig:
                 or isinstance(self.cpu_wake_latency_us, bool) or self.cpu_wake_latency_us < 0):
             raise ConfigError(f"EngineConfig.cpu_wake_latency_us must be None (the host's idle "
                               f"policy) or an int >= 0, got {self.cpu_wake_latency_us!r}")
+        if self.preclaim_bytes is not None and (not isinstance(self.preclaim_bytes, int)
+                                                or isinstance(self.preclaim_bytes, bool)
+                                                or self.preclaim_bytes < 0):
+            raise ConfigError(f"EngineConfig.preclaim_bytes must be None (as much as the "
+                              f"largest put) or an int >= 0 (0: off), got "
+                              f"{self.preclaim_bytes!r}")
         if self.copy_threads is not None and (not isinstance(self.copy_threads, int)
                                               or isinstance(self.copy_threads, bool)
                                               or self.copy_threads < 1):

@@ -222,9 +222,13 @@ class Engine:
             # the manager grants for the whole rack: on its own thread and loop, so that user
             # code blocking this loop cannot stop other nodes' puts (sync/manager_thread.py)
             self._manager_thread = ManagerThread(self._manager)
+            manager = self._manager
+            self._store.blocks.reclaims_dead = lambda: manager.is_manager
             self._manager_thread.start()
             self._spawn(self._manager_thread.supervise(), f"tract-manager-{cfg.node_id}")
             self._spawn(self._maintenance(), f"tract-maintenance-{cfg.node_id}")
+            if cfg.preclaim_bytes != 0:
+                self._spawn(self._store.blocks.run_preclaim(), f"tract-preclaim-{cfg.node_id}")
             await self._warm_up()
         except BaseException:
             await self._teardown(graceful=False)

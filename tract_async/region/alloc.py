@@ -456,6 +456,34 @@ class Allocator:
             return np.concatenate(parts) if parts else allocation_rows([])
         return out + allocations_of_rows(*carved)
 
+    def free_slots(self, nbytes: int) -> int:
+        """Slots of ``nbytes``' size class on this node's free lists (returns not yet drained
+        not counted): what puts can take without the global lock."""
+        chunks = self._chunks
+        return sum(len(chunks[ci].free) for ci in self._free[self.class_for(nbytes)])
+
+    def preclaim_locked(self, nbytes: int, slots: int, lock: Any, *, max_chunks: int) -> int:
+        """Claim and carve chunks for at least ``slots`` more free slots of ``nbytes``' class
+        (at most ``max_chunks`` chunks), leaving every slot on the free lists: the slots that
+        later puts take without the lock (``stores/blocks.py``, "Pre-claimed chunks").
+        Returns the chunks claimed; 0 when none is free. Caller holds ``lock``."""
+        cls = self.class_for(nbytes)
+        want = min(-(-slots // (self.geo.chunk_bytes // cls)), max_chunks)
+        if want <= 0:
+            return 0
+        self._check_not_fenced()
+        self.recover_locked(lock, scan=False)
+        done = 0
+        while done < want:
+            got = self.table.claim_many(self.node_id, self.epoch, lock.token, lock.check_token,
+                                        want - done)
+            if not got:
+                break
+            self._claims += len(got)
+            self._carve_run(got, cls, lock.token, nbytes, 0)
+            done += len(got)
+        return done
+
     async def alloc(self, nbytes: int, lock: Any, *, timeout: float | None = None) -> Allocation:
         """A slot; claims a chunk under ``lock`` (the global lock, index 0) when needed.
 
@@ -782,6 +810,13 @@ class Allocator:
             self._reclaimed += n
             done.append(f"reclaimed {n} chunks of dead node {node}")
         return done
+
+    def dead_hold_chunks(self) -> bool:
+        """Lock-free look (the node table and the per-node counts): some node that is not live
+        holds chunks, which ``recover_locked`` would reclaim. Maintenance asks this, so that a
+        dead node's memory comes back although no live node claims a chunk (pre-claimed chunks
+        make claims rare)."""
+        return self._dead_hold_chunks(self._region.nodes.all(timeout_s=self.liveness_timeout_s))
 
     def _dead_hold_chunks(self, nodes: list[Any]) -> bool:
         """Some node that is not live (``NodeInfo.dead``) holds chunks by its count word."""

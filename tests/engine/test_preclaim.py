@@ -1,0 +1,148 @@
+"""Pre-claimed chunks (``stores/blocks.py``, "Pre-claimed chunks"): after a put that had to
+claim chunks, a node claims ahead while idle, so that its next put of that size reserves
+without the global lock; within its fair share, not while another node asks, and off with
+``preclaim_bytes=0``."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import torch
+
+import tract_async as tract
+from tests.support import procs_engine as P
+from tests.support.engine_util import TINY, cfg, kv_for_keys
+
+BLOCKS = 40          # 1.25 MiB of 32 KiB blocks: two 1 MiB chunks, 24 slots left free
+
+
+async def _until(pred, timeout: float = 3.0) -> bool:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(pred())
+
+
+def _keys(eng: tract.Engine, start: int) -> list[bytes]:
+    return eng.block_keys(range(start * TINY.block_tokens, (start + BLOCKS) * TINY.block_tokens))
+
+
+async def test_next_put_reserves_without_the_lock(region_path: str, backend: str) -> None:
+    eng = await tract.Engine.open(cfg(region_path, 0, create=True, backend=backend,
+                                      region_bytes=64 << 20))
+    try:
+        blocks = eng._store.blocks
+        k1 = _keys(eng, 0)
+        await eng.put_kv(k1, kv_for_keys(k1))
+        assert await _until(lambda: eng.stats()["preclaimed_chunks"] >= 1)
+        assert blocks.alloc.free_slots(TINY.block_bytes) >= BLOCKS
+        st = eng.stats()
+        k2 = _keys(eng, BLOCKS)
+        await eng.put_kv(k2, kv_for_keys(k2))
+        after = eng.stats()
+        assert after["lock_acquisitions"] == st["lock_acquisitions"]
+        assert after["lockfree_reservations"] == st["lockfree_reservations"] + 1
+        assert torch.equal(await eng.get_kv(k1 + k2), kv_for_keys(k1 + k2))
+    finally:
+        await eng.close()
+
+
+async def test_off_and_capped(region_path: str) -> None:
+    """``preclaim_bytes=0``, or a cap below what the free lists already hold: nothing is
+    claimed ahead, and the next put, which the free lists cannot serve, takes the lock."""
+    for pb in (0, 10 * TINY.block_bytes):
+        eng = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=64 << 20,
+                                          preclaim_bytes=pb))
+        try:
+            k1 = _keys(eng, 0)
+            await eng.put_kv(k1, kv_for_keys(k1))
+            await asyncio.sleep(0.2)
+            assert eng.stats()["preclaimed_chunks"] == 0, pb
+            st = eng.stats()
+            k2 = _keys(eng, 3 * BLOCKS)
+            await eng.put_kv(k2, kv_for_keys(k2))            # 40 blocks, 24 slots free
+            assert eng.stats()["lock_acquisitions"] > st["lock_acquisitions"], pb
+        finally:
+            await eng.close()
+            os.unlink(region_path)
+
+
+async def test_not_while_another_node_asks_and_within_fair_share(region_path: str) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=24 << 20))
+    b = await tract.Engine.open(cfg(region_path, 1))
+    try:
+        ba = a._store.blocks
+        table = ba.alloc.table
+        nchunks = ba.ageo.nchunks
+        await b._store.blocks.lock.acquire(timeout=5)
+        try:
+            table.set_wanted(1, 2)                       # node 1 asks for two chunks
+        finally:
+            b._store.blocks.lock.release()
+        k1 = _keys(a, 0)
+        await a.put_kv(k1, kv_for_keys(k1))
+        await asyncio.sleep(0.2)
+        assert a.stats()["preclaimed_chunks"] == 0
+        assert await ba.preclaim(timeout=5) == 0
+        await b._store.blocks.lock.acquire(timeout=5)
+        try:
+            table.set_wanted(1, 0)
+        finally:
+            b._store.blocks.lock.release()
+        # a put that leaves this node two chunks below its fair share (chunks / live nodes):
+        # the pre-claim that would cover a second such put stops at the fair share
+        big = a.block_keys(range(1000 * TINY.block_tokens, 1200 * TINY.block_tokens))
+        await a.put_kv(big, kv_for_keys(big))
+        owned = len(ba.alloc.owned_chunks())
+        assert owned == nchunks // 2 - 2, (owned, nchunks)
+        assert await _until(lambda: a.stats()["preclaimed_chunks"] >= 1)
+        await asyncio.sleep(0.1)
+        assert a.stats()["preclaimed_chunks"] == 2
+        assert len(ba.alloc.owned_chunks()) == nchunks // 2
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_dead_nodes_chunks_come_back_without_a_claim(region_path: str) -> None:
+    """With pre-claimed chunks, the survivors' puts need no claim, so the claim path no longer
+    reclaims a dead node's chunks: the lock manager's maintenance does
+    (``Allocator.dead_hold_chunks``), within a few liveness timeouts of the death, while the
+    survivor keeps putting lock-free."""
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=64 << 20))
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(
+        target=P.put_then_hang,
+        args=(region_path, "hw", 1, list(range(5000 * TINY.block_tokens,
+                                              5040 * TINY.block_tokens)),
+              False, q, dict(region_bytes=64 << 20)))
+    p.start()
+    try:
+        assert (await asyncio.get_running_loop().run_in_executor(None, q.get, True, 120))[0] \
+            == "stored"
+        table = a._store.blocks.alloc.table
+        assert int(table.counts()["chunks"][1]) == 2
+        k1 = _keys(a, 0)
+        await a.put_kv(k1, kv_for_keys(k1))
+        assert await _until(lambda: a.stats()["preclaimed_chunks"] >= 1)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        t0 = time.monotonic()
+        claims = a._store.alloc.statistics()
+        assert await _until(lambda: int(table.counts()["chunks"][1]) == 0, timeout=6.0)
+        took = time.monotonic() - t0
+        assert took < 4 * a.cfg.liveness_timeout_s, took
+        k2 = _keys(a, BLOCKS)
+        await a.put_kv(k2, kv_for_keys(k2))          # served by the pre-claimed slots
+        assert a._store.alloc.statistics().chunk_claims == claims.chunk_claims
+        assert torch.equal(await a.get_kv(k1 + k2), kv_for_keys(k1 + k2))
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+        await a.close()
