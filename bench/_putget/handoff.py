@@ -107,6 +107,7 @@ async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connec
     eng = await tract.Engine.open(cfg)
     usable = region_bytes - REGION_OVERHEAD
     used, reopens = 0, 0
+    pstats: dict[str, float] = {}
     t0s: dict[str, list[int]] = {}
     put_s: dict[str, list[float]] = {}
     lock_wait: dict[str, list[float]] = {}
@@ -120,6 +121,7 @@ async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connec
             published[c.label] = []
             for i in range(c.warm + c.count):
                 if used + c.nbytes > usable:         # close evicts our blocks: room again
+                    _add_stats(pstats, eng.stats())
                     await eng.close()
                     eng = await tract.Engine.open(cfg)
                     used, reopens = 0, reopens + 1
@@ -146,10 +148,26 @@ async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connec
                     lock_wait[c.label].append(eng.stats()["lock_wait_s"] - lw0)
                     published[c.label].append(ph.stamps["publish"])
     finally:
+        try:
+            _add_stats(pstats, eng.stats())
+        except Exception:  # noqa: BLE001 - a failed run reports its own error
+            pass
         await eng.close()
         conn.send("closed")
     return {"t0": t0s, "put_s": put_s, "lock_wait_s": lock_wait, "reopens": reopens,
+            "stats": pstats,
             "published": published}
+
+
+PRODUCER_STATS = ("puts", "lock_acquisitions", "lockfree_reservations", "preclaimed_chunks",
+                  "lock_wait_s", "evictions")
+
+
+def _add_stats(acc: dict[str, float], st: dict[str, Any]) -> None:
+    """Sum the producer's counters over its engines (it reopens one when the region fills)."""
+    for k in PRODUCER_STATS:
+        if k in st:
+            acc[k] = acc.get(k, 0) + st[k]
 
 
 def _eng_consumer(path: str, region_bytes: int, cases: list[Case], conn: Connection,
@@ -198,7 +216,8 @@ def engine_handoff(cases: list[Case], timeout_s: float = 300.0) -> dict[str, Any
                               if not w or w < x) for k in p["t0"]}
         return {"handoff_s": hand, "after_put_s": after, "put_s": p["put_s"], "lock_wait_s": p["lock_wait_s"],
                 "wake_s": wake, "not_doorbell_woken": timer_woken,
-                "producer_reopens": p["reopens"], "consumer_stats": c["stats"]}
+                "producer_reopens": p["reopens"], "producer_stats": p["stats"],
+                "consumer_stats": c["stats"]}
     finally:
         _procs.reap((prod, cons), 20)
         if os.path.exists(path):
@@ -265,6 +284,8 @@ def part_handoff(quick: bool, with_nixl: bool) -> dict[str, Any]:
     cases = handoff_cases(quick)
     print("  engine (producer node 1, consumer node 0) ...", flush=True)
     eng = engine_handoff(cases)
+    if isinstance(eng, dict):
+        print(f"  producer counters: {eng['producer_stats']}", flush=True)
     systems: dict[str, Any] = {"engine": eng}
     for name, tls in (("nixl_shm", "shm,cma,tcp"), ("nixl_tcp", "tcp")):
         if not with_nixl:

@@ -116,8 +116,9 @@ def test_kv_helper_is_deterministic() -> None:
 
 async def test_a_restarted_node_id_evicts_and_closes_over_its_predecessors_blocks(
         region_path: str) -> None:
-    """A node killed -9 and restarted under the same id before anyone claimed a chunk (recovery
-    runs at chunk claims): the dead incarnation's entries are still READY, and their owner word
+    """A node killed -9 and restarted under the same id before any recovery ran (recovery runs
+    at chunk claims and in the lock manager's maintenance, which is held off here to pin that
+    window): the dead incarnation's entries are still READY, and their owner word
     names this node id. Evicting them, and closing (which evicts "this node's" entries), must not
     take them for the new incarnation's slots (it raised AllocationInvalid: "not allocated
     (double free or stale allocation)", found by the hour soak); their chunks go back whole when
@@ -127,6 +128,7 @@ async def test_a_restarted_node_id_evicts_and_closes_over_its_predecessors_block
     from tract_async.fsck import run_fsck
     ids = list(range(16 * 6))
     async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng0:
+        eng0._store.blocks.reclaims_dead = lambda: False    # the window: no reclaim yet
         q = SPAWN.Queue()
         a = SPAWN.Process(target=P.put_then_hang, args=(region_path, "hw", 2, ids, False, q))
         a.start()

@@ -34,7 +34,9 @@ Pre-claimed chunks. A put whose blocks need more slots than this node's free lis
 takes the global lock to claim and carve chunks (the journaled claim, the heap records and
 slot tags: ~0.3-0.5 ms for a 16 MiB put on the H200 host, with the lock wait). A node that
 streams puts pays that on each. So, after such a put, a background task (``run_preclaim``,
-started by the Engine) waits until no put of this node is in flight, then claims chunks ahead:
+started by the Engine) waits until this node has been idle for a moment (no put in flight,
+none started for ``PRECLAIM_IDLE_S``; a put that starts while it waits for the lock goes
+first), then claims chunks ahead, a batch per hold of the lock:
 enough free slots for the largest put seen so far (``EngineConfig.preclaim_bytes`` caps it;
 0 turns it off), never beyond this node's fair share of the region's chunks (chunks / live
 nodes), and not while another node asks for chunks. The next put of that size reserves
@@ -108,10 +110,14 @@ LOOP_SPIN_NS = int(float(os.environ.get("TRACT_WAIT_SPIN_US", "300")) * 1000)
 LOOP_SLICE_NS = 20_000
 """The longest the loop is held by one slice of that spin (other tasks run between slices)."""
 
+PRECLAIM_IDLE_S = 0.0005
+"""The pre-claim task claims only after this node started no put for this long (and none is
+in flight): it must not take the lock, or the loop, from a stream of puts."""
 PRECLAIM_POLL_S = 0.0002
-"""How often the pre-claim task looks whether this node's puts in flight have finished."""
-PRECLAIM_MAX_WAIT_S = 0.05
-"""After this long it claims even while puts are in flight (a node that always has some)."""
+"""While it waits for the lock, it looks this often whether a put started (it then withdraws)."""
+PRECLAIM_BATCH_CHUNKS = 32
+"""Chunks claimed per hold of the lock (64 MiB of 2 MiB chunks, ~0.5 ms on the H200 host);
+more wait for the next idle moment."""
 
 SPARE_SLOTS = 16
 """Payload slots a fused put takes from the free lists at a time (``BlockLifecycle`` spares):
@@ -278,6 +284,9 @@ class BlockLifecycle:
         pb = cfg.preclaim_bytes
         self._headroom_cap = (1 << 62) if pb is None else pb // self.layout.block_bytes
         self._refill = asyncio.Event()
+        self._put_seq = 0
+        self._reserving = 0
+        """Reservations started (non-fused puts): the pre-claim task's measure of idleness."""
         self._closing = False
         self.reclaims_dead: Callable[[], bool] = lambda: True
         """Whether this node's maintenance reclaims dead nodes' chunks (``maintain``): the
@@ -424,13 +433,18 @@ class BlockLifecycle:
         """Reserve entries and payload for ``positions``: without the global lock when this node
         has a lane of its own and its free slots suffice (``_reserve_lockfree``), else under one
         hold of the lock (``_reserve_locked``)."""
+        self._put_seq += 1
         have = self._take_spares(len(positions))
         if self._lane_ready:
             done, have = self._reserve_lockfree(keys, words, positions, have)
             if done:
                 self._note_put(len(positions))
                 return
-        await self._reserve_locked(keys, words, positions, timeout, have)
+        self._reserving += 1            # waiting for the lock is not idle (run_preclaim)
+        try:
+            await self._reserve_locked(keys, words, positions, timeout, have)
+        finally:
+            self._reserving -= 1
         self._note_put(len(positions))
 
     def _note_put(self, blocks: int) -> None:
@@ -442,14 +456,16 @@ class BlockLifecycle:
             self._refill.set()
 
     async def run_preclaim(self) -> None:
-        """The pre-claim task (the Engine runs it until close): on each wake-up, once no put of
-        this node is in flight (or after ``PRECLAIM_MAX_WAIT_S``), ``preclaim``."""
+        """The pre-claim task (the Engine runs it until close): on each wake-up, once this
+        node has started no put for ``PRECLAIM_IDLE_S`` and has none in flight, ``preclaim``."""
         while True:
             await self._refill.wait()
             self._refill.clear()
-            until = time.monotonic() + PRECLAIM_MAX_WAIT_S
-            while self._reserved and time.monotonic() < until:
-                await asyncio.sleep(PRECLAIM_POLL_S)
+            while True:
+                seq = self._put_seq
+                await asyncio.sleep(PRECLAIM_IDLE_S)
+                if seq == self._put_seq and not self._reserved and not self._reserving:
+                    break
             try:
                 await self.preclaim(timeout=self.cfg.liveness_timeout_s)
             except (TransferTimeout, RegionFull, LockTimeout):
@@ -462,7 +478,17 @@ class BlockLifecycle:
         if (self._closing or self._headroom - self.alloc.free_slots(bb) <= 0
                 or self._others_ask()):
             return 0
-        await self._locked(timeout)
+        seq = self._put_seq
+        acq = asyncio.ensure_future(self._locked(timeout))
+        while not acq.done():               # a put that starts meanwhile goes first
+            await asyncio.wait([acq], timeout=PRECLAIM_POLL_S)
+            if self._put_seq != seq and not acq.done():
+                acq.cancel()
+                await asyncio.wait([acq])
+                if not acq.cancelled() and acq.exception() is None:
+                    self.lock.release()     # granted as it was withdrawn
+                return 0
+        acq.result()
         try:
             self.lock.check_token()
             need = self._headroom - self.alloc.free_slots(bb)
@@ -470,11 +496,13 @@ class BlockLifecycle:
                 return 0
             live = max(1, len(self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)))
             fair = self.ageo.nchunks // live
-            got = self.alloc.preclaim_locked(bb, need, self.lock,
-                                             max_chunks=fair - len(self.alloc.owned_chunks()))
+            room = min(PRECLAIM_BATCH_CHUNKS, fair - len(self.alloc.owned_chunks()))
+            got = self.alloc.preclaim_locked(bb, need, self.lock, max_chunks=room)
         finally:
             self.lock.release()
         self.stats.preclaimed_chunks += got
+        if got == PRECLAIM_BATCH_CHUNKS:
+            self._refill.set()              # more at the next idle moment
         return got
 
     def _reserve_lockfree(self, keys: list[bytes], words: np.ndarray, positions: list[int],
