@@ -131,7 +131,7 @@ def test_a_lock_holders_eviction_lands_before_the_owner_reuses_the_entry(
         _evict(holder, s1, own_lane=3)              # another lane: no sweep
         s2 = _reserve(owner, 1, k2)
         _publish(owner, s2)
-        K.flush(holder, EOFF + s1 * ix.ENTRY_BYTES, ix.S_IX_TOUCH_FLUSH)   # the evictor's line, late
+        K.flush(holder, EOFF + s1 * ix.ENTRY_BYTES, K.NO_SITE)   # the evictor's line, late
         K.full_fence(holder)
         if skip < 0:
             assert s2 == s1, "the owner takes the tombstone"

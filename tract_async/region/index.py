@@ -39,7 +39,7 @@ every lane's chain has ended. The rules that keep one writer per line (DESIGN.md
   TOMBSTONE (to reserve it), its own RESERVED entries (fill, publish, abandon), and the
   tombstones of its lane (sweeping them back to EMPTY).
 * **The global-lock holder** writes READY entries of any lane (evict for space, evict on request,
-  consume, expire, touch) and, in recovery, the entries of a lane whose node is dead. Its last
+  consume, expire) and, in recovery, the entries of a lane whose node is dead. Its last
   write to an entry of another lane is the tombstone (``evict_batch``: version, then state,
   one line, one flush): from then on the entry is the owner's again, which may reuse it at once.
   It never sweeps another lane's tombstones.
@@ -47,8 +47,8 @@ every lane's chain has ended. The rules that keep one writer per line (DESIGN.md
 Nobody else writes a RESERVED entry of a live producer or an EMPTY/TOMBSTONE entry of a live
 lane, and only lock holders write READY entries: every line has one writer at a time without
 mutual exclusion on the put path. What stays under the lock: chunk claims, every eviction of a
-READY entry (the owner's own included: another lock holder might be evicting it), touches,
-and the first hold of a new incarnation, which empties its lane (``clear_lane``: whatever its
+READY entry (the owner's own included: another lock holder might be evicting it), and the first
+hold of a new incarnation, which empties its lane (``clear_lane``: whatever its
 predecessor left) before it writes the lane lock-free. A node judged dead must not go on
 writing its lane: its lock-free reservation starts with the allocator's fencing check (its epoch
 not reclaimed), the check that guards its lock-free heap writes too. Two nodes may reserve one
@@ -72,12 +72,17 @@ The steps:
 * Evict (lock holder; or the owner, of its own RESERVED entries): ``version + 1``, then
   ``state = TOMBSTONE``, one flush; only then is the payload freed. Tombstones keep probe
   chains intact; reserve reuses them.
-* Touch (global-lock holder): ``last_access_ns`` of READY entries, batched: approximate LRU.
+* Touch (any reader, no lock): ``last_access_ns`` of READY entries, batched, each a
+  non-temporal store of that one word: approximate LRU. The one exception to "one writer per
+  line": several readers may stamp one entry at once, and a stamp may race an eviction or a
+  reservation. No word but ``last_access_ns`` is written, and no whole line is written back
+  (line 1 is otherwise written only with NT word stores, by its producer), so the worst a race
+  does is misdate an entry.
 
 Eviction is sampled LRU (as Redis does): to evict k blocks, the ``sample * k`` entries from a
 rotating clock hand are looked at and the k least recently touched READY ones are evicted
-(``evict_lru_batch``). Touches reach the region only
-when a node next holds the lock, so recency is approximate by up to one maintenance interval.
+(``evict_lru_batch``). A node's touches reach the region at its next maintenance or locked
+reservation, so recency is approximate by up to one maintenance interval.
 Transfer-only entries are never victims before their deadline; after it, they go first.
 
 Lookups and probes are jitted and run one whole batch per call.
@@ -106,7 +111,6 @@ S_IX_PAYLOAD_READ = K.site("index.payload.invalidate")
 S_IX_PAYLOAD_WRITE = K.site("index.payload.flush")
 S_IX_RESERVE_FLUSH = K.site("index.reserve.flush")
 S_IX_EVICT_FLUSH = K.site("index.evict.flush")
-S_IX_TOUCH_FLUSH = K.site("index.touch.flush")
 S_IX_HDR = K.site("index.header.flush")
 S_IX_TAG_READ = K.site("index.slot_tag.invalidate")
 S_IX_LANE_READ = K.site("index.lane.invalidate")
@@ -906,29 +910,21 @@ def evict_window_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, now_ns
 def touch_batch(m, eoff, slots, versions, now_ns):
     """Stamp last_access of READY entries whose version is unchanged. Returns #stamped.
 
-    One fence for all line 0 reads, then line 1 of the entries to stamp is invalidated (after
-    their line 0 said READY: we write the whole line back, so it must hold the final layer
-    bits), one fence, stamp and flush each, one fence."""
+    Any node, no lock: one fence for all line 0 reads, then ``last_access_ns`` alone, a
+    non-temporal word store (no read-for-ownership of line 1, no write-back of the whole line,
+    so no other word of it is ever overwritten), one ``sfence``. A stamp that lands on an entry
+    evicted and re-reserved since its check only misdates that entry for the LRU."""
     for i in range(slots.shape[0]):
         K.invalidate(m, eoff + slots[i] * ENTRY_BYTES, S_IX_READ)
     K.full_fence(m)
-    stamp = np.zeros(slots.shape[0], dtype=np.bool_)
-    for i in range(slots.shape[0]):
-        off = eoff + slots[i] * ENTRY_BYTES
-        stamp[i] = (K.load(m, off + E_STATE) == READY
-                    and np.int64(K.load(m, off + E_VERSION)) == versions[i])
-    for i in range(slots.shape[0]):
-        if stamp[i]:
-            K.invalidate(m, eoff + slots[i] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)  # ours may be stale
-    K.full_fence(m)
     n = 0
     for i in range(slots.shape[0]):
-        if stamp[i]:
-            off = eoff + slots[i] * ENTRY_BYTES
-            K.store(m, off + E_LAST, now_ns)
-            K.flush(m, off + E_LINE1, S_IX_TOUCH_FLUSH)
+        off = eoff + slots[i] * ENTRY_BYTES
+        if (K.load(m, off + E_STATE) == READY
+                and np.int64(K.load(m, off + E_VERSION)) == versions[i]):
+            K.store_nt(m, off + E_LAST, now_ns)
             n += 1
-    K.full_fence(m)
+    K.store_fence(m)
     return n
 
 

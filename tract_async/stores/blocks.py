@@ -38,8 +38,9 @@ started by the Engine) waits until this node has been idle for a moment (no put 
 none started for ``PRECLAIM_IDLE_S``; a put that starts while it waits for the lock goes
 first), then claims chunks ahead, a batch per hold of the lock:
 enough free slots for the largest put seen so far (``EngineConfig.preclaim_bytes`` caps it;
-0 turns it off), never beyond this node's fair share of the region's chunks (chunks / live
-nodes), and not while another node asks for chunks. The next put of that size reserves
+0 turns it off), never more than this node's share of the chunks still free (free chunks /
+live nodes: the others' shares stay free for them), and not while another node asks for
+chunks. The next put of that size reserves
 lock-free (index.py, "Who writes what"). Pre-claimed chunks are empty: they are the first that
 ``_give_chunks_locked`` gives to a starving node, and close returns them. When no chunk is free
 (a full prefix cache) nothing is claimed: puts evict under the lock as before.
@@ -251,7 +252,7 @@ class BlockLifecycle:
         self.node_id = cfg.node_id
         self.stats = StoreStats()
         self._reserved: dict[bytes, Reservation] = {}
-        self._touches: dict[int, int] = {}            # slot -> version, flushed under the lock
+        self._touches: dict[int, int] = {}            # slot -> version, stamped at maintenance
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
         self._asked = False                           # our ask for chunks is recorded
         self._lockfree = index.lockfree_for(region.max_nodes)
@@ -472,8 +473,8 @@ class BlockLifecycle:
                 pass    # the next put claims under the lock, as without pre-claiming
 
     async def preclaim(self, *, timeout: float | None) -> int:
-        """Claim chunks until the free lists hold ``_headroom`` slots, within this node's fair
-        share, unless another node asks for chunks. Returns the chunks claimed."""
+        """Claim chunks until the free lists hold ``_headroom`` slots, at most this node's share
+        of the free chunks, unless another node asks for chunks. Returns the chunks claimed."""
         bb = self.layout.block_bytes
         if (self._closing or self._headroom - self.alloc.free_slots(bb) <= 0
                 or self._others_ask()):
@@ -495,8 +496,8 @@ class BlockLifecycle:
             if need <= 0 or self._closing:      # close returns chunks: claim none after it
                 return 0
             live = max(1, len(self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)))
-            fair = self.ageo.nchunks // live
-            room = min(PRECLAIM_BATCH_CHUNKS, fair - len(self.alloc.owned_chunks()))
+            free = int(np.count_nonzero(~self.alloc.table.bitmap()))
+            room = min(PRECLAIM_BATCH_CHUNKS, free // live)
             got = self.alloc.preclaim_locked(bb, need, self.lock, max_chunks=room)
         finally:
             self.lock.release()
@@ -649,7 +650,7 @@ class BlockLifecycle:
                 self.stats.reclaimed_entries += self.index.clear_lane_locked(self.lane)
                 self._lane_taken = True
                 self._lane_ready = self._lockfree
-            self._flush_touches_locked()
+            self._flush_touches()
             t = time.monotonic()
             if t >= self._give_check_at:
                 self._give_check_at = t + GIVE_CHECK_S
@@ -1160,7 +1161,8 @@ class BlockLifecycle:
         self.touch(slots, versions)
 
     def touch(self, slots: np.ndarray, versions: np.ndarray) -> None:
-        """Record reads for the approximate LRU (stamped in the region at the next lock hold)."""
+        """Record reads for the approximate LRU (stamped in the region at the next maintenance
+        or locked reservation, without the lock)."""
         self._touches.update(zip(slots.tolist(), versions.tolist()))
 
     def _check_available(self, keys: list[bytes], snap: np.ndarray, layer: int | None) -> None:
@@ -1349,7 +1351,9 @@ class BlockLifecycle:
             self.lock.release()
 
     # -- maintenance (under the lock) ---------------------------------------------------------
-    def _flush_touches_locked(self) -> None:
+    def _flush_touches(self) -> None:
+        """Stamp the reads recorded since the last flush into the index (``touch_batch``: no
+        lock needed)."""
         if not self._touches:
             return
         slots = np.fromiter(self._touches.keys(), dtype=np.int64)
@@ -1361,17 +1365,17 @@ class BlockLifecycle:
         """Flush LRU touches, free expired transfer-only blocks, drain returned slots, reclaim
         dead nodes' chunks."""
         self.alloc.drain_returns()
+        self._flush_touches()           # lock-free (index.py, "Touch")
         expired_possible = self.cfg.mode == "transfer"
         asked = self._others_ask()
         dead = self.reclaims_dead() and self.alloc.dead_hold_chunks()
-        if not self._touches and not expired_possible and not asked and not dead:
+        if not expired_possible and not asked and not dead:
             return
         await self._locked(timeout)
         try:
             if dead:
                 self.lock.check_token()
                 self.alloc.recover_locked(self.lock)
-            self._flush_touches_locked()
             if asked:
                 self._give_chunks_locked()
             if expired_possible:
