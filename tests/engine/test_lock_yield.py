@@ -1,7 +1,8 @@
 """A busy event loop must not hold the rack's global lock.
 
 A grant is its waiter's only once the waiter's event loop runs again. Two ways a loop stays
-busy while a task of it (the engine's maintenance, flushing LRU touches) has been granted:
+busy while a task of it (here a put that claims a chunk, in another task of the process) has
+been granted:
 
 * a loop of small puts or gets: the fused kernels complete without suspending (the
   disagreement stress's LockTimeout: a reader's get loop held the rack's lock for 9 s). Each
@@ -66,11 +67,11 @@ async def test_a_busy_loop_does_not_hold_the_racks_lock(region_path: str, mode: 
             await lock.acquire(timeout=30)
             try:
                 q_in.put("go")
-                # node 1 touches the prompt, pauses 0.3 s (its maintenance asks for the lock,
-                # behind us), then its loop is busy
+                # node 1 starts a put in another task (it asks for the lock, behind us),
+                # pauses 0.3 s, then its loop is busy
                 t_wait = time.monotonic() + 10
                 while not _waiting(eng, 1):
-                    assert time.monotonic() < t_wait, "node 1's maintenance never asked for the lock"
+                    assert time.monotonic() < t_wait, "node 1's put never asked for the lock"
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.6)          # node 1's loop is busy now
                 assert _waiting(eng, 1)
@@ -90,10 +91,10 @@ async def test_a_busy_loop_does_not_hold_the_racks_lock(region_path: str, mode: 
             if defended:
                 assert waited < 0.5, f"node 0 waited {waited:.3f} s behind node 1's busy loop"
             else:
-                # the granted maintenance task of node 1 could only run when its loop was free
+                # the granted put task of node 1 could only run when its loop was free
                 assert waited > BUSY_S - 1.0, f"negative control: node 0 waited only {waited:.3f} s"
             if mode == "gets":
-                assert acquired >= 1, "node 1's maintenance never ran inside its loop"
+                assert acquired >= 1, "node 1's put never ran inside its loop"
             if mode in ("block", "gets-no-yield"):
                 assert handbacks >= 1, "the grant was not handed back"
             if not defended:

@@ -13,7 +13,7 @@ import numpy as np
 
 import tract_async as tract
 from tract_async import errors as E
-from tests.support.engine_util import TINY, block_matches, cfg, np_out
+from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
 from tract_async.keys import keys_to_words
 
 
@@ -227,9 +227,9 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
 
 def busy_loop_node(path: str, backend: str, node_id: int, token_ids: list[int], seconds: float,
                    mode: str, q_in, q_out) -> None:  # noqa: ANN001
-    """Node ``node_id`` of the busy-loop lock tests: one get of the prompt (LRU touches to
-    flush, so its maintenance wants the lock), then on "go" one pause of 0.3 s (its maintenance
-    posts a lock request meanwhile), then ``seconds`` in which its event loop runs nothing else:
+    """Node ``node_id`` of the busy-loop lock tests: one get of the prompt, then on "go" a put
+    of new blocks in another task (it must claim a chunk: it posts a lock request), one pause of
+    0.3 s, then ``seconds`` in which its event loop runs nothing else:
     ``mode`` "gets" runs gets of the prompt back to back without any await of its own (fused
     hits never suspend), "block" one blocking call (a model step). "-no-yield" in it turns
     off the transfers' yield to the lock (``RegionStore.yield_to_lock``), "-no-handback" the
@@ -249,9 +249,10 @@ def busy_loop_node(path: str, backend: str, node_id: int, token_ids: list[int], 
             q_out.put(("ready", node_id, None))
             loop = asyncio.get_running_loop()
             assert await loop.run_in_executor(None, q_in.get) == "go"
-            await eng.get_kv(keys, out=out)            # touches for the next maintenance round
-            await asyncio.sleep(0.3)
             acq0 = eng.stats()["lock_acquisitions"]
+            fresh = eng.block_keys([t + 1_000_000 for t in token_ids])
+            putter = asyncio.create_task(eng.put_kv(fresh, kv_for_keys(fresh, as_numpy=True)))
+            await asyncio.sleep(0.3)                   # the put waits for the lock meanwhile
             gets, t_end = 0, time.monotonic() + seconds
             if mode.startswith("block"):
                 time.sleep(seconds)                    # the loop is blocked: nothing else runs
@@ -259,6 +260,7 @@ def busy_loop_node(path: str, backend: str, node_id: int, token_ids: list[int], 
                 while time.monotonic() < t_end:
                     await eng.get_kv(keys, out=out)
                     gets += 1
+            await putter
             st = eng.stats()
             q_out.put(("done", node_id, (gets, st["lock_acquisitions"] - acq0, st["fused_gets"],
                                          st["lock"]["handbacks"])))

@@ -193,7 +193,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
     res = b.reservations(keys, todo)
     poffs = b.payload_offsets(res)
-    plan = make_plan(poffs, np.array(todo, dtype=np.int64))
+    plan = make_plan(poffs, kvplan.positions(todo, len(keys)))
     nbytes = plan.nbytes
     planes = planes_of(store.layout, layer)
 

@@ -286,6 +286,9 @@ class BlockLifecycle:
         self._headroom_cap = (1 << 62) if pb is None else pb // self.layout.block_bytes
         self._refill = asyncio.Event()
         self._put_seq = 0
+        self._placed = 0
+        """Blocks the last successful ``_place`` reserved (``reserve``: all placed, no per-key
+        look)."""
         self._reserving = 0
         """Reservations started (non-fused puts): the pre-claim task's measure of idleness."""
         self._closing = False
@@ -396,7 +399,8 @@ class BlockLifecycle:
                     new.append(i)
         if new:
             await self._reserve_or_wait(keys, words, new, timeout)
-            got = [i for i in new if keys[i] in reserved]
+            got = (new if self._placed == len(new) else      # all placed: no per-key look
+                   [i for i in new if keys[i] in reserved])
             todo = sorted(set(todo).union(got)) if todo else got
         return todo
 
@@ -688,6 +692,7 @@ class BlockLifecycle:
         a lane per node; else the caller holds the lock."""
         mine: list[tuple[bytes, int]] = []
         fast: tuple[list[bytes], np.ndarray] | None = None   # all reserved: (keys, previous)
+        self._placed = 0
         try:
             now = time.time_ns()
             transfer = self.cfg.mode == "transfer"
@@ -701,6 +706,7 @@ class BlockLifecycle:
                                  dtype=np.uint64).reshape(-1, 4)
                 offs = [a.offset_bytes for a in allocs]
                 chunks = [a.chunk_index for a in allocs]
+                offs_np = None
             else:
                 a = allocs if isinstance(allocs, np.ndarray) else allocation_rows(allocs)
                 ainfo = np.empty((len(allocs), 4), dtype=np.uint64)
@@ -708,7 +714,8 @@ class BlockLifecycle:
                 ainfo[:, 1] = a[:, A_NBYTES]
                 ainfo[:, 2] = a[:, A_OWNER] | (a[:, A_GEN] << 16)
                 ainfo[:, 3] = a[:, A_TOKEN]
-                offs = a[:, A_OFFSET].tolist()
+                offs_np = a[:, A_OFFSET].copy()
+                offs = offs_np.tolist()
                 chunks = a[:, A_CHUNK].tolist()
             g = self.geo
             try:
@@ -726,9 +733,10 @@ class BlockLifecycle:
             unused: list[int] = []
             reserved = self._reserved
             if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: C loops
-                ks = [keys[i] for i in positions]
-                batch = FillBatch(None, res[:, 0].copy(), np.asarray(offs, dtype=np.int64),
-                                  shared=True)
+                ks = keys if len(positions) == len(keys) else [keys[i] for i in positions]
+                batch = FillBatch(None, res[:, 0].copy(),
+                                  offs_np if offs_np is not None else
+                                  np.asarray(offs, dtype=np.int64), shared=True)
                 members = list(map(Reservation, res[:, 0].tolist(), res[:, 2].tolist(), offs,
                                    chunks, repeat(batch)))
                 batch.members = members
@@ -751,11 +759,12 @@ class BlockLifecycle:
             if full:
                 self._undo(mine)
                 return full
+            placed = len(mine) if fast is None else len(fast[0])
             if not counted:
-                self.index.bump_counter(self.lane, ix.LN_PUBLISHES,
-                                        len(mine) if fast is None else len(fast[0]))
+                self.index.bump_counter(self.lane, ix.LN_PUBLISHES, placed)
             if CP.ARMED:
                 CP.hit("reserve.indexed")
+            self._placed = placed
             return None
         except BaseException:
             if fast is not None:

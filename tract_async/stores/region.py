@@ -187,7 +187,8 @@ class RegionStore:
             return 0
         res = b.reservations(keys, todo)
         poffs = b.payload_offsets(res)
-        plan = kvplan.plan(self.layout, poffs, np.array(todo), len(keys), layer)
+        plan = kvplan.plan(self.layout, poffs, kvplan.positions(todo, len(keys)), len(keys),
+                           layer)
         nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
         try:
             await self.copy_in(plan, arrays.data_ptr(kv), nbytes)
