@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import pytest
 
 from tract_async import errors as E
-from tract_async.region.alloc import Allocator, sections_for
+from tract_async.region.alloc import Allocation, Allocator, allocations_of_rows, sections_for
 from tract_async.fsck import run_fsck
 from tract_async.sync import GlobalLock, LockManager, heartbeat_forever
 from tests.support import procs_lock as P
@@ -178,6 +178,15 @@ async def test_large_batches_alloc_and_free_on_arrays(region_path: str, backend:
             again = al.alloc_many_nowait(64 << 10, len(half))
             assert sorted(a.offset_bytes for a in again) == sorted(a.offset_bytes for a in half)
             assert al.free_many(rest + again) == [True] * n
+            assert al.self_check() == []
+            # the same slots as numpy rows (a large lock-free reservation's form)
+            rows = al.alloc_many_nowait(64 << 10, n, rows=True)
+            assert rows.shape == (n, len(Allocation._fields)) and al.self_check() == []
+            assert al.free_many(allocations_of_rows(rows)) == [True] * n
+            as_list = al.alloc_many_nowait(64 << 10, n)
+            key = lambda a: a.offset_bytes  # noqa: E731
+            assert sorted(allocations_of_rows(rows), key=key) == sorted(as_list, key=key)
+            assert al.free_many(as_list) == [True] * n
             assert al.self_check() == []
             rep = run_fsck(region_path, liveness_timeout_s=LIVENESS_S)
             assert rep.clean, rep.text()

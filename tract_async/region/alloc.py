@@ -364,34 +364,52 @@ class Allocator:
         got = self.alloc_many_nowait(nbytes, 1)
         return got[0] if got else None
 
-    def alloc_many_nowait(self, nbytes: int, count: int) -> list[Allocation]:
+    def alloc_many_nowait(self, nbytes: int, count: int, *, rows: bool = False
+                          ) -> list[Allocation] | np.ndarray:
         """Up to ``count`` slots from this node's free lists (fewer when a chunk is needed).
 
         One fencing check, the slots of each chunk taken as one numpy batch, each touched heap
-        word and used count published once, one fence. Never blocks, takes no lock. Raises
-        AllocationTooLarge, NodeEvicted.
+        word and used count published once, one fence. Never blocks, takes no lock. ``rows``:
+        as ``allocation_rows``, built per chunk with numpy (a lock-free reservation of 2048
+        pre-claimed slots then builds no Allocation objects). Raises AllocationTooLarge,
+        NodeEvicted.
         """
         cls = self.class_for(nbytes)
         self._check_not_fenced()
         if len(self._free[cls]) == 0:
             self.drain_returns()
         out: list[Allocation] = []
+        parts: list[np.ndarray] = []
+        have = 0
         touched: dict[int, np.ndarray] = {}
         node = self.node_id
-        while len(out) < count and self._free[cls]:
+        while have < count and self._free[cls]:
             c = self._chunks[self._free[cls][-1]]
             if not c.free:
                 raise AssertionError(f"allocator: chunk {c.index} is on the free list of class "
                                      f"{cls} with no free slot")
-            k = min(count - len(out), len(c.free))
+            k = min(count - have, len(c.free))
             taken = c.free[-k:][::-1]              # pop order: lowest free slot first
             del c.free[-k:]
+            have += k
             if k <= SMALL_BATCH and any(c.used[s] for s in taken):
                 raise AssertionError(f"allocator: chunk {c.index} hands out a slot marked used")
             touched[c.index] = c.set_used(taken, True)   # (a large batch checks in there)
             base = self.geo.chunk_off(c.index)
             sb, ci, gen, tok = c.slot_bytes, c.index, c.generation, c.token
-            if k <= SMALL_BATCH:
+            if rows:
+                t = np.asarray(taken, dtype=np.int64)
+                r = np.empty((k, len(Allocation._fields)), dtype=np.int64)
+                r[:, A_OFFSET] = base + t * sb
+                r[:, A_NBYTES] = nbytes
+                r[:, A_SLOT_BYTES] = sb
+                r[:, A_OWNER] = node
+                r[:, A_CHUNK] = ci
+                r[:, A_SLOT] = t
+                r[:, A_GEN] = gen
+                r[:, A_TOKEN] = tok
+                parts.append(r)
+            elif k <= SMALL_BATCH:
                 out.extend([Allocation(base + s * sb, nbytes, sb, node, ci, s, gen, tok)
                             for s in taken])
             else:   # ~0.25 us a slot instead of ~0.6 (tuple.__new__ from C, no argument parsing)
@@ -401,6 +419,10 @@ class Allocator:
             if not c.free:
                 self._free[cls].pop()
         self._publish(touched)
+        if rows:
+            if not parts:
+                return allocation_rows([])
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
         return out
 
     def alloc_many_locked(self, nbytes: int, count: int, lock: Any, *,
@@ -412,7 +434,7 @@ class Allocator:
         given back. ``rows``: as ``allocation_rows`` (a put of many blocks then builds no
         Allocation objects for its new chunks' slots). Also raises AllocationTooLarge,
         NodeEvicted, LockRevoked."""
-        out = self.alloc_many_nowait(nbytes, count)
+        out = self.alloc_many_nowait(nbytes, count, rows=rows)
         carved: list[np.ndarray] = []
         have = len(out)
         recovered = False
@@ -448,13 +470,14 @@ class Allocator:
                 carved.append(self._carve_run(got, cls, lock.token, nbytes, count - have))
                 have += len(carved[-1])
         except BaseException:
-            for a in out + allocations_of_rows(*carved):
+            for a in ((allocations_of_rows(out) if rows else out)   # type: ignore[operator]
+                      + allocations_of_rows(*carved)):
                 self.free(a)
             raise
         if rows:
-            parts = ([allocation_rows(out)] if out else []) + carved
+            parts = ([out] if len(out) else []) + carved
             return np.concatenate(parts) if parts else allocation_rows([])
-        return out + allocations_of_rows(*carved)
+        return out + allocations_of_rows(*carved)   # type: ignore[operator]
 
     def free_slots(self, nbytes: int) -> int:
         """Slots of ``nbytes``' size class on this node's free lists (returns not yet drained

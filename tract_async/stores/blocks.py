@@ -114,6 +114,9 @@ LOOP_SLICE_NS = 20_000
 PRECLAIM_IDLE_S = 0.0005
 """The pre-claim task claims only after this node started no put for this long (and none is
 in flight): it must not take the lock, or the loop, from a stream of puts."""
+PRECLAIM_MAX_PAUSE_S = 0.05
+"""While puts are in flight the task waits for them to drain, looking again at least this
+often (a few wake-ups a second when a put is left half-filled, not thousands)."""
 PRECLAIM_POLL_S = 0.0002
 """While it waits for the lock, it looks this often whether a put started (it then withdraws)."""
 PRECLAIM_BATCH_CHUNKS = 32
@@ -286,6 +289,8 @@ class BlockLifecycle:
         self._headroom_cap = (1 << 62) if pb is None else pb // self.layout.block_bytes
         self._refill = asyncio.Event()
         self._put_seq = 0
+        self._drained = asyncio.Event()
+        """Set when this node's last put in flight published (the pre-claim task waits on it)."""
         self._placed = 0
         """Blocks the last successful ``_place`` reserved (``reserve``: all placed, no per-key
         look)."""
@@ -450,6 +455,8 @@ class BlockLifecycle:
             await self._reserve_locked(keys, words, positions, timeout, have)
         finally:
             self._reserving -= 1
+            if not self._reserving and not self._reserved:
+                self._drained.set()
         self._note_put(len(positions))
 
     def _note_put(self, blocks: int) -> None:
@@ -467,6 +474,15 @@ class BlockLifecycle:
             await self._refill.wait()
             self._refill.clear()
             while True:
+                if self._reserved or self._reserving:
+                    # puts in flight: wait until they drain (publish sets it), or look again
+                    # after a while (a put left half-filled keeps _reserved non-empty)
+                    self._drained.clear()
+                    try:
+                        await asyncio.wait_for(self._drained.wait(), PRECLAIM_MAX_PAUSE_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
                 seq = self._put_seq
                 await asyncio.sleep(PRECLAIM_IDLE_S)
                 if seq == self._put_seq and not self._reserved and not self._reserving:
@@ -523,12 +539,18 @@ class BlockLifecycle:
         if not self._give_check_passes():
             return False, have
         count = len(positions)
-        allocs = have
+        allocs: list[Allocation] | np.ndarray = have
         if len(have) < count:
-            allocs = have + self.alloc.alloc_many_nowait(self.layout.block_bytes,
-                                                         count - len(have))
+            want = count - len(have)
+            if want > SMALL_READ:        # many: numpy rows, no Allocation objects
+                got = self.alloc.alloc_many_nowait(self.layout.block_bytes, want, rows=True)
+                allocs = np.concatenate([allocation_rows(have), got]) if have else got
+            else:
+                allocs = have + self.alloc.alloc_many_nowait(self.layout.block_bytes, want)
         if len(allocs) < count:
-            return False, allocs
+            # the locked path takes what was taken (and frees it on failure) as Allocations
+            return False, (allocations_of_rows(allocs) if isinstance(allocs, np.ndarray)
+                           else allocs)
         if CP.ARMED:
             CP.hit("reserve.lockfree")
         self.stats.lockfree_reservations += 1
@@ -870,6 +892,8 @@ class BlockLifecycle:
                     self.stats.blocks_stored += 1
         self.stats.puts += 1
         self.stats.bytes_put += nbytes
+        if not reserved:
+            self._drained.set()
         if CP.ARMED and layer is not None and reserved:
             CP.hit("publish.layer")
         return len(res)
