@@ -335,3 +335,35 @@ def test_fuzz_index_entries_engine_get(region_path: str, base: Base, data: st.Da
     assert time.monotonic() - t0 < EXAMPLE_LIMIT_S + 5
     assert os.path.getsize(region_path) == len(buf), "the engine changed the file's size"
     COUNTS["engine get"] = COUNTS.get("engine get", 0) + 1
+
+
+@pytest.mark.parametrize("layer", [None, 0])
+def test_a_payload_offset_near_2_63_is_a_miss(region_path: str, base: Base,
+                                              layer: int | None) -> None:
+    """Found by the fuzz above (payload_offset = 2**63 - 1): the fused get's bounds check
+    computed ``offset + nbytes > end`` in int64, the sum wrapped negative, the check passed and
+    the copy went outside the region (IndexError, not a miss). ``layer=None`` takes the fused
+    get, ``layer=0`` the step-by-step one."""
+    buf = bytearray(base.raw)
+    slot = base.live_slots[0]
+    off = next(o for name, o, _ in _IXE_FIELDS if name == "payload_offset")
+    _set_u64(buf, base.entries_offset + slot * L.INDEX_ENTRY.itemsize + off, (1 << 63) - 1)
+    _write(region_path, bytes(buf))
+
+    async def run() -> int:
+        eng = await tract.Engine.open(cfg(region_path, 1, region_bytes=REGION_BYTES,
+                                          max_nodes=MAX_NODES, attach_timeout_s=0.0))
+        misses = 0
+        try:
+            for k in base.keys:
+                try:
+                    got = await eng.get_kv([k], layer=layer)
+                except E.TractError:
+                    misses += 1
+                    continue
+                assert block_matches([k], got, layer=layer) == [True]
+        finally:
+            await eng.close()
+        return misses
+
+    assert asyncio.run(asyncio.wait_for(run(), EXAMPLE_LIMIT_S)) >= 1

@@ -1122,7 +1122,7 @@ class BlockLifecycle:
                 return words, snap
         self._check_available(keys, snap, layer)
         bad = np.flatnonzero((snap[:, 4] != self.layout.block_bytes) | (snap[:, 3] < g.chunks_offset)
-                             | (snap[:, 3] + snap[:, 4] > end))
+                             | (snap[:, 3] > end - self.layout.block_bytes))  # no wrap
         if bad.size:
             i = int(bad[0])
             self.stats.validation_failures += 1

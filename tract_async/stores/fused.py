@@ -155,7 +155,8 @@ def get_blocks(m, p, tgeo, keys, tmpl, dst_base, validate, snap, ok):
         if snap[i, 0] < 0 or snap[i, 2] != np.int64(ix.READY):
             return np.int64(NOT_READY)
     for i in range(n):
-        if snap[i, 4] != bb or snap[i, 3] < lo or snap[i, 3] + snap[i, 4] > end:
+        # ``> end - bb``, not ``+ bb > end``: a damaged offset near 2**63 would wrap the sum
+        if snap[i, 4] != bb or snap[i, 3] < lo or snap[i, 3] > end - bb:
             return np.int64(BAD_BOUNDS)
     poffs = np.empty(n, dtype=np.int64)
     positions = np.empty(n, dtype=np.int64)
