@@ -157,7 +157,7 @@ class EngineConfig:
                                              # claimed in the background while it is idle, so
                                              # that a put of that size reserves without the
                                              # global lock: None = as much as its largest put so
-                                             # far, within its fair share of the region; 0 = off
+                                             # far, within its share of the free chunks; 0 = off
                                              # (stores/blocks.py, "Pre-claimed chunks")
     copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
                                              # threads (one drops lines ahead, one copies)
