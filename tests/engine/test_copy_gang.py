@@ -155,7 +155,8 @@ async def test_workers_copy_while_the_loop_holds_the_gil(region: Region, gang: b
     """Right after the copy is posted, in the same loop iteration, the loop's thread spins in
     Python for 0.4 s holding the GIL (no forced switch for 10 s). The gang's workers finish the
     copy meanwhile; the pool's threads (negative control) cannot even call their kernel."""
-    copier = cpucopy.CpuCopier(region, copy_threads=2, gang=gang)
+    # the workers' own mechanics: the loop's thread copies no share of its own here
+    copier = cpucopy.CpuCopier(region, copy_threads=2, gang=gang, loop_share=False)
     started: list[int] = []
     real = ix.copy_in
 

@@ -83,6 +83,14 @@ SPLIT_ALIGN = 4096
 """A row cut between two groups is cut at a multiple of this in the region (a page: the two
 threads never write parts of one region line)."""
 
+LOOP_SHARE_MAX_BYTES = 8 << 20
+"""With ``loop_share`` (the default), the loop's thread copies one group of a cut copy itself
+when no group is larger than this, and a copy that would run on a single pool thread runs on
+the loop's thread up to this size (no thread hop at all). At ~5-15 GB/s per thread that holds
+the loop for at most ~0.5-1.6 ms -- time it would otherwise spend asleep waiting for the copy,
+plus its 50-150 µs wake-up (``stores/copygang.py``). Larger groups all go to the workers, so a
+256 MiB transfer never blocks the loop for its whole duration."""
+
 MAX_AUTO_COPY_THREADS = 8
 
 _GANG_KINDS = ((ix.copy_in, G.KIND_PUT), (ix.copy_out, G.KIND_GET), (ix.copy_out_nt, G.KIND_GET_NT))
@@ -167,11 +175,14 @@ class CpuCopier:
     ``read_ahead``: large reads take the two-thread drop-ahead pair (``copy_read_ahead``).
     ``gang``: cut copies run on a ``CopyGang`` (GIL-free workers) when it is idle, else on the
     thread pool; False: always the pool (benchmarks compare the two).
+    ``loop_share``: the loop's thread copies a share itself (``LOOP_SHARE_MAX_BYTES``); False:
+    it only waits (tests of the workers' own mechanics use that).
     ``phases``: where a benchmark wants the copy's time (``copy_call``, ``copy_kernel``)."""
 
     def __init__(self, region: Region, *, copy_threads: int | None = None,
-                 read_ahead: bool = False, gang: bool = True) -> None:
+                 read_ahead: bool = False, gang: bool = True, loop_share: bool = True) -> None:
         self.region = region
+        self.loop_share = loop_share
         self.copy_threads = auto_copy_threads() if copy_threads is None else copy_threads
         self.read_ahead = read_ahead
         self.use_gang = gang
@@ -180,6 +191,8 @@ class CpuCopier:
         self._gang: CopyGang | None = None
         self.gang_copies = 0
         """Copies the gang ran (the rest of the cut ones ran on the pool)."""
+        self.loop_shares = 0
+        """Gang copies of which the loop's thread copied a group itself (``LOOP_SHARE_MAX_BYTES``)."""
 
     def _copy_pool(self) -> cf.ThreadPoolExecutor:
         """The copy threads (created on the first threaded copy; ``shutdown``)."""
@@ -248,14 +261,29 @@ class CpuCopier:
                 ph.add("copy_kernel", t0)
             return
         parts = self._threads(nbytes) if threads is None else threads
-        if parts > 1 and self.region.mem[K.MEM_BACKEND] == K.BACKEND_HW:
+        hw = self.region.mem[K.MEM_BACKEND] == K.BACKEND_HW
+        if (parts <= 1 and threads is None and hw and self.loop_share
+                and nbytes <= LOOP_SHARE_MAX_BYTES):
+            fn(self.region.mem, plan, base)     # one thread: the loop's own (no hop)
+            if ph is not None:
+                ph.add("copy_call", t0)
+                ph.add("copy_kernel", t0)
+            return
+        if parts > 1 and hw:
             groups = split_plan(plan, parts)
             if len(groups) > 1:
                 kind = _gang_kind(fn)
                 gang = self._idle_gang() if kind is not None else None
-                if gang is not None and len(groups) <= gang.workers:
+                share = (self.loop_share and
+                         max(int(g[:, 2].sum()) for g in groups) <= LOOP_SHARE_MAX_BYTES)
+                if gang is not None and len(groups) - share <= gang.workers:
                     self.gang_copies += 1
-                    await gang.run(kind, self.region.mem, groups, base)
+                    if share:
+                        self.loop_shares += 1
+                        await gang.run(kind, self.region.mem, groups[1:], base,
+                                       own=(fn, groups[0]))
+                    else:
+                        await gang.run(kind, self.region.mem, groups, base)
                 else:
                     await self._run_all([(fn, g, base) for g in groups], self._copy_pool())
                 if ph is not None:   # several threads: their wall time is the kernel's
