@@ -91,6 +91,20 @@ def clflushopt_line(typingctx, line_addr):
 
 
 @intrinsic
+def prefetch_line(typingctx, line_addr):
+    """``prefetcht0``: start loading the line holding ``line_addr`` into every cache level. A
+    hint only: no fault, no ordering, and no compiler barrier (no memory clobber)."""
+    sig = types.void(line_addr)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _i8p)
+        builder.asm(ir.FunctionType(ir.VoidType(), [_i8p]), "prefetcht0 ($0)", "r", [ptr],
+                    side_effect=True)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
 def clwb_line(typingctx, line_addr):
     """``clwb``: write back the line, which may stay cached. Warning: never a reader invalidate."""
     sig = types.void(line_addr)

@@ -30,7 +30,8 @@ from . import sim
 from .memfields import (MEM_BACKEND, MEM_BASE_ADDR, MEM_CTL_ADDR, MEM_FLUSH_INSN, MEM_SIZE_BYTES,
                         MEM_SKIP_SITE)
 from .intrinsics import (aload64, astore64, clflush_line, clflushopt_line, clwb_line, copy32,
-                         cpu_pause, load_u8, mfence, nt_copy32, ntstore64, sfence, store_u8)
+                         cpu_pause, load_u8, mfence, nt_copy32, ntstore64, prefetch_line, sfence,
+                         store_u8)
 
 BACKEND_HW = 0
 BACKEND_SIM = 1
@@ -503,17 +504,69 @@ def read_rows(m, plan, dst_base, site, nt_dst=False):
             if plan[i, 2] > 0:
                 _drop_lines(m, plan[i, 0], plan[i, 2])
         full_fence(m)
-    for i in range(plan.shape[0]):
-        if m[MEM_BACKEND] == BACKEND_SIM:
+    if m[MEM_BACKEND] == BACKEND_SIM:
+        for i in range(plan.shape[0]):
             sim.sim_read_bytes(m, plan[i, 0], dst_base + np.uint64(plan[i, 1]), plan[i, 2])
-        elif nt_dst:
-            nt_copy_raw(dst_base + np.uint64(plan[i, 1]),
-                        np.uint64(m[MEM_BASE_ADDR]) + np.uint64(plan[i, 0]), plan[i, 2])
-        else:
-            _plain_copy(dst_base + np.uint64(plan[i, 1]),
-                        np.uint64(m[MEM_BASE_ADDR]) + np.uint64(plan[i, 0]), plan[i, 2])
-    if nt_dst and m[MEM_BACKEND] != BACKEND_SIM:
+        return
+    _copy_rows_prefetched(np.uint64(m[MEM_BASE_ADDR]), plan, dst_base, nt_dst)
+    if nt_dst:
         sfence()
+
+
+PREFETCH_AHEAD = 8192
+"""Bytes of the plan's source rows that ``_copy_rows_prefetched`` prefetches ahead of its copy."""
+PREFETCH_STEP = 2048
+"""Bytes copied between two advances of its prefetch cursor."""
+
+
+@njit(cache=True, nogil=True)
+def _copy_rows_prefetched(base_addr, plan, dst_base, nt_dst):
+    """Copy plan rows from ``base_addr + region_offset`` to ``dst_base + dst_offset`` (hardware
+    backend), with a software prefetch cursor running ``PREFETCH_AHEAD`` bytes ahead of the copy
+    through the rows' *concatenated* source bytes -- across the gap to the next row too.
+
+    Why: a layer read takes 16 KiB of every 64 KiB block (blocks are layer-major), and the
+    hardware stream prefetcher restarts at every gap: on the 2-core VM a 32 MiB read of 16 KiB
+    rows at a 64 KiB stride ran at 12-15 GB/s against ~33 GB/s for the same bytes contiguous,
+    and a 128 MiB get layer by layer took 1.5x the time of the same get whole. The cursor issues
+    ``prefetcht0`` for the next row's first lines while the current row's last ones are copied.
+    Measured on that VM, alternating in one process (NT destination, 32 MiB): strided
+    8.4 -> 14.8 GB/s, contiguous 10.6 -> 19.8 GB/s; 4 KiB ahead gave 13.9.
+    Callers invalidate every row and fence before this (``read_rows``): a prefetch after that
+    fence is a load like any other."""
+    n = plan.shape[0]
+    pr = 0                         # prefetch cursor: row, offset within it
+    po = np.int64(0)
+    ahead = np.int64(0)
+    while ahead < PREFETCH_AHEAD and pr < n:
+        if po < plan[pr, 2]:
+            prefetch_line(base_addr + np.uint64(plan[pr, 0] + po))
+            po += 64
+            ahead += 64
+        else:
+            pr += 1
+            po = 0
+    for i in range(n):
+        src = base_addr + np.uint64(plan[i, 0])
+        dst = dst_base + np.uint64(plan[i, 1])
+        nb = plan[i, 2]
+        pos = np.int64(0)
+        while pos < nb:
+            step = min(PREFETCH_STEP, nb - pos)
+            if nt_dst:
+                nt_copy_raw(dst + np.uint64(pos), src + np.uint64(pos), step)
+            else:
+                _plain_copy(dst + np.uint64(pos), src + np.uint64(pos), step)
+            pos += step
+            k = np.int64(0)
+            while k < step and pr < n:
+                if po < plan[pr, 2]:
+                    prefetch_line(base_addr + np.uint64(plan[pr, 0] + po))
+                    po += 64
+                    k += 64
+                else:
+                    pr += 1
+                    po = 0
 
 
 # ---------------------------------------------------------------------------------------------
