@@ -161,3 +161,60 @@ async def test_back_to_back_puts_are_left_alone(region_path: str) -> None:
         assert await _until(lambda: eng.stats()["preclaimed_chunks"] >= 1)
     finally:
         await eng.close()
+
+
+async def test_a_full_cache_evicts_ahead_and_the_next_put_is_lockfree(region_path: str,
+                                                                      backend: str) -> None:
+    """In a full region the pre-claim task evicts this node's least recently used blocks in
+    an idle moment ("Evicting ahead"), so the next put of the same size reserves without the
+    lock; the newest blocks stay readable, the oldest are gone."""
+    eng = await tract.Engine.open(cfg(region_path, 0, create=True, backend=backend,
+                                      region_bytes=16 << 20))
+    try:
+        nchunks = eng._store.blocks.ageo.nchunks
+        i = 0
+        while eng.stats()["evictions"] == 0:             # fill it: until a put had to evict
+            k = _keys(eng, i * BLOCKS)
+            await eng.put_kv(k, kv_for_keys(k))
+            i += 1
+            assert i < 4 * nchunks, "the region never filled"
+        assert await _until(lambda: eng.stats()["evicted_ahead"] >= 1)
+        await asyncio.sleep(0.05)                         # any further batch of it
+        st = eng.stats()
+        k = _keys(eng, i * BLOCKS)
+        await eng.put_kv(k, kv_for_keys(k))
+        after = eng.stats()
+        assert after["lock_acquisitions"] == st["lock_acquisitions"]
+        assert after["lockfree_reservations"] == st["lockfree_reservations"] + 1
+        assert after["evictions"] == st["evictions"]     # the room was made before the put
+        assert torch.equal(await eng.get_kv(k), kv_for_keys(k))
+        assert eng.lookup(_keys(eng, 0)) == 0               # the oldest went first
+    finally:
+        await eng.close()
+
+
+async def test_evicting_ahead_takes_only_this_nodes_blocks(region_path: str) -> None:
+    """The eviction ahead of need frees this node's own slots only (``only_own``): with no
+    READY block of its own, node 1 evicts nothing, and node 0's blocks all stay. Negative
+    control: the put path's eviction (own blocks first, then others') does take node 0's."""
+    a = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=16 << 20))
+    b = await tract.Engine.open(cfg(region_path, 1))
+    try:
+        k = _keys(a, 0)
+        await a.put_kv(k, kv_for_keys(k))
+        bb = b._store.blocks
+        await bb.lock.acquire(timeout=5)
+        try:
+            assert bb._evict_lru_locked(8, only_own=True) == 0
+        finally:
+            bb.lock.release()
+        assert a.lookup(k) == BLOCKS
+        await bb.lock.acquire(timeout=5)
+        try:
+            assert bb._evict_lru_locked(8) == 8
+        finally:
+            bb.lock.release()
+        assert a.lookup(k) < BLOCKS
+    finally:
+        await b.close()
+        await a.close()

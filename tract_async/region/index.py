@@ -811,7 +811,7 @@ def _victim_age(m, off, now_ns):
 
 @njit(cache=True, nogil=True)
 def evict_lru_batch(m, hoff, eoff, tgeo, cap, lanes, own_lane, sample, now_ns, k, prefer_node,
-                    info):
+                    only_prefer, info):
     """Evict up to ``k`` victims by sampled LRU over one window: entries from the clock hand
     are read until ``sample * k`` candidates (evictable READY entries) were seen or the whole
     table was, and the ``k`` least recently touched among them go (expired transfer-only
@@ -819,7 +819,8 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, lanes, own_lane, sample, now_ns, k
     info[j] = (slot, payload_offset, nbytes, owner, token, slot is the entry's: see
     ``evict_batch``). Blocks in ``prefer_node``'s chunks go before any other node's (-1: no
     preference): evicting another node's block frees a slot of *its* heap, not the
-    evictor's. Returns how many were evicted."""
+    evictor's; ``only_prefer``: no other node's block is a candidate at all (evicting ahead of
+    need frees only the evictor's own slots). Returns how many were evicted."""
     hand = np.int64(K.load_fresh(m, hoff + H_CLOCK, S_IX_READ))
     want = max(sample, sample * k)
     cand_t = np.empty(want + LRU_STEP, dtype=np.uint64)
@@ -842,6 +843,8 @@ def evict_lru_batch(m, hoff, eoff, tgeo, cap, lanes, own_lane, sample, now_ns, k
             if t == _NOT_A_VICTIM:
                 continue
             if prefer_node >= 0 and np.int64(K.load(m, off + E_OWNER) & np.uint64(0xFFFF)) != prefer_node:
+                if only_prefer:
+                    continue
                 t = (t >> np.uint64(2)) | np.uint64(1 << 62)          # after every own block
             cand_t[nc] = t
             cand_s[nc] = slot

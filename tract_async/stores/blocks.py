@@ -43,7 +43,16 @@ live nodes: the others' shares stay free for them), and not while another node a
 chunks. The next put of that size reserves
 lock-free (index.py, "Who writes what"). Pre-claimed chunks are empty: they are the first that
 ``_give_chunks_locked`` gives to a starving node, and close returns them. When no chunk is free
-(a full prefix cache) nothing is claimed: puts evict under the lock as before.
+(a full prefix cache) nothing is claimed: see "Evicting ahead".
+
+Evicting ahead. In a full prefix cache -- no chunk free, or this node's share of the free ones
+used -- the same task, in the same idle moments, evicts this node's least recently used READY
+blocks (sampled LRU, ``evict_lru_batch`` restricted to this node's chunks: another node's
+victims would free *its* slots, not ours) until the free lists hold ``_headroom`` slots,
+``EVICT_AHEAD_BATCH`` per hold of the lock. Without it every put of a full cache evicted under
+the lock (``EVICT_AHEAD`` blocks beyond its need, so one small put in ~16-64 took the lock, and
+every large one). The cost is the same as a put's own eviction, moved to idle time, and that
+many blocks of this node's cache (at most its largest put) held free instead of cached.
 
 Block lifetime. A block lives in a slot of its producer's heap. It is READY until evicted (LRU
 under memory pressure), consumed (transfer-only mode), expired (transfer-only deadline), or
@@ -121,6 +130,9 @@ PRECLAIM_POLL_S = 0.0002
 """While it waits for the lock, it looks this often whether a put started (it then withdraws)."""
 PRECLAIM_BATCH_CHUNKS = 32
 """Chunks claimed per hold of the lock (64 MiB of 2 MiB chunks, ~0.5 ms on the H200 host);
+more wait for the next idle moment."""
+EVICT_AHEAD_BATCH = 512
+"""Blocks the pre-claim task evicts per hold of the lock in a full region ("Evicting ahead");
 more wait for the next idle moment."""
 
 SPARE_SLOTS = 16
@@ -233,6 +245,9 @@ class StoreStats(TransferStats):
     """Waits that the brief spin on the loop's thread satisfied (``_spin_on_loop``)."""
     preclaimed_chunks: int = 0
     """Chunks claimed ahead of need by the pre-claim task (module docstring)."""
+    evicted_ahead: int = 0
+    """This node's blocks evicted ahead of need by the pre-claim task, in a full region
+    (module docstring, "Evicting ahead"); also counted in ``evictions``."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
@@ -518,11 +533,18 @@ class BlockLifecycle:
             live = max(1, len(self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)))
             free = int(np.count_nonzero(~self.alloc.table.bitmap()))
             room = min(PRECLAIM_BATCH_CHUNKS, free // live)
-            got = self.alloc.preclaim_locked(bb, need, self.lock, max_chunks=room)
+            got = self.alloc.preclaim_locked(bb, need, self.lock, max_chunks=room) if room else 0
+            evicted = 0
+            if got < room or not room:      # no more chunks for us: make room in our own
+                need = self._headroom - self.alloc.free_slots(bb)
+                if need > 0 and self.alloc.holds_class(bb):
+                    evicted = self._evict_lru_locked(min(need, EVICT_AHEAD_BATCH), only_own=True)
+                    self.alloc.drain_returns()
+                    self.stats.evicted_ahead += evicted
         finally:
             self.lock.release()
         self.stats.preclaimed_chunks += got
-        if got == PRECLAIM_BATCH_CHUNKS:
+        if got == PRECLAIM_BATCH_CHUNKS or evicted == EVICT_AHEAD_BATCH:
             self._refill.set()              # more at the next idle moment
         return got
 
@@ -1006,14 +1028,15 @@ class BlockLifecycle:
         self.stats.chunks_given += len(done)
         return len(done)
 
-    def _evict_lru_locked(self, k: int) -> int:
+    def _evict_lru_locked(self, k: int, *, only_own: bool = False) -> int:
         """Evict up to ``k`` sampled-LRU victims, this node's own blocks first (only they free
-        its slots), and free their payloads; how many."""
+        its slots; ``only_own``: no other node's), and free their payloads; how many."""
         info = np.zeros((k, 6), dtype=np.int64)
         g = self.geo
         n = int(ix.evict_lru_batch(self.mem, g.header_offset, g.entries_offset,
                                    self.index.tgeo, g.capacity, g.lanes, self.lane,
-                                   VICTIM_SAMPLE, time.time_ns(), k, self.node_id, info))
+                                   VICTIM_SAMPLE, time.time_ns(), k, self.node_id, only_own,
+                                   info))
         if n:
             if CP.ARMED:
                 CP.hit("evict.tombstoned")
