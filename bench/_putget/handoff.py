@@ -28,6 +28,14 @@ from _putget.fixtures import (BLOCK, KiB, LAYOUT, MiB, REGION_OVERHEAD, det_keys
                               make_kv, shm_path)
 
 
+REGION_HANDOFFS = 8
+"""The handoff region holds this many handoffs of the largest case (1 GiB of payload in a full
+run). Until 2026-12-04 it held two, and the producer reopened its engine at every second
+128 MiB handoff: half of those puts claimed 64 fresh chunks under the lock, a cost that a
+serving node with a region of many handoffs pays once. A full cache instead evicts (the
+eviction's own cost is measured apart: README, "Caveats")."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Case:
     """One series of handoffs of ``nbytes`` each: ``warm`` untimed, then ``count`` timed."""
@@ -160,7 +168,7 @@ async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connec
 
 
 PRODUCER_STATS = ("puts", "lock_acquisitions", "lockfree_reservations", "preclaimed_chunks",
-                  "lock_wait_s", "evictions")
+                  "lock_wait_s", "evictions", "evicted_ahead")
 
 
 def _add_stats(acc: dict[str, float], st: dict[str, Any]) -> None:
@@ -184,7 +192,10 @@ def _eng_producer(path: str, region_bytes: int, cases: list[Case], conn: Connect
 
 def engine_handoff(cases: list[Case], timeout_s: float = 300.0) -> dict[str, Any] | str:
     """Handoff, put and after-put seconds per case label, or a line saying why it did not run."""
-    region_bytes = 2 * max(c.nbytes for c in cases) + REGION_OVERHEAD
+    # room for REGION_HANDOFFS of the largest case: the producer reopens its engine when the
+    # region is full (close evicts its blocks), and the first put after a reopen claims every
+    # chunk it needs under the lock; the pre-claim task serves the puts after it
+    region_bytes = REGION_HANDOFFS * max(c.nbytes for c in cases) + REGION_OVERHEAD
     path = shm_path("handoff")
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
