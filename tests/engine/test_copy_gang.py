@@ -228,3 +228,54 @@ async def test_the_sim_backend_never_gangs(region_path: str) -> None:
         await eng.put_kv(keys, kv)
         assert torch.equal(await eng.get_kv(keys), kv)
         assert eng._store.copier.gang_copies == 0 and eng._store.copier._gang is None
+
+
+async def test_the_loop_copies_a_share_and_returns_without_sleeping(region: Region) -> None:
+    """A 4 MiB copy on 4 threads: the loop's thread copies one group itself and the workers
+    three (their done counts grow by 3); bytes exact both ways."""
+    copier = cpucopy.CpuCopier(region, copy_threads=4)
+    try:
+        nbytes = 4 * MiB
+        plan = _plan(nbytes, region.data_offset)
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        await copier.copy_in(plan, src.data_ptr(), nbytes)
+        gang = copier._gang
+        assert gang is not None and copier.loop_shares == 1
+        done0 = int(gang.board[:, G.J_DONE].sum())
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        await copier.copy_out(plan, dst.data_ptr(), nbytes)
+        assert torch.equal(dst, src)
+        assert copier.loop_shares == 2 and int(gang.board[:, G.J_DONE].sum()) == done0 + 3
+        assert gang.idle
+    finally:
+        copier.shutdown()
+
+
+@pytest.mark.parametrize("spin_us", [0, 500])
+async def test_copies_after_the_workers_poll_ran_out(region: Region, spin_us: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies back to back (taken by the workers' poll, their wakes left counted in the
+    eventfd), then after a pause longer than the poll (the next read() returns that stale
+    count at once and must sleep again, not run a job twice or miss one), and with no poll at
+    all: every copy exact, every worker's done count equal to its jobs."""
+    from tract_async.stores import copygang
+    monkeypatch.setattr(copygang, "WORKER_SPIN_NS", spin_us * 1000)
+    copier = cpucopy.CpuCopier(region, copy_threads=3, loop_share=False)
+    try:
+        nbytes = 3 * MiB
+        plan = _plan(nbytes, region.data_offset)
+        for rnd in range(6):
+            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+            await copier.copy_in(plan, src.data_ptr(), nbytes)
+            dst = torch.zeros(nbytes, dtype=torch.uint8)
+            await copier.copy_out(plan, dst.data_ptr(), nbytes)
+            assert torch.equal(dst, src), rnd
+            if rnd % 2:
+                await asyncio.sleep(0.01)          # past the poll: the workers sleep again
+        gang = copier._gang
+        assert gang is not None
+        assert gang.board[:, G.J_DONE].tolist() == [12, 12, 12]
+        assert gang.board[:, G.J_SEQ].tolist() == [12, 12, 12]
+    finally:
+        copier.shutdown()
+    assert not _gang_threads()
