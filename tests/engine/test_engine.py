@@ -255,17 +255,28 @@ async def test_region_full_is_all_or_nothing(region_path: str, transport: str) -
         await a.close()
 
 
-async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str) -> None:
+@pytest.mark.parametrize("nhot", [4, 12])
+async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str,
+                                                nhot: int) -> None:
+    """``nhot`` 12: more than SMALL_READ blocks, read layer by layer (the touches of large
+    reads are kept as arrays, once per layer, and stamped once per block at the flush)."""
     # HTTP: a pool of 4 MiB (128 slots) fills within the rounds below, as the region does
     extra = {"http_pool_bytes": 4 << 20} if transport in NET else {}
     a = await _one(region_path, transport, region_bytes=6 << 20, **extra)
+
+    async def read_hot() -> None:
+        if nhot <= 8:
+            await a.get_kv(hot)
+            return
+        for layer in range(TINY.num_layers):
+            await a.get_kv(hot, layer=layer)
     try:
         per = 16
         first = a.block_keys(range(16 * per))
         await a.put_kv(first, kv_for_keys(first))
-        hot = first[:4]
+        hot = first[:nhot]
         for _ in range(3):
-            await a.get_kv(hot)
+            await read_hot()
         await a._store.maintain(timeout=5)     # touches reach the region under the lock
         stored = list(first)
         for r in range(1, 12):               # keep putting until the region has evicted
@@ -273,15 +284,15 @@ async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str
             await a.put_kv(more, kv_for_keys(more))
             stored += more
             for _ in range(2):
-                await a.get_kv(hot)
+                await read_hot()
             await a._store.maintain(timeout=5)
             if a.stats()["evictions_for_space"] > 2 * per:
                 break
         st = a.stats()
         assert st["evictions_for_space"] > 0
-        assert a.lookup(hot) == 4, "recently used blocks must survive sampled-LRU eviction"
-        cold_left = sum(a.lookup([k]) for k in first[4:])
-        assert cold_left < len(first) - 4
+        assert a.lookup(hot) == nhot, "recently used blocks must survive sampled-LRU eviction"
+        cold_left = sum(a.lookup([k]) for k in first[nhot:])
+        assert cold_left < len(first) - nhot
         got = await a.get_kv(hot)
         assert all(block_matches(hot, got))
     finally:
