@@ -676,13 +676,25 @@ class Allocator:
                 self._pending.setdefault(a.owner_node, []).append(entry)
         return result
 
-    def _free_many_local(self, allocations: Sequence[Allocation]) -> list[bool] | None:
+    def free_rows(self, rows: np.ndarray) -> list[bool]:
+        """``free_many`` of ``allocation_rows``: a large batch of this node's own slots is freed
+        from the arrays, without an Allocation object per slot (a full cache's eviction of a
+        128 MiB put frees 2048 at a time); anything else takes ``free_many``."""
+        if len(rows) > SMALL_BATCH:
+            fast = self._free_many_local(rows)
+            if fast is not None:
+                return fast
+        return self.free_many(allocations_of_rows(rows))
+
+    def _free_many_local(self, allocations: Sequence[Allocation] | np.ndarray
+                         ) -> list[bool] | None:
         """``free_many`` of a large batch whose every slot is in a chunk this incarnation owns
         (evicting one's own blocks, abandoning a put): the same checks, on arrays, ~3x faster
         than the per-allocation loop. None (nothing changed) when a slot is remote or of a
-        chunk not ours: the general path then handles the batch, and raises where it must."""
+        chunk not ours: the general path then handles the batch, and raises where it must.
+        ``allocations``: a sequence, or already ``allocation_rows``."""
         g = self.geo
-        a = allocation_rows(allocations)
+        a = allocations if isinstance(allocations, np.ndarray) else allocation_rows(allocations)
         ci, si, sb = a[:, A_CHUNK], a[:, A_SLOT], a[:, A_SLOT_BYTES]
         if not ((ci >= 0).all() and (ci < g.nchunks).all()
                 and (a[:, A_OWNER] == self.node_id).all()

@@ -82,8 +82,9 @@ from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, N
 from ..keys import keys_to_words
 from ..region import Region
 from ..region import index as ix
-from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_TOKEN, Allocation,
-                            Allocator, allocation_rows, allocations_of_rows)
+from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_SLOT, A_SLOT_BYTES,
+                            A_TOKEN, Allocation, Allocator, allocation_rows,
+                            allocations_of_rows)
 from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
@@ -1073,6 +1074,9 @@ class BlockLifecycle:
         """Free the payload slots of evicted entries: rows (offset, nbytes, owner word, token,
         slot is the entry's). A stale entry's slot (tag names another reservation) is not
         freed: it is the new occupant's (``index.evict_batch``)."""
+        if len(info) > SMALL_READ:
+            self._free_payload_rows(info)
+            return
         allocs = []
         for poff, pnb, owner, token, mine in info.tolist():
             if not mine:
@@ -1080,6 +1084,32 @@ class BlockLifecycle:
             elif self._payload_ok(poff, pnb):
                 allocs.append(self.allocation_of(poff, pnb, owner, token))
         self.alloc.free_many(allocs)
+
+    def _free_payload_rows(self, info: np.ndarray) -> None:
+        """``_free_payloads`` on arrays: the allocation rows built with numpy and freed by
+        ``Allocator.free_rows`` (a full cache evicting 2048 blocks for a 128 MiB put spent
+        ~10-20 ms under the lock building an Allocation per block on the VM)."""
+        g = self.ageo
+        mine = info[:, 4] != 0
+        self.stats.stale_entries_dropped += int(np.count_nonzero(~mine))
+        poff, pnb = info[:, 0], info[:, 1]
+        bb = self.layout.block_bytes
+        end = g.chunks_offset + g.nchunks * g.chunk_bytes
+        sel = info[mine & (pnb == bb) & (poff >= g.chunks_offset) & (poff <= end - bb)]
+        if not len(sel):
+            return
+        sb = self.alloc.class_for(bb)
+        chunk = (sel[:, 0] - g.chunks_offset) // g.chunk_bytes
+        rows = np.empty((len(sel), len(Allocation._fields)), dtype=np.int64)
+        rows[:, A_OFFSET] = sel[:, 0]
+        rows[:, A_NBYTES] = sel[:, 1]
+        rows[:, A_SLOT_BYTES] = sb
+        rows[:, A_OWNER] = sel[:, 2] & 0xFFFF
+        rows[:, A_CHUNK] = chunk
+        rows[:, A_SLOT] = (sel[:, 0] - (g.chunks_offset + chunk * g.chunk_bytes)) // sb
+        rows[:, A_GEN] = sel[:, 2] >> 16
+        rows[:, A_TOKEN] = sel[:, 3]
+        self.alloc.free_rows(rows)
 
     async def abandon(self, keys: list[bytes]) -> None:
         """Evict this node's unfinished reservations of ``keys`` (after a failed or cancelled
