@@ -190,6 +190,10 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
         loop = asyncio.get_running_loop()
         async with tract.Engine.open(cfg(path, 0, region_bytes=8 << 20, chunk_bytes=256 << 10)
                                      ) as eng:
+            # the cancelled put's 1.5 MiB copy must run on a pool thread, where the cancel
+            # lands mid-copy; on the loop's own thread (the default up to 8 MiB since
+            # 2026-12-04, ``cpucopy.LOOP_SHARE_MAX_BYTES``) the put completes first
+            eng._store.copier.loop_share = False
             before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * 8))
             await eng.put_kv(before, kv_for_keys(before, as_numpy=True))
             CP.arm()
