@@ -188,6 +188,41 @@ async def test_layer_puts_of_other_shapes_than_the_first(region_path: str, backe
         await a.close()
 
 
+async def test_later_layers_find_their_batch_only_while_it_is_whole(region_path: str,
+                                                                    backend: str) -> None:
+    """The later layers of a put find their reservations by one list comparison
+    (``BlockLifecycle._fill``), valid only while none of this node's reservations has left its
+    bookkeeping. Two interleaved layer-streamed puts, then a put abandoned after its first
+    layer and streamed again from layer 1: every byte the other node reads is the right one.
+    (A stale record here would publish layers of evicted entries.)"""
+    a, b = await _pair(region_path, backend)
+    try:
+        ka = a.block_keys(range(16 * TINY.block_tokens))
+        kb = a.block_keys(range(1000 * TINY.block_tokens, 1016 * TINY.block_tokens))
+        va, vb = kv_for_keys(ka), kv_for_keys(kb)
+        blocks = a._store.blocks
+        await a.put_kv(ka, va[0].contiguous(), layer=0)
+        await a.put_kv(list(kb), vb[0].contiguous(), layer=0)       # the record is now kb's
+        for layer in range(1, TINY.num_layers):
+            await a.put_kv(list(ka), va[layer].contiguous(), layer=layer)   # equal, new lists
+            await a.put_kv([bytes(k) for k in kb], vb[layer].contiguous(), layer=layer)
+        assert blocks.in_flight == 0
+        assert torch.equal(await b.get_kv(ka), va) and torch.equal(await b.get_kv(kb), vb)
+
+        kc = a.block_keys(range(2000 * TINY.block_tokens, 2016 * TINY.block_tokens))
+        vc = kv_for_keys(kc)
+        await a.put_kv(kc, vc[0].contiguous(), layer=0)
+        await blocks.abandon(kc)                       # evicted: the record must go with them
+        assert blocks.in_flight == 0 and blocks._fill is None
+        for layer in (1, 0, 2, 3):                     # reserved again by the layer-1 put
+            await a.put_kv(kc, vc[layer].contiguous(), layer=layer)
+        assert blocks.in_flight == 0
+        assert torch.equal(await b.get_kv(kc), vc)
+    finally:
+        await b.close()
+        await a.close()
+
+
 async def test_bad_input_changes_nothing(region_path: str, transport: str) -> None:
     a, b = await _pair(region_path, "hw", transport)
     try:
