@@ -188,13 +188,11 @@ async def test_layer_puts_of_other_shapes_than_the_first(region_path: str, backe
         await a.close()
 
 
-async def test_later_layers_find_their_batch_only_while_it_is_whole(region_path: str,
-                                                                    backend: str) -> None:
-    """The later layers of a put find their reservations by one list comparison
-    (``BlockLifecycle._fill``), valid only while none of this node's reservations has left its
-    bookkeeping. Two interleaved layer-streamed puts, then a put abandoned after its first
-    layer and streamed again from layer 1: every byte the other node reads is the right one.
-    (A stale record here would publish layers of evicted entries.)"""
+async def test_interleaved_and_restreamed_layer_puts(region_path: str, backend: str) -> None:
+    """Later layers find the reservations of their put (``BlockLifecycle.filling``): two
+    interleaved layer-streamed puts, passed equal but new key lists, then a put abandoned after
+    its first layer and streamed again from layer 1. Every byte the other node reads is the
+    right one (a stale lookup here would publish layers of evicted entries)."""
     a, b = await _pair(region_path, backend)
     try:
         ka = a.block_keys(range(16 * TINY.block_tokens))
@@ -213,7 +211,7 @@ async def test_later_layers_find_their_batch_only_while_it_is_whole(region_path:
         vc = kv_for_keys(kc)
         await a.put_kv(kc, vc[0].contiguous(), layer=0)
         await blocks.abandon(kc)                       # evicted: the record must go with them
-        assert blocks.in_flight == 0 and blocks._fill is None
+        assert blocks.in_flight == 0
         for layer in (1, 0, 2, 3):                     # reserved again by the layer-1 put
             await a.put_kv(kc, vc[layer].contiguous(), layer=layer)
         assert blocks.in_flight == 0
