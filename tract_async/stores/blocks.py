@@ -275,7 +275,8 @@ class BlockLifecycle:
         self.stats = StoreStats()
         self._reserved: dict[bytes, Reservation] = {}
         self._touches: dict[int, int] = {}            # slot -> version, stamped at maintenance
-        self._touch_rows: list[tuple[np.ndarray, np.ndarray]] = []   # large reads' (slots, versions)
+        # large reads' (slots, versions), stamped at the next flush as they are
+        self._touch_rows: list[tuple[np.ndarray, np.ndarray]] = []
         self._touch_count = 0                         # rows in _touch_rows
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
         self._asked = False                           # our ask for chunks is recorded

@@ -2,8 +2,12 @@
 
 Where a copy runs. A thread hop (hand the copy to a worker, wake the loop when it is done)
 costs ~50-150 µs, so small copies (``INLINE_COPY_BYTES``) run on the event loop's own thread.
-Larger ones run on the copier's own pool (not the loop's default executor, which the lock
-waits and polls share), and from ``PARALLEL_COPY_BYTES`` up on several threads at once.
+From ``PARALLEL_COPY_BYTES`` up a copy runs on several threads at once: the copy gang's
+workers, with the loop's own thread copying one group itself (``loop_share``, for groups of at
+most ``LOOP_SHARE_MAX_BYTES``), so that the loop never sleeps through a mid-size copy and pays
+its wake-up. A copy that gets one thread only runs on the loop's thread up to
+``LOOP_SHARE_MAX_BYTES`` too; larger ones, and every copy with ``loop_share=False``, run on the
+copier's own pool (not the loop's default executor, which the lock waits and polls share).
 
 Copies on several threads. One core's non-temporal stream does not reach a host's memory
 bandwidth: on a 16-core H200 host the single-threaded write kernel ran at 7.7-14.5 GB/s and the
@@ -192,7 +196,8 @@ class CpuCopier:
         self.gang_copies = 0
         """Copies the gang ran (the rest of the cut ones ran on the pool)."""
         self.loop_shares = 0
-        """Gang copies of which the loop's thread copied a group itself (``LOOP_SHARE_MAX_BYTES``)."""
+        """Gang copies of which the loop's thread copied a group itself
+        (``LOOP_SHARE_MAX_BYTES``)."""
 
     def _copy_pool(self) -> cf.ThreadPoolExecutor:
         """The copy threads (created on the first threaded copy; ``shutdown``)."""
