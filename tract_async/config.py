@@ -150,15 +150,18 @@ class EngineConfig:
     index_capacity: int | None = None        # entries; default 2x the blocks that fit
     heartbeat_interval_s: float = 0.1
     liveness_timeout_s: float = 1.0
-    copy_threads: int | None = None          # threads of one large copy (>= 8 MiB, hw; put and
-                                             # get): None = from the host (half the cores, 1-8);
-                                             # 1 = one thread (stores/region.py says why)
+    copy_threads: int | None = None          # threads of one large copy (>= 2 MiB, hw; put and
+                                             # get), the loop's own thread among them: None =
+                                             # from the host (half the cores, 1-8); 1 = one
+                                             # thread (stores/cpucopy.py says why)
     preclaim_bytes: int | None = None        # free slots a node keeps claimed ahead of its puts,
                                              # claimed in the background while it is idle, so
                                              # that a put of that size reserves without the
                                              # global lock: None = as much as its largest put so
-                                             # far, within its share of the free chunks; 0 = off
-                                             # (stores/blocks.py, "Pre-claimed chunks")
+                                             # far, within its share of the free chunks, and in
+                                             # a full cache by evicting its own LRU blocks; 0 =
+                                             # off (stores/blocks.py, "Pre-claimed chunks",
+                                             # "Evicting ahead")
     copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
                                              # threads (one drops lines ahead, one copies)
                                              # instead of copy_threads row groups
