@@ -520,6 +520,23 @@ PREFETCH_STEP = 2048
 
 
 @njit(cache=True, nogil=True)
+def _prefetch_rows(base_addr, plan, pr, po, nbytes):
+    """Advance a prefetch cursor (row ``pr``, offset ``po`` in it) by ``nbytes`` of the plan's
+    concatenated source rows, a ``prefetcht0`` per line; returns the new (row, offset)."""
+    n = plan.shape[0]
+    k = np.int64(0)
+    while k < nbytes and pr < n:
+        if po < plan[pr, 2]:
+            prefetch_line(base_addr + np.uint64(plan[pr, 0] + po))
+            po += 64
+            k += 64
+        else:
+            pr += 1
+            po = 0
+    return pr, po
+
+
+@njit(cache=True, nogil=True)
 def _copy_rows_prefetched(base_addr, plan, dst_base, nt_dst):
     """Copy plan rows from ``base_addr + region_offset`` to ``dst_base + dst_offset`` (hardware
     backend), with a software prefetch cursor running ``PREFETCH_AHEAD`` bytes ahead of the copy
@@ -535,17 +552,8 @@ def _copy_rows_prefetched(base_addr, plan, dst_base, nt_dst):
     Callers invalidate every row and fence before this (``read_rows``): a prefetch after that
     fence is a load like any other."""
     n = plan.shape[0]
-    pr = 0                         # prefetch cursor: row, offset within it
-    po = np.int64(0)
-    ahead = np.int64(0)
-    while ahead < PREFETCH_AHEAD and pr < n:
-        if po < plan[pr, 2]:
-            prefetch_line(base_addr + np.uint64(plan[pr, 0] + po))
-            po += 64
-            ahead += 64
-        else:
-            pr += 1
-            po = 0
+    # prefetch cursor (row, offset within it), first PREFETCH_AHEAD bytes ahead of the copy
+    pr, po = _prefetch_rows(base_addr, plan, 0, np.int64(0), PREFETCH_AHEAD)
     for i in range(n):
         src = base_addr + np.uint64(plan[i, 0])
         dst = dst_base + np.uint64(plan[i, 1])
@@ -558,15 +566,7 @@ def _copy_rows_prefetched(base_addr, plan, dst_base, nt_dst):
             else:
                 _plain_copy(dst + np.uint64(pos), src + np.uint64(pos), step)
             pos += step
-            k = np.int64(0)
-            while k < step and pr < n:
-                if po < plan[pr, 2]:
-                    prefetch_line(base_addr + np.uint64(plan[pr, 0] + po))
-                    po += 64
-                    k += 64
-                else:
-                    pr += 1
-                    po = 0
+            pr, po = _prefetch_rows(base_addr, plan, pr, po, step)
 
 
 # ---------------------------------------------------------------------------------------------
