@@ -9,11 +9,14 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from typing import Any
 
+import pytest
 import torch
 
 import tract_async as tract
 from tests.support import procs_engine as P
+from tract_async import errors as E
 from tests.support.engine_util import TINY, cfg, kv_for_keys
 
 BLOCKS = 40          # 1.25 MiB of 32 KiB blocks: two 1 MiB chunks, 24 slots left free
@@ -218,3 +221,65 @@ async def test_evicting_ahead_takes_only_this_nodes_blocks(region_path: str) -> 
     finally:
         await b.close()
         await a.close()
+
+
+async def _full_cache_then_read_all(eng: tract.Engine, monkeypatch: "pytest.MonkeyPatch"
+                                    ) -> tuple[list[bytes], dict[str, int], Any]:
+    """Fill ``eng``'s region until its puts evict, let evicting ahead settle, put one more
+    batch (the free lists fall below the headroom again: the pre-claim task is due), and start
+    a get of every resident block whose copy takes 0.3 s. Returns the keys, the stats before
+    the get, and the get's task."""
+    from tract_async.region import index as ix
+    i = 0
+    while eng.stats()["evictions"] == 0:
+        k = _keys(eng, i * BLOCKS)
+        await eng.put_kv(k, kv_for_keys(k))
+        i += 1
+        assert i < 64, "the region never filled"
+    assert await _until(lambda: eng.stats()["evicted_ahead"] >= 1)
+    await asyncio.sleep(0.05)
+    resident = [key for j in range(i) for key in _keys(eng, j * BLOCKS)
+                if eng.lookup([key]) == 1]
+    for name in ("copy_out", "copy_out_nt"):
+        real = getattr(ix, name)
+
+        def slow(*a: Any, _real: Any = real) -> Any:
+            time.sleep(0.3)
+            return _real(*a)
+        monkeypatch.setattr(ix, name, slow)
+    k = _keys(eng, i * BLOCKS)
+    await eng.put_kv(k, kv_for_keys(k))                  # the headroom is short again
+    before = eng.stats()
+    return resident, before, asyncio.ensure_future(eng.get_kv(resident))
+
+
+async def test_no_evicting_ahead_while_a_read_is_in_flight(region_path: str,
+                                                          monkeypatch: "pytest.MonkeyPatch"
+                                                          ) -> None:
+    """A read of this node is not an idle moment: evicting ahead would take the blocks it
+    reads (their touches reach the region only after it) and turn it into a miss. Negative
+    control: when the pre-claim task ignores reads, the same read loses blocks."""
+    eng = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=16 << 20))
+    try:
+        resident, before, get = await _full_cache_then_read_all(eng, monkeypatch)
+        got = await get
+        assert eng.stats()["evicted_ahead"] == before["evicted_ahead"]   # none during it
+        assert torch.equal(got, kv_for_keys(resident))
+        # once the read is over, the idle moment comes and the pre-claim task evicts ahead
+        assert await _until(lambda: eng.stats()["evicted_ahead"] > before["evicted_ahead"])
+    finally:
+        await eng.close()
+
+
+async def test_negative_control_evicting_ahead_during_a_read_loses_blocks(
+        region_path: str, monkeypatch: "pytest.MonkeyPatch") -> None:
+    eng = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=16 << 20))
+    try:
+        b = eng._store.blocks
+        monkeypatch.setattr(b, "_busy", lambda: bool(b._reserved or b._reserving))
+        _, before, get = await _full_cache_then_read_all(eng, monkeypatch)
+        with pytest.raises(E.BlockEvicted):
+            await get
+        assert eng.stats()["evicted_ahead"] > before["evicted_ahead"]
+    finally:
+        await eng.close()

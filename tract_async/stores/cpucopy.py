@@ -230,13 +230,15 @@ class CpuCopier:
         return threads_for(nbytes, self.copy_threads)
 
     async def copy_in(self, plan: np.ndarray, src_addr: int, nbytes: int, *,
-                      threads: int | None = None) -> None:
+                      threads: int | None = None, loop_share: bool = True) -> None:
         """Copy private bytes at ``src_addr`` into the region by plan rows (region offset,
         source offset, nbytes); in memory on return (the CUDA pinned fallback uses it too).
         Large copies run on several threads, each ending in its own ``sfence`` (module doc).
         ``threads``: how many for a copy above ``INLINE_COPY_BYTES`` on the hardware backend
-        (None: ``threads_for``; benchmarks set it)."""
-        await self._copy(ix.copy_in, plan, src_addr, nbytes, threads)
+        (None: ``threads_for``; benchmarks set it). ``loop_share=False``: the loop's thread
+        copies nothing of a copy above ``INLINE_COPY_BYTES`` (a staged put keeps it for the
+        next stage's reservation: ``stores/region.py``)."""
+        await self._copy(ix.copy_in, plan, src_addr, nbytes, threads, loop_share)
 
     async def copy_out(self, plan: np.ndarray, dst_addr: int, nbytes: int, *,
                        threads: int | None = None) -> None:
@@ -256,7 +258,7 @@ class CpuCopier:
             await self._copy(fn, plan, dst_addr, nbytes, threads)
 
     async def _copy(self, fn: Any, plan: np.ndarray, base: int, nbytes: int,
-                    threads: int | None = None) -> None:
+                    threads: int | None = None, loop_share: bool = True) -> None:
         ph = self.phases
         t0 = time.perf_counter_ns() if ph is not None else 0
         if nbytes <= INLINE_COPY_BYTES:
@@ -267,7 +269,8 @@ class CpuCopier:
             return
         parts = self._threads(nbytes) if threads is None else threads
         hw = self.region.mem[K.MEM_BACKEND] == K.BACKEND_HW
-        if (parts <= 1 and threads is None and hw and self.loop_share
+        loop_share = loop_share and self.loop_share
+        if (parts <= 1 and threads is None and hw and loop_share
                 and nbytes <= LOOP_SHARE_MAX_BYTES):
             fn(self.region.mem, plan, base)     # one thread: the loop's own (no hop)
             if ph is not None:
@@ -279,7 +282,7 @@ class CpuCopier:
             if len(groups) > 1:
                 kind = _gang_kind(fn)
                 gang = self._idle_gang() if kind is not None else None
-                share = (self.loop_share and
+                share = (loop_share and
                          max(int(g[:, 2].sum()) for g in groups) <= LOOP_SHARE_MAX_BYTES)
                 if gang is not None and len(groups) - share <= gang.workers:
                     self.gang_copies += 1
