@@ -136,11 +136,14 @@ async def _produce(path: str, region_bytes: int, cases: list[Case], conn: Connec
                 ph = eng.time_phases(True)           # its "publish" stamp (the last layer's)
                 keys = det_keys(c.label, i, n)
                 kb[0] = kb[-1] = i & 0xFF
+                # read before "go": between the consumer's "waiting" and the put nothing but the
+                # wake-up may run (eng.stats() builds a dict of ~100 entries: tens of µs that
+                # the consumer would spend waiting, past its spin, on the producer's bookkeeping)
+                lw0 = eng.stats()["lock_wait_s"]
                 conn.send(("go", i))
                 await arecv(conn)                    # the consumer is waiting
                 if c.delay_s:
                     await asyncio.sleep(c.delay_s)
-                lw0 = eng.stats()["lock_wait_s"]
                 t0 = time.perf_counter_ns()
                 if c.mode == "block":
                     await eng.put_kv(keys, kv)

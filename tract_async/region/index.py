@@ -355,6 +355,16 @@ def snapshot_batch(m, eoff, mask, max_probe, lanes, keys, out):
         out[i, 7] = np.int64(K.load(m, off + E_FLAGS))
 
 
+SNAPSHOT_HOLD_GIL_KEYS = 64
+"""Snapshots of at most this many keys (~a µs each) keep the GIL (``snapshot_batch_held``)."""
+
+
+@njit(cache=True)            # holds the GIL (stores/fused.py, "Holding the GIL")
+def snapshot_batch_held(m, eoff, mask, max_probe, lanes, keys, out):
+    """``snapshot_batch`` without releasing the GIL, for a few keys on the loop's thread."""
+    snapshot_batch(m, eoff, mask, max_probe, lanes, keys, out)
+
+
 @njit(cache=True, nogil=True)
 def revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok):
     """After a copy: ok[i] = entry i still holds the same key, version and payload, live, and
@@ -1073,11 +1083,14 @@ class PrefixIndex:
                                 g.lanes, key_words))
 
     def snapshot(self, key_words: np.ndarray) -> np.ndarray:
-        """(n, 8) int64: slot, version, state, payload_offset, nbytes, layers_lo, layers_hi, flags."""
+        """(n, 8) int64: slot, version, state, payload_offset, nbytes, layers_lo, layers_hi, flags.
+        Up to ``SNAPSHOT_HOLD_GIL_KEYS`` keys without releasing the GIL (``stores/fused.py``,
+        "Holding the GIL"): every wait's re-check takes one."""
         g = self.geo
         out = np.zeros((key_words.shape[0], 8), dtype=np.int64)
-        snapshot_batch(self.region.mem, g.entries_offset, self.mask, g.max_probe, g.lanes,
-                       key_words, out)
+        fn = (snapshot_batch_held if key_words.shape[0] <= SNAPSHOT_HOLD_GIL_KEYS
+              else snapshot_batch)
+        fn(self.region.mem, g.entries_offset, self.mask, g.max_probe, g.lanes, key_words, out)
         return out
 
     def revalidate(self, slots: np.ndarray, versions: np.ndarray, poffs: np.ndarray,

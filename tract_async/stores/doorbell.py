@@ -72,7 +72,7 @@ def section_bytes(max_nodes: int) -> int:
     return max_nodes * L.DOORBELL.itemsize
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)            # holds the GIL: a few lines (fused.py, "Holding the GIL")
 def set_waiting(m, off, waiting, epoch):
     """Store this node's line (waiting count, epoch), flush, then a full fence: the index
     re-read that follows cannot pass the store (the consumer's half of the race)."""
@@ -97,7 +97,7 @@ def waiting_mask(m, dboff, nodes):
     return mask
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)            # holds the GIL (fused.py, "Holding the GIL")
 def publish_and_look(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi, dboff, nodes):
     """``index.publish_layers``, then ``waiting_mask`` (-1 when the region has no doorbells):
     one kernel call for the producer's whole publish."""

@@ -32,6 +32,22 @@ protocol is new here, only the Python between the steps is gone.
 
 The parameter array ``p`` holds what is constant for one node and region (``P_*``); the caller
 builds it once.
+
+Holding the GIL. Both kernels are compiled with ``nogil=False``: they keep the GIL for their
+few to ~100 µs. A call that releases the GIL and takes it back costs ~0.2 µs in a process with
+one thread, but ~7.5 µs (median, 2-core VM, CPython 3.11) in any process where another thread
+has once waited for the GIL -- every engine process: the heartbeat and lock-manager threads
+wake while the loop runs Python -- whenever the loop ran Python for more than ~50 µs since its
+last release, that is, on the first call after any wake-up (``bench/gil.py`` reproduces it
+without the engine: 7.6 µs against 0.15 µs for the same no-op holding the GIL). A 64 KiB put
+right after the loop woke measured 43 µs with these kernels releasing the GIL and 35 µs
+holding it (14 µs back to back either way); ctypes calls pay the same, so it is the
+interpreter's hand-off, not Numba's. (Why the hand-off costs that much after a thread woke
+once is not known; it does not show as a futex call in ``strace``.)
+Kernels that can run long (copies above ``INLINE_COPY_BYTES``, polls with a deadline, the
+copy gang's) still release it; the short ones the loop calls on every small transfer hold it:
+these two, the doorbell's (``doorbell.py``), small snapshots (``PrefixIndex.snapshot``) and the
+loop's spin slices (``waits.poll_ready_on_loop``).
 """
 from __future__ import annotations
 
@@ -96,7 +112,7 @@ def _plan_rows(tmpl, poffs, positions, pos_step):
     return plan
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)            # holds the GIL (module docstring, "Holding the GIL")
 def put_blocks(m, p, tgeo, keys, ainfo, tmpl, src_base, now_ns, deadline_ns, res):
     """The whole put of ``keys`` (module docstring): ``ainfo`` rows (payload offset, nbytes,
     owner word, token) of slots this node owns, one per key; ``res`` rows as ``reserve_batch``
@@ -140,7 +156,7 @@ def put_blocks(m, p, tgeo, keys, ainfo, tmpl, src_base, now_ns, deadline_ns, res
     return waiting_mask(m, p[P_DBOFF], p[P_DBNODES])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)            # holds the GIL (module docstring, "Holding the GIL")
 def get_blocks(m, p, tgeo, keys, tmpl, dst_base, validate, snap, ok):
     """The whole get of READY ``keys`` into private memory at ``dst_base`` (module docstring).
     ``snap`` rows as ``snapshot_batch`` writes them; ``ok[i]``: block i revalidated.
