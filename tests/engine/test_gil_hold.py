@@ -1,5 +1,6 @@
 """The short kernels the event loop calls on every small transfer hold the GIL
-(``stores/fused.py``, "Holding the GIL"); the long ones and the threads' polls release it.
+(``stores/fused.py``, "Holding the GIL"); the long ones, the polls (the loop's spin slices
+included) and the copies release it.
 
 A hand-off of the GIL costs ~7.5 µs in an engine process (``bench/gil.py``), paid on each
 small put, get and wake-up when one of these kernels releases it. Timing is a benchmark's job;
@@ -24,8 +25,7 @@ def _releases_gil(dispatcher: Any) -> bool:
 
 
 @pytest.mark.parametrize("kernel", [fused.put_blocks, fused.get_blocks, db.set_waiting,
-                                    db.publish_and_look, waits.poll_ready_on_loop,
-                                    ix.snapshot_batch_held],
+                                    db.publish_and_look, ix.snapshot_batch_held],
                          ids=lambda k: k.py_func.__name__)
 def test_the_loops_short_kernels_hold_the_gil(kernel: Any) -> None:
     assert not _releases_gil(kernel)

@@ -1395,8 +1395,7 @@ class BlockLifecycle:
             now = time.perf_counter_ns()
             if now >= end:
                 return None
-            r = waits.poll_ready_on_loop(self.mem, g.entries_offset, self.index.mask,
-                                         g.max_probe,
+            r = waits.poll_ready(self.mem, g.entries_offset, self.index.mask, g.max_probe,
                                  g.lanes, words,
                                  word, np.uint64(1 << bit), layer is None,
                                  min(end, now + LOOP_SLICE_NS), stop, out)

@@ -117,16 +117,6 @@ def poll_ready(m, eoff, mask, max_probe, lanes, keys, word, bit, whole, deadline
         sleep_us = _backoff(t0, now, sleep_us)
 
 
-@njit(cache=True)            # holds the GIL (fused.py, "Holding the GIL")
-def poll_ready_on_loop(m, eoff, mask, max_probe, lanes, keys, word, bit, whole, deadline_ns, stop,
-                       snap):
-    """``poll_ready`` for the event loop's own short spin slices (``BlockLifecycle``'s
-    ``_spin_on_loop``, ~20 µs each): without releasing the GIL, whose hand-back would cost the
-    wait ~7.5 µs each time it sees the block. Threads poll with ``poll_ready`` (GIL released)."""
-    return poll_ready(m, eoff, mask, max_probe, lanes, keys, word, bit, whole, deadline_ns, stop,
-                      snap)
-
-
 def deadline_ns(timeout: float | None) -> int:
     """Monotonic deadline in ns (the clock of ``time.perf_counter_ns``)."""
     return time.perf_counter_ns() + int((timeout if timeout is not None else 0.0) * 1e9)
