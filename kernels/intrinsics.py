@@ -308,6 +308,28 @@ def fd_write(typingctx, fd, buf_addr, nbytes):
     return types.int64(fd, buf_addr, nbytes), _fd_call_codegen("write")
 
 @intrinsic
+def fd_wait_readable(typingctx, fd, timeout_ms):
+    """libc ``poll`` of one descriptor for input, for at most ``timeout_ms`` (a high-resolution
+    timer: ``SO_RCVTIMEO`` on a socket rounds up to scheduler ticks, ~8 ms on the dev VM).
+    Returns > 0 when readable, 0 at the timeout, -1 on an error (EINTR included)."""
+    sig = types.int64(fd, timeout_ms)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_i32, [_i8p, _i64, _i32]), "poll")
+        pfd = cgutils.alloca_once(builder, ir.ArrayType(_i32, 2))     # struct pollfd
+        f = context.cast(builder, args[0], signature.args[0], types.int32)
+        builder.store(f, builder.gep(pfd, [ir.Constant(_i32, 0), ir.Constant(_i32, 0)]))
+        # events = POLLIN (1) in the low half of the second word, revents = 0 (little endian)
+        builder.store(ir.Constant(_i32, 1),
+                      builder.gep(pfd, [ir.Constant(_i32, 0), ir.Constant(_i32, 1)]))
+        t = context.cast(builder, args[1], signature.args[1], types.int32)
+        r = builder.call(fn, [builder.bitcast(pfd, _i8p), ir.Constant(_i64, 1), t])
+        return builder.sext(r, _i64)
+    return sig, codegen
+
+
+@intrinsic
 def int64_ptr(typingctx, addr):
     """The integer ``addr`` as an ``int64*`` (for ``numba.carray`` over memory given by address).
 

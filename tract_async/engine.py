@@ -198,8 +198,9 @@ class Engine:
             opened.append(self._region)
             self._handle = self._region.nodes.join(cfg.node_id, timeout_s=cfg.liveness_timeout_s)
             self._lock = GlobalLock(self._region, self._handle)
-            # idle manager sleeps are capped at 100 us: a grant after idle then waits ~0.1-0.2 ms
-            # instead of ~0.6 ms, for a few percent of a core while idle. The default 2 ms spin
+            # the manager's poll sleeps are capped at 100 us while it is busy (a grant then waits
+            # ~0.1-0.2 ms instead of ~0.6 ms); 20 ms after its last event it sleeps on its bell
+            # instead (sync/bell.py: a same-host requester rings it). The default 2 ms spin
             # after each request/release stays: 0.3 ms measured better for one process's large
             # puts on 2 cores (16 MiB 3.6 -> 4-4.9 GB/s) but cost another node's next request
             # the manager's sleep back-off (64 KiB handoff p50 206 -> 322 us)

@@ -43,6 +43,7 @@ from ..timerslack import call_tight
 from ..errors import LockBusy, LockNotHeld, LockRevoked, LockTimeout
 from ..region import nodes as nodes_mod
 from . import slots as S
+from .bell import BellRinger
 from .local import NodeLocalLock
 
 
@@ -139,6 +140,8 @@ class GlobalLock:
         self._timeouts = 0
         self._busy = 0
         self._handbacks = 0
+        self._bell = BellRinger(region)
+        """Rings the manager after a request or a release (``sync/bell.py``)."""
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -197,6 +200,7 @@ class GlobalLock:
         docstring) is followed by a fresh request."""
         while True:
             req = int(S.post_request(m, self._req_off, self._epoch))
+            self._bell.ring()
             tok = await self._wait_one(m, req, deadline)
             if tok >= 0:
                 return req, tok
@@ -275,6 +279,7 @@ class GlobalLock:
             raise LockBusy(f"lock {self.lock_index} is in use on node {self.node_id}")
         m = self._mem
         req = int(S.post_request(m, self._req_off, self._epoch))
+        self._bell.ring()
         budget = int(self.policy.nowait_s * 1e9)
         token = int(S.wait_grant(m, self._grant_off, req, budget, budget, 1))
         if token == 0:
@@ -305,6 +310,7 @@ class GlobalLock:
         self._token = 0
         try:
             S.release(self._mem, self._req_off, self._req)
+            self._bell.ring()        # another node's request may be waiting for this release
         finally:
             self._local.release()
 
@@ -408,6 +414,7 @@ class GlobalLock:
         if self._held:
             self.release()
         self._local.close()
+        self._bell.close()
 
 
 DEFAULT_LIVENESS_TIMEOUT_S = nodes_mod.DEFAULT_LIVENESS_TIMEOUT_S

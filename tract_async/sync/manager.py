@@ -62,8 +62,10 @@ granted again; a new process of that node withdraws it before requesting
 
 Polling. The scan runs in a worker thread (``manager_slice``, nogil) for ``slice_s`` at a time:
 ``sched_yield`` between scans while the lock saw a request or release within ``spin_s``, then
-``usleep`` doubling to ``sleep_us_max``. Idle, it costs a few percent of one core; busy, it
-yields the core to waiters on every scan (never busy-poll with more pollers than cores).
+``usleep`` doubling to ``sleep_us_max``; idle for ``bell.BELL_AFTER_S``, it sleeps on its bell
+between scans (``sync/bell.py``: a same-host requester rings it, anyone else is seen within
+``BELL_WAIT_MS``). Busy, it yields the core to waiters on every scan (never busy-poll with more
+pollers than cores).
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ from ..errors import NodeEvicted
 from ..region import layout as L
 from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
 from . import slots as S
+from .bell import BELL_AFTER_S, BELL_WAIT_MS, ManagerBell
 from .lock import run_slice
 
 log = logging.getLogger(__name__)
@@ -124,6 +127,10 @@ class ManagerStatistics:
     self_fenced: int
     stalls: int
     """Terms given up because this manager's own scans had stalled (stall lease)."""
+    bell_sleeps: int = 0
+    """Sleeps on the bell while idle (``sync/bell.py``), rung or timed out."""
+    bell_rings: int = 0
+    """Of those, the ones a ring ended."""
 
 
 def read_manager(region, geo: S.LockGeometry | None = None,  # noqa: ANN001
@@ -189,6 +196,12 @@ class LockManager:
         self._revocations = 0
         self._grants_at_start = 0
         self._last_scan_ns = 0
+        self._bell = ManagerBell(region)
+        self._bell_buf = np.zeros(64, dtype=np.uint8)
+        self._bell_stats = np.zeros(2, dtype=np.int64)      # sleeps on the bell, rings heard
+        self.use_bell = True
+        """Sleep on the bell when idle (``sync/bell.py``); False: poll every ``sleep_us_max``
+        whatever the idle time (the bell's tests compare the two)."""
         self.elected = threading.Event()
         """Set while this node manages (a threading.Event: the manager may run on its own
         thread and loop, ``ManagerThread``)."""
@@ -226,7 +239,8 @@ class LockManager:
             is_manager=self.is_manager, term=self._term, terms_won=self._terms_won,
             grants=int(self._st[:, S.M_GRANTS].sum()) - self._grants_at_start,
             revocations=self._revocations, slices=self._slices, step_downs=self._step_downs,
-            self_fenced=self._self_fenced, stalls=self._stalls)
+            self_fenced=self._self_fenced, stalls=self._stalls,
+            bell_sleeps=int(self._bell_stats[0]), bell_rings=int(self._bell_stats[1]))
 
     # -- candidate lines ----------------------------------------------------------------------
     def _write_candidate(self, *, candidate: int, choosing: int, number: int) -> None:
@@ -376,9 +390,18 @@ class LockManager:
 
     # -- manager ------------------------------------------------------------------------------
     async def _manage(self) -> None:
+        """Manage while elected; the bell (``sync/bell.py``) is bound for the term's length."""
+        bell_fd = self._bell.open() if self.use_bell else -1
+        try:
+            await self._manage_term(bell_fd)
+        finally:
+            self._bell.close()      # every slice that reads it has returned (run_slice waits)
+
+    async def _manage_term(self, bell_fd: int) -> None:
         loop = asyncio.get_running_loop()
         geo, pol = self._geo, self.policy
         half_ns = int(self.liveness_timeout_s / 2 * 1e9)
+        bell_after_ns = int(BELL_AFTER_S * 1e9)
         while self._term is not None:
             if self.stall_hook is not None:
                 self.stall_hook()
@@ -409,7 +432,8 @@ class LockManager:
                 loop, S.manager_slice, self._mem, geo.locks_offset, geo.manager_offset,
                 geo.num_locks, geo.max_nodes, self._live, self._st, self._granted, self.node_id,
                 self._term, fence_deadline, int(pol.slice_s * 1e9), int(pol.spin_s * 1e9),
-                pol.sleep_us_max, self._idle_ns)
+                pol.sleep_us_max, self._idle_ns, bell_fd, bell_after_ns, BELL_WAIT_MS,
+                self._bell_buf.ctypes.data, self._bell_stats)
             self._slices += 1
             self._idle_ns = int(idle)
             if CP.ARMED and rc > 0:

@@ -47,7 +47,8 @@ import numpy as np
 from numba import njit
 
 import tract_kernels as K
-from tract_kernels.intrinsics import monotonic_ns, realtime_ns, sched_yield, usleep
+from tract_kernels.intrinsics import (fd_read, fd_wait_readable, monotonic_ns, realtime_ns,
+                                      sched_yield, usleep)
 
 from ..region import layout as L
 
@@ -362,13 +363,17 @@ def manager_step(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, me
 
 @njit(cache=True, nogil=True)
 def manager_slice(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, me, term,
-                  fence_deadline_ns, budget_ns, spin_ns, sleep_us_max, idle_ns):
+                  fence_deadline_ns, budget_ns, spin_ns, sleep_us_max, idle_ns, bell_fd,
+                  bell_after_ns, bell_wait_ms, bell_buf, bell_stats):
     """Run ``manager_step`` for up to ``budget_ns``, polling politely; nogil.
 
     ``idle_ns`` is how long the manager has already been idle when the slice starts: it spins
     with ``sched_yield`` while the lock was busy within the last ``spin_ns`` and backs off to
-    ``usleep`` (doubling up to ``sleep_us_max``) after that. Returns (events or error code,
-    idle_ns at the end).
+    ``usleep`` (doubling up to ``sleep_us_max``) after that; idle for ``bell_after_ns``, it
+    waits up to ``bell_wait_ms`` for the bell socket ``bell_fd`` (non-blocking) to be readable
+    instead, then drains it (``sync/bell.py``: a ring ends the wait; -1: no bell). ``bell_stats`` counts the bell's sleeps
+    [0] and the rings heard [1]; ``bell_buf`` is the address of 64 scratch bytes. Returns
+    (events or error code, idle_ns at the end).
     """
     start = monotonic_ns()
     last_event = start - idle_ns
@@ -388,6 +393,12 @@ def manager_slice(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, m
             return total, now - last_event
         if now - last_event < spin_ns:
             sched_yield()
+        elif bell_fd >= 0 and now - last_event >= bell_after_ns:
+            bell_stats[0] += 1
+            if fd_wait_readable(bell_fd, bell_wait_ms) > 0:      # a ring (else the timeout)
+                bell_stats[1] += 1
+                while fd_read(bell_fd, bell_buf, 64) >= 0:       # non-blocking: drain
+                    pass
         else:
             usleep(sleep_us)
             sleep_us = min(sleep_us * 2, sleep_us_max)
