@@ -30,7 +30,8 @@ async def _uncontended(path: str, backend: str, cycles: int) -> dict:
         async with asyncio.TaskGroup() as tg:
             beat = tg.create_task(heartbeat_forever(r, h, interval_s=0.1))
             run = tg.create_task(mgr.run())
-            await mgr.elected.wait()
+            while not mgr.is_manager:                 # ``elected`` is a threading.Event (the
+                await asyncio.sleep(0.005)            # manager may run on its own thread)
             for _ in range(200):                      # warm up (JIT cache load, thread pool)
                 await lock.acquire(timeout=10)
                 lock.release()
