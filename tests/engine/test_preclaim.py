@@ -17,18 +17,9 @@ import torch
 import tract_async as tract
 from tests.support import procs_engine as P
 from tract_async import errors as E
-from tests.support.engine_util import TINY, cfg, kv_for_keys
+from tests.support.engine_util import TINY, cfg, kv_for_keys, until
 
 BLOCKS = 40          # 1.25 MiB of 32 KiB blocks: two 1 MiB chunks, 24 slots left free
-
-
-async def _until(pred, timeout: float = 3.0) -> bool:  # noqa: ANN001
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        await asyncio.sleep(0.01)
-    return bool(pred())
 
 
 def _keys(eng: tract.Engine, start: int) -> list[bytes]:
@@ -42,7 +33,7 @@ async def test_next_put_reserves_without_the_lock(region_path: str, backend: str
         blocks = eng._store.blocks
         k1 = _keys(eng, 0)
         await eng.put_kv(k1, kv_for_keys(k1))
-        assert await _until(lambda: eng.stats()["preclaimed_chunks"] >= 1)
+        assert await until(lambda: eng.stats()["preclaimed_chunks"] >= 1)
         assert blocks.alloc.free_slots(TINY.block_bytes) >= BLOCKS
         st = eng.stats()
         k2 = _keys(eng, BLOCKS)
@@ -103,7 +94,7 @@ async def test_not_while_another_node_asks_and_within_its_share(region_path: str
         await a.put_kv(big, kv_for_keys(big))
         free_before = int((~table.bitmap()).sum())
         assert free_before >= 4, (free_before, nchunks)
-        assert await _until(lambda: a.stats()["preclaimed_chunks"] >= 1)
+        assert await until(lambda: a.stats()["preclaimed_chunks"] >= 1)
         await asyncio.sleep(0.1)
         assert a.stats()["preclaimed_chunks"] == free_before // 2
         assert int((~table.bitmap()).sum()) == free_before - free_before // 2
@@ -132,12 +123,12 @@ async def test_dead_nodes_chunks_come_back_without_a_claim(region_path: str) -> 
         assert int(table.counts()["chunks"][1]) >= 2       # its blocks' (and any ahead)
         k1 = _keys(a, 0)
         await a.put_kv(k1, kv_for_keys(k1))
-        assert await _until(lambda: a.stats()["preclaimed_chunks"] >= 1)
+        assert await until(lambda: a.stats()["preclaimed_chunks"] >= 1)
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
         t0 = time.monotonic()
         claims = a._store.alloc.statistics()
-        assert await _until(lambda: int(table.counts()["chunks"][1]) == 0, timeout=6.0)
+        assert await until(lambda: int(table.counts()["chunks"][1]) == 0, timeout=6.0)
         took = time.monotonic() - t0
         assert took < 4 * a.cfg.liveness_timeout_s, took
         k2 = _keys(a, BLOCKS)
@@ -161,7 +152,7 @@ async def test_back_to_back_puts_are_left_alone(region_path: str) -> None:
             k = _keys(eng, i * BLOCKS)
             await eng.put_kv(k, kv_for_keys(k))
         assert eng.stats()["preclaimed_chunks"] == 0
-        assert await _until(lambda: eng.stats()["preclaimed_chunks"] >= 1)
+        assert await until(lambda: eng.stats()["preclaimed_chunks"] >= 1)
     finally:
         await eng.close()
 
@@ -181,7 +172,7 @@ async def test_a_full_cache_evicts_ahead_and_the_next_put_is_lockfree(region_pat
             await eng.put_kv(k, kv_for_keys(k))
             i += 1
             assert i < 4 * nchunks, "the region never filled"
-        assert await _until(lambda: eng.stats()["evicted_ahead"] >= 1)
+        assert await until(lambda: eng.stats()["evicted_ahead"] >= 1)
         await asyncio.sleep(0.05)                         # any further batch of it
         st = eng.stats()
         k = _keys(eng, i * BLOCKS)
@@ -236,7 +227,7 @@ async def _full_cache_then_read_all(eng: tract.Engine, monkeypatch: "pytest.Monk
         await eng.put_kv(k, kv_for_keys(k))
         i += 1
         assert i < 64, "the region never filled"
-    assert await _until(lambda: eng.stats()["evicted_ahead"] >= 1)
+    assert await until(lambda: eng.stats()["evicted_ahead"] >= 1)
     await asyncio.sleep(0.05)
     resident = [key for j in range(i) for key in _keys(eng, j * BLOCKS)
                 if eng.lookup([key]) == 1]
@@ -266,7 +257,7 @@ async def test_no_evicting_ahead_while_a_read_is_in_flight(region_path: str,
         assert eng.stats()["evicted_ahead"] == before["evicted_ahead"]   # none during it
         assert torch.equal(got, kv_for_keys(resident))
         # once the read is over, the idle moment comes and the pre-claim task evicts ahead
-        assert await _until(lambda: eng.stats()["evicted_ahead"] > before["evicted_ahead"])
+        assert await until(lambda: eng.stats()["evicted_ahead"] > before["evicted_ahead"])
     finally:
         await eng.close()
 

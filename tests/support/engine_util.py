@@ -80,3 +80,15 @@ def block_matches(keys: list[bytes], got: Any, layout: tract.KVLayout = TINY,
         else:
             out.append(torch.equal(got[:, j * T:(j + 1) * T], want[:, j * T:(j + 1) * T]))
     return out
+
+
+async def until(pred: Any, timeout: float = 3.0) -> bool:
+    """Poll ``pred()`` every 10 ms until it is true or ``timeout`` passes; its last value."""
+    import asyncio
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(pred())

@@ -10,25 +10,16 @@ import time
 import pytest
 
 import tract_async as tract
-from tests.support.engine_util import cfg
+from tests.support.engine_util import cfg, until
 from tract_async.sync import bell as B
 from tract_async.sync.lock import GlobalLock
-
-
-async def _until(pred, timeout: float = 10.0) -> bool:  # noqa: ANN001
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        await asyncio.sleep(0.01)
-    return bool(pred())
 
 
 async def _idle_manager(eng: tract.Engine) -> None:
     """Wait until ``eng`` manages the lock and has slept on its bell (idle past BELL_AFTER_S)."""
     mgr = eng._manager
-    assert await _until(lambda: mgr.is_manager), "node 0 never became the manager"
-    assert await _until(lambda: mgr.statistics().bell_sleeps > 0), "the manager never slept"
+    assert await until(lambda: mgr.is_manager, 10.0), "node 0 never became the manager"
+    assert await until(lambda: mgr.statistics().bell_sleeps > 0, 10.0), "it never slept"
 
 
 @pytest.mark.parametrize("backend", ["hw", "sim"])
@@ -46,7 +37,7 @@ async def test_a_ring_wakes_the_idle_manager(region_path: str, backend: str) -> 
             await b._lock.acquire(timeout=5.0)
             b._lock.release()
             assert b._lock._bell.rings == sent + 2       # the request and the release
-            assert await _until(lambda: mgr.statistics().bell_rings > heard)
+            assert await until(lambda: mgr.statistics().bell_rings > heard, 10.0)
 
 
 async def test_a_requester_that_cannot_ring_is_granted_by_the_next_look(
@@ -91,7 +82,7 @@ def _switches_per_s(seconds: float) -> float:
 
 async def _idle_switches(path: str) -> float:
     async with tract.Engine.open(cfg(path, 0, create=True)) as a:
-        assert await _until(lambda: a._manager.is_manager), "node 0 never became the manager"
+        assert await until(lambda: a._manager.is_manager, 10.0), "node 0 never managed"
         await asyncio.sleep(3 * B.BELL_AFTER_S)
         return await asyncio.get_running_loop().run_in_executor(None, _switches_per_s, 1.0)
 

@@ -206,12 +206,8 @@ class RegionStore:
         if todo is None and self._stageable(len(keys), layer):
             return await self._put_staged(keys, words, kv, layer, timeout)
         if todo is None:
-            snap = b.snapshot(words)
-            if ph is not None:
-                ph.add("snapshot", t0)
-                t0 = time.perf_counter_ns()
-            todo = await b.reserve(keys, words, snap, timeout)
-        if ph is not None:
+            todo = await self._reserve_new(keys, words, timeout)
+        elif ph is not None:
             ph.add("reserve_incl_lock", t0)
         if not todo:
             b.stats.puts += 1
@@ -233,6 +229,21 @@ class RegionStore:
         if ph is not None:
             ph.add("publish", t0)
         return done
+
+    async def _reserve_new(self, keys: list[bytes], words: np.ndarray,
+                           timeout: float | None) -> list[int]:
+        """The index snapshot, then ``BlockLifecycle.reserve``: the positions this put writes
+        (of a whole put, or of one stage), each step timed into its phase."""
+        b, ph = self.blocks, self.phases
+        t0 = time.perf_counter_ns() if ph is not None else 0
+        snap = b.snapshot(words)
+        if ph is not None:
+            ph.add("snapshot", t0)
+            t0 = time.perf_counter_ns()
+        todo = await b.reserve(keys, words, snap, timeout)
+        if ph is not None:
+            ph.add("reserve_incl_lock", t0)
+        return todo
 
     def _stageable(self, n: int, layer: int | None) -> bool:
         """A put of ``n`` new blocks that ``_put_staged`` takes (module docstring)."""
@@ -258,14 +269,7 @@ class RegionStore:
             for s0 in range(0, n, STAGE_BLOCKS):
                 s1 = min(n, s0 + STAGE_BLOCKS)
                 ks, ws = keys[s0:s1], words[s0:s1]
-                t0 = time.perf_counter_ns() if ph is not None else 0
-                snap = b.snapshot(ws)
-                if ph is not None:
-                    ph.add("snapshot", t0)
-                    t0 = time.perf_counter_ns()
-                todo = await b.reserve(ks, ws, snap, timeout)
-                if ph is not None:
-                    ph.add("reserve_incl_lock", t0)
+                todo = await self._reserve_new(ks, ws, timeout)
                 if not todo:
                     continue
                 res = b.reservations(ks, todo)
