@@ -2,8 +2,9 @@
 
 DESIGN.md invariant 8 says a node killed at any instruction leaves nothing recovery cannot
 repair. The crash tests prove it step by step: a worker process runs with
-``TRACT_CRASH_AT=<point>``, calls ``arm()`` once its "before" blocks are published, and dies
-the first time it reaches that point; survivors then recover (tests/engine/test_crash_points.py).
+``TRACT_CRASH_AT=<point>``, calls ``arm()`` once its "before" blocks are published and its
+parent has the report, and dies the first time it reaches that point; survivors then recover
+(tests/engine/test_crash_points.py).
 
 Off, it costs one global load and a branch per point (``if CP.ARMED: CP.hit(...)`` at the call
 site: no call at all), and nothing is read from the environment after import. The points, in

@@ -3,8 +3,9 @@ survivors cannot repair (DESIGN.md invariant 8).
 
 For each point: node 2 creates the region, manages the lock and stores blocks; node 1 (this
 process) stores its own; node 0, started with ``TRACT_CRASH_AT=<point>``, stores its "before"
-blocks and arms. Node 2 is killed (so node 0 takes the manager role over and later reclaims
-node 2's chunks), and node 0 runs every kind of step until it dies at the point. Then:
+blocks and reports them. Node 2 is killed (so node 0 takes the manager role over and later
+reclaims node 2's chunks), and node 0 arms and runs every kind of step until it dies at the
+point. Then:
 
 * recovery: node 1's next put succeeds within 2x the liveness timeout of node 0's death;
 * ``fsck`` is clean (with node 1 live, and again after it closed);
@@ -42,6 +43,19 @@ async def _in_thread(fn, *args):  # noqa: ANN001, ANN002, ANN202
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+async def _report(q, procs: list, timeout: float):  # noqa: ANN001, ANN202
+    """The next report on ``q``; if none comes within ``timeout``, every child's stacks go to
+    the captured stderr (``procs_engine.dump_and_kill``) and the test fails naming the wait."""
+    import queue
+    try:
+        return await _in_thread(q.get, True, timeout)
+    except queue.Empty:
+        for p in procs:
+            await _in_thread(P.dump_and_kill, p)
+        raise AssertionError(f"no report within {timeout} s; the children's stacks are in the "
+                             f"captured stderr") from None
+
+
 async def _one_point(path: str, point: str) -> dict:
     row: dict = {"point": point}
     q2 = SPAWN.Queue()
@@ -50,7 +64,7 @@ async def _one_point(path: str, point: str) -> dict:
     n2.start()
     worker = None
     try:
-        assert (await _in_thread(q2.get, True, 120))[0] == "stored"
+        assert (await _report(q2, [n2], 120))[0] == "stored"
         # preclaim_bytes=0: the recovery step below is a put that needs the lock and a chunk
         # (pre-claimed chunks would serve it lock-free; maintenance then reclaims the dead
         # nodes' chunks instead: test_preclaim.py checks that path)
@@ -64,7 +78,7 @@ async def _one_point(path: str, point: str) -> dict:
                 worker.start()
             finally:
                 del os.environ[CP.ENV]
-            kind, _, n_before = await _in_thread(q_out.get, True, 120)
+            kind, _, n_before = await _report(q_out, [worker, n2], 120)
             assert kind == "before", (kind, n_before)
             os.kill(n2.pid, signal.SIGKILL)
             await _in_thread(n2.join, 30)

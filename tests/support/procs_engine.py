@@ -5,8 +5,11 @@ They move numpy arrays and never import torch (``engine_util`` says why: ~2 s of
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import random
+import signal
+import sys
 import time
 
 import numpy as np
@@ -15,6 +18,30 @@ import tract_async as tract
 from tract_async import errors as E
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
 from tract_async.keys import keys_to_words
+
+
+def dumpable() -> None:
+    """SIGUSR1 prints every thread's stack to stderr (pytest captures a spawned child's
+    stderr with the test's): a parent that times out waiting for a report dumps the child
+    before it kills it (``dump_and_kill``), so a hang names its place. A fatal signal
+    (SIGSEGV, SIGABRT, ...) prints the stacks too."""
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def dump_and_kill(proc, wait_s: float = 2.0) -> None:  # noqa: ANN001
+    """Ask a ``dumpable`` child for its stacks, give it ``wait_s`` to write them, kill it."""
+    if proc is None:
+        return
+    if not proc.is_alive():
+        print(f"dump_and_kill: {proc.name} (pid {proc.pid}) already exited, code "
+              f"{proc.exitcode}", file=sys.stderr, flush=True)
+        return
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(wait_s)
+        proc.kill()
+        proc.join(10)
 
 
 def consumer(path: str, backend: str, node_id: int, token_ids: list[int], q_out, q_in) -> None:  # noqa: ANN001
@@ -106,6 +133,8 @@ def put_then_hang(path: str, backend: str, node_id: int, token_ids: list[int], c
                   q_out, region_kw: dict | None = None) -> None:  # noqa: ANN001
     """Creates (or joins) the region, stores the blocks of ``token_ids``, reports, then sleeps
     until killed: a node that dies holding chunks and index entries."""
+    dumpable()
+
     async def main() -> None:
         c = cfg(path, node_id, create=create, backend=backend, **(region_kw or {}))
         async with tract.Engine.open(c) as eng:
@@ -178,11 +207,13 @@ def blocking_manager(path: str, backend: str, q_in, q_out) -> None:  # noqa: ANN
 
 def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
     """Node 0 of the crash-point test (started with TRACT_CRASH_AT set): stores its "before"
-    blocks, arms the crash point, then on "go" runs every kind of step until it dies there --
+    blocks and reports them, then on "go" arms the crash point and runs every kind of step
+    until it dies there --
     full and layer-wise puts, puts that evict, a cancelled large put (abandon), chunk claims,
     the takeover and grants of the manager role (node 2, the first manager, is killed before
     "go"), reclaim of node 2's chunks, and the chunk releases of close. Reports "not-reached"
     if it gets through all of it alive."""
+    dumpable()
     from tract_async import crashpoints as CP
     from tests.support.engine_util import kv_for_keys
 
@@ -196,9 +227,13 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
             eng._store.copier.loop_share = False
             before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * 8))
             await eng.put_kv(before, kv_for_keys(before, as_numpy=True))
-            CP.arm()
             q_out.put(("before", 0, len(before)))
             assert await loop.run_in_executor(None, q_in.get) == "go"
+            # armed only now that the parent has the report: Queue.put hands it to a feeder
+            # thread, and a background step (the pre-claim task's chunk claim) that hit the
+            # point between arm() and the feeder's write lost it with the process (the parent
+            # then waited for "before" in vain: a CI failure, reproduced under CPU hogs)
+            CP.arm()
             for r in range(200):
                 keys = eng.block_keys(range(r * 100_000, r * 100_000 + 16 * 4))
                 kv = kv_for_keys(keys, as_numpy=True)
