@@ -130,7 +130,12 @@ async def _scenario(path: str, backend: str) -> None:
     common = dict(layout=layout, region=path, region_bytes=8 << 20, max_nodes=4,
                   namespace="warmup", mem_backend=backend, heartbeat_interval_s=0.05,
                   liveness_timeout_s=5.0)
-    a = await tract.Engine.open(tract.EngineConfig(**common, create=True, node_id=0))
+    # two copy threads on the hardware backend: the large put and get below then run on the
+    # copy gang (``stores/copygang.py``), whose kernels a host with one copy thread (a 2-core
+    # VM) would otherwise never compile -- and every Engine.open would say they are cold
+    threads = 2 if backend == "hw" else None
+    a = await tract.Engine.open(tract.EngineConfig(**common, create=True, node_id=0,
+                                                   copy_threads=threads))
     b = await tract.Engine.open(tract.EngineConfig(**common, node_id=1))
     try:
         keys = a.block_keys(range(48))
@@ -149,6 +154,12 @@ async def _scenario(path: str, backend: str) -> None:
         await b.get_kv(one, out=np.empty(layout.kv_shape(1), dtype=np.float32))
         more = a.block_keys(range(1000, 1064))
         await a.put_kv(more, randn(len(more)))
+        big = a.block_keys(range(100_000, 100_000 + 16 * 320))    # 2.5 MiB: cut in two
+        big_kv = randn(len(big))
+        await a.put_kv(big, big_kv)
+        big_got = np.empty_like(big_kv)
+        await a.get_kv(big, out=big_got)
+        assert np.array_equal(big_got, big_kv)
         await a._store.maintain(timeout=10)
         st = b._store
         stop = np.zeros(1, dtype=np.uint8)
