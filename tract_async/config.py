@@ -160,7 +160,7 @@ class EngineConfig:
                                              # global lock: None = as much as its largest put so
                                              # far, within its share of the free chunks, and in
                                              # a full cache by evicting its own LRU blocks; 0 =
-                                             # off (stores/blocks.py, "Pre-claimed chunks",
+                                             # off (stores/preclaim.py, "Pre-claimed chunks",
                                              # "Evicting ahead")
     copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
                                              # threads (one drops lines ahead, one copies)

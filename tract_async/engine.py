@@ -229,7 +229,7 @@ class Engine:
             self._spawn(self._manager_thread.supervise(), f"tract-manager-{cfg.node_id}")
             self._spawn(self._maintenance(), f"tract-maintenance-{cfg.node_id}")
             if cfg.preclaim_bytes != 0:
-                self._spawn(self._store.blocks.run_preclaim(), f"tract-preclaim-{cfg.node_id}")
+                self._spawn(self._store.blocks.preclaimer.run(), f"tract-preclaim-{cfg.node_id}")
             await self._warm_up()
         except BaseException:
             await self._teardown(graceful=False)
@@ -531,7 +531,7 @@ class Engine:
         if self._region is None:
             return []
         st = self._store.blocks
-        await st._locked(self._lock_timeout(timeout))
+        await st.hold_lock(self._lock_timeout(timeout))
         try:
             return self._store.alloc.recover_locked(self._lock)
         finally:

@@ -1,4 +1,4 @@
-"""Pre-claimed chunks (``stores/blocks.py``, "Pre-claimed chunks"): after a put that had to
+"""Pre-claimed chunks (``stores/preclaim.py``): after a put that had to
 claim chunks, a node claims ahead while idle, so that its next put of that size reserves
 without the global lock; within its share of the free chunks, not while another node asks,
 and off with ``preclaim_bytes=0``."""
@@ -82,7 +82,7 @@ async def test_not_while_another_node_asks_and_within_its_share(region_path: str
         await a.put_kv(k1, kv_for_keys(k1))
         await asyncio.sleep(0.2)
         assert a.stats()["preclaimed_chunks"] == 0
-        assert await ba.preclaim(timeout=5) == 0
+        assert await ba.preclaimer.claim(timeout=5) == 0
         await b._store.blocks.lock.acquire(timeout=5)
         try:
             table.set_wanted(1, 0)
@@ -199,13 +199,13 @@ async def test_evicting_ahead_takes_only_this_nodes_blocks(region_path: str) -> 
         bb = b._store.blocks
         await bb.lock.acquire(timeout=5)
         try:
-            assert bb._evict_lru_locked(8, only_own=True) == 0
+            assert bb.evict_lru_locked(8, only_own=True) == 0
         finally:
             bb.lock.release()
         assert a.lookup(k) == BLOCKS
         await bb.lock.acquire(timeout=5)
         try:
-            assert bb._evict_lru_locked(8) == 8
+            assert bb.evict_lru_locked(8) == 8
         finally:
             bb.lock.release()
         assert a.lookup(k) < BLOCKS
@@ -267,7 +267,8 @@ async def test_negative_control_evicting_ahead_during_a_read_loses_blocks(
     eng = await tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=16 << 20))
     try:
         b = eng._store.blocks
-        monkeypatch.setattr(b, "_busy", lambda: bool(b._reserved or b._reserving))
+        pc = b.preclaimer
+        monkeypatch.setattr(pc, "busy", lambda: bool(b.in_flight or pc._reserving))
         _, before, get = await _full_cache_then_read_all(eng, monkeypatch)
         with pytest.raises(E.BlockEvicted):
             await get

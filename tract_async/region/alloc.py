@@ -488,7 +488,7 @@ class Allocator:
     def preclaim_locked(self, nbytes: int, slots: int, lock: Any, *, max_chunks: int) -> int:
         """Claim and carve chunks for at least ``slots`` more free slots of ``nbytes``' class
         (at most ``max_chunks`` chunks), leaving every slot on the free lists: the slots that
-        later puts take without the lock (``stores/blocks.py``, "Pre-claimed chunks").
+        later puts take without the lock (``stores/preclaim.py``).
         Returns the chunks claimed; 0 when none is free. Caller holds ``lock``."""
         cls = self.class_for(nbytes)
         want = min(-(-slots // (self.geo.chunk_bytes // cls)), max_chunks)

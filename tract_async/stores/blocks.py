@@ -30,29 +30,11 @@ need, ``SPARE_SLOTS`` at a time (one allocator call for many puts). Spares are t
 used slots that no entry names yet; the step-by-step path takes them first, and they go back
 to the free lists before chunks are given away and at close.
 
-Pre-claimed chunks. A put whose blocks need more slots than this node's free lists hold
-takes the global lock to claim and carve chunks (the journaled claim, the heap records and
-slot tags: ~0.3-0.5 ms for a 16 MiB put on the H200 host, with the lock wait). A node that
-streams puts pays that on each. So, after such a put, a background task (``run_preclaim``,
-started by the Engine) waits until this node has been idle for a moment (no put in flight,
-none started for ``PRECLAIM_IDLE_S``; a put that starts while it waits for the lock goes
-first), then claims chunks ahead, a batch per hold of the lock:
-enough free slots for the largest put seen so far (``EngineConfig.preclaim_bytes`` caps it;
-0 turns it off), never more than this node's share of the chunks still free (free chunks /
-live nodes: the others' shares stay free for them), and not while another node asks for
-chunks. The next put of that size reserves
-lock-free (index.py, "Who writes what"). Pre-claimed chunks are empty: they are the first that
-``_give_chunks_locked`` gives to a starving node, and close returns them. When no chunk is free
-(a full prefix cache) nothing is claimed: see "Evicting ahead".
-
-Evicting ahead. In a full prefix cache -- no chunk free, or this node's share of the free ones
-used -- the same task, in the same idle moments, evicts this node's least recently used READY
-blocks (sampled LRU, ``evict_lru_batch`` restricted to this node's chunks: another node's
-victims would free *its* slots, not ours) until the free lists hold ``_headroom`` slots,
-``EVICT_AHEAD_BATCH`` per hold of the lock. Without it every put of a full cache evicted under
-the lock (``EVICT_AHEAD`` blocks beyond its need, so one small put in ~16-64 took the lock, and
-every large one). The cost is the same as a put's own eviction, moved to idle time, and that
-many blocks of this node's cache (at most its largest put) held free instead of cached.
+Pre-claimed chunks and evicting ahead: in this node's idle moments a background task claims
+chunks (or, in a full region, evicts this node's LRU blocks) so that the next put of the size
+seen reserves without the lock (``stores/preclaim.py``). This class reports its puts and reads
+to it (``preclaimer``) and gives away the pre-claimed chunks first when another node starves
+(``_give_chunks_locked``).
 
 Block lifetime. A block lives in a slot of its producer's heap. It is READY until evicted (LRU
 under memory pressure), consumed (transfer-only mode), expired (transfer-only deadline), or
@@ -63,14 +45,13 @@ lands in a slot that was handed out again, DESIGN.md invariant 7).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import time
 from collections import deque
 from itertools import repeat
 from operator import attrgetter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -92,6 +73,7 @@ from . import doorbell as db
 from . import fused
 from . import plan as kvplan
 from . import waits
+from .preclaim import PreClaimer
 from .stats import TransferStats
 
 VICTIM_SAMPLE = 16
@@ -121,21 +103,6 @@ LOOP_SPIN_NS = int(float(os.environ.get("TRACT_WAIT_SPIN_US", "300")) * 1000)
 (``BlockLifecycle._spin_on_loop``); ``$TRACT_WAIT_SPIN_US`` (default 300), 0 turns it off."""
 LOOP_SLICE_NS = 20_000
 """The longest the loop is held by one slice of that spin (other tasks run between slices)."""
-
-PRECLAIM_IDLE_S = 0.0005
-"""The pre-claim task claims only after this node started no put for this long (and none is
-in flight): it must not take the lock, or the loop, from a stream of puts."""
-PRECLAIM_MAX_PAUSE_S = 0.05
-"""While puts are in flight the task waits for them to drain, looking again at least this
-often (a few wake-ups a second when a put is left half-filled, not thousands)."""
-PRECLAIM_POLL_S = 0.0002
-"""While it waits for the lock, it looks this often whether a put started (it then withdraws)."""
-PRECLAIM_BATCH_CHUNKS = 32
-"""Chunks claimed per hold of the lock (64 MiB of 2 MiB chunks, ~0.5 ms on the H200 host);
-more wait for the next idle moment."""
-EVICT_AHEAD_BATCH = 512
-"""Blocks the pre-claim task evicts per hold of the lock in a full region ("Evicting ahead");
-more wait for the next idle moment."""
 
 TOUCH_ROWS_MAX = 1 << 16
 """Reads of large transfers kept for the next touch flush before they are stamped at once."""
@@ -252,7 +219,7 @@ class StoreStats(TransferStats):
     """Chunks claimed ahead of need by the pre-claim task (module docstring)."""
     evicted_ahead: int = 0
     """This node's blocks evicted ahead of need by the pre-claim task, in a full region
-    (module docstring, "Evicting ahead"); also counted in ``evictions``."""
+    (``stores/preclaim.py``, "Evicting ahead"); also counted in ``evictions``."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
@@ -306,22 +273,14 @@ class BlockLifecycle:
         """Slots taken from the free lists ahead of need (module docstring); the top
         ``len(_spares)`` rows of ``_spare_info`` are their (offset, nbytes, owner word, token)."""
         self._spare_info = np.zeros((SPARE_SLOTS + fused.FUSED_MAX_BLOCKS, 4), dtype=np.uint64)
-        self._headroom = 0
-        """Free slots the pre-claim task keeps (module docstring): the largest put so far."""
         pb = cfg.preclaim_bytes
-        self._headroom_cap = (1 << 62) if pb is None else pb // self.layout.block_bytes
-        self._refill = asyncio.Event()
-        self._put_seq = 0
-        self._drained = asyncio.Event()
-        self._reads = 0                 # step-by-step reads in flight (``reading``)
-        self._read_seq = 0              # reads started (``prepare_read``)
-        """Set when this node's last put in flight published (the pre-claim task waits on it)."""
+        self.preclaimer = PreClaimer(self, (1 << 62) if pb is None else pb // self.layout.block_bytes)
+        """The pre-claim task's state (``stores/preclaim.py``): puts and reads report to it."""
         self._placed = 0
         """Blocks the last successful ``_place`` reserved (``reserve``: all placed, no per-key
         look)."""
-        self._reserving = 0
-        """Reservations started (non-fused puts): the pre-claim task's measure of idleness."""
-        self._closing = False
+        self.closing = False
+        """Set by ``close``: the pre-claim task claims nothing after it."""
         self.reclaims_dead: Callable[[], bool] = lambda: True
         """Whether this node's maintenance reclaims dead nodes' chunks (``maintain``): the
         Engine makes it the node that hosts the lock manager, one janitor per rack instead of
@@ -368,21 +327,14 @@ class BlockLifecycle:
 
     def allocation_of(self, poff: int, pnb: int, owner_word: int, token: int) -> Allocation:
         """The allocator's record of an index entry's payload (offset, nbytes, owner word, token
-        as the entry holds them): what a free of that payload takes."""
-        g = self.ageo
-        chunk = (poff - g.chunks_offset) // g.chunk_bytes
-        slot_bytes = self.alloc.class_for(pnb)
-        slot = (poff - g.chunk_off(chunk)) // slot_bytes
-        return Allocation(offset_bytes=poff, nbytes=pnb, slot_bytes=slot_bytes,
-                          owner_node=owner_word & 0xFFFF, chunk_index=chunk, slot_index=slot,
-                          generation=owner_word >> 16, token=token)
+        as the entry holds them): what a free of that payload takes. Raises ValueError for a
+        payload that is not a block slot of this region."""
+        rows = self._payload_rows(np.array([[poff, pnb, owner_word, token, 1]], dtype=np.int64))
+        if not len(rows):
+            raise ValueError(f"payload ({poff}, {pnb}) is not a block slot of this region")
+        return allocations_of_rows(rows)[0]
 
-    def _payload_ok(self, poff: int, pnb: int) -> bool:
-        g = self.ageo
-        end = g.chunks_offset + g.nchunks * g.chunk_bytes
-        return pnb == self.layout.block_bytes and g.chunks_offset <= poff and poff + pnb <= end
-
-    async def _locked(self, timeout: float | None) -> None:
+    async def hold_lock(self, timeout: float | None) -> None:
         """Take the global lock; its LockTimeout becomes the store's TransferTimeout."""
         t0 = time.perf_counter()
         try:
@@ -468,117 +420,17 @@ class BlockLifecycle:
         """Reserve entries and payload for ``positions``: without the global lock when this node
         has a lane of its own and its free slots suffice (``_reserve_lockfree``), else under one
         hold of the lock (``_reserve_locked``)."""
-        self._put_seq += 1
+        pc = self.preclaimer
+        pc.put_started()
         have = self._take_spares(len(positions))
         if self._lane_ready:
             done, have = self._reserve_lockfree(keys, words, positions, have)
             if done:
-                self.note_put(len(positions))
+                pc.note_put(len(positions))
                 return
-        self._reserving += 1            # waiting for the lock is not idle (run_preclaim)
-        try:
+        with pc.reserving():            # waiting for the lock is not idle
             await self._reserve_locked(keys, words, positions, timeout, have)
-        finally:
-            self._reserving -= 1
-            if not self._reserving and not self._reserved:
-                self._drained.set()
-        self.note_put(len(positions))
-
-    def note_put(self, blocks: int) -> None:
-        """After a reservation of ``blocks`` (and before a staged put's first stage, with the
-        whole put's size: its stages reserve a part each): learn the headroom, and wake the
-        pre-claim task when the free lists hold less (module docstring, "Pre-claimed
-        chunks")."""
-        if blocks > self._headroom:
-            self._headroom = min(blocks, self._headroom_cap)
-        if self._headroom and self.alloc.free_slots(self.layout.block_bytes) < self._headroom:
-            self._refill.set()
-
-    async def run_preclaim(self) -> None:
-        """The pre-claim task (the Engine runs it until close): on each wake-up, once this
-        node has started no put for ``PRECLAIM_IDLE_S`` and has none in flight, ``preclaim``."""
-        while True:
-            await self._refill.wait()
-            self._refill.clear()
-            while True:
-                if self._busy():
-                    # puts or reads in flight: wait until they drain (publish and the end of a
-                    # read set it), or look again after a while (a put left half-filled keeps
-                    # _reserved non-empty)
-                    self._drained.clear()
-                    try:
-                        await asyncio.wait_for(self._drained.wait(), PRECLAIM_MAX_PAUSE_S)
-                    except asyncio.TimeoutError:
-                        pass
-                    continue
-                seq = (self._put_seq, self._read_seq)
-                await asyncio.sleep(PRECLAIM_IDLE_S)
-                if seq == (self._put_seq, self._read_seq) and not self._busy():
-                    break
-            try:
-                await self.preclaim(timeout=self.cfg.liveness_timeout_s)
-            except (TransferTimeout, RegionFull, LockTimeout):
-                pass    # the next put claims under the lock, as without pre-claiming
-
-    def _busy(self) -> bool:
-        """A put or a step-by-step read of this node in flight: not an idle moment. A read
-        counts because evicting ahead would take the blocks it reads (their touches reach the
-        region only after it) and turn it into a miss: a 24 MiB get right after its put lost
-        184 of 780 blocks that way (``test_staged_put.py``)."""
-        return bool(self._reserved or self._reserving or self._reads)
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Around a step-by-step read, from ``prepare_read`` to its validation: the pre-claim
-        task waits until it ends (``_busy``)."""
-        self._reads += 1
-        try:
-            yield
-        finally:
-            self._reads -= 1
-            if not self._busy():
-                self._drained.set()
-
-    async def preclaim(self, *, timeout: float | None) -> int:
-        """Claim chunks until the free lists hold ``_headroom`` slots, at most this node's share
-        of the free chunks, unless another node asks for chunks. Returns the chunks claimed."""
-        bb = self.layout.block_bytes
-        if (self._closing or self._headroom - self.alloc.free_slots(bb) <= 0
-                or self._others_ask()):
-            return 0
-        seq = self._put_seq
-        acq = asyncio.ensure_future(self._locked(timeout))
-        while not acq.done():               # a put that starts meanwhile goes first
-            await asyncio.wait([acq], timeout=PRECLAIM_POLL_S)
-            if self._put_seq != seq and not acq.done():
-                acq.cancel()
-                await asyncio.wait([acq])
-                if not acq.cancelled() and acq.exception() is None:
-                    self.lock.release()     # granted as it was withdrawn
-                return 0
-        acq.result()
-        try:
-            self.lock.check_token()
-            need = self._headroom - self.alloc.free_slots(bb)
-            if need <= 0 or self._closing:      # close returns chunks: claim none after it
-                return 0
-            live = max(1, len(self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)))
-            free = int(np.count_nonzero(~self.alloc.table.bitmap()))
-            room = min(PRECLAIM_BATCH_CHUNKS, free // live)
-            got = self.alloc.preclaim_locked(bb, need, self.lock, max_chunks=room) if room else 0
-            evicted = 0
-            if got < room or not room:      # no more chunks for us: make room in our own
-                need = self._headroom - self.alloc.free_slots(bb)
-                if need > 0 and self.alloc.holds_class(bb):
-                    evicted = self._evict_lru_locked(min(need, EVICT_AHEAD_BATCH), only_own=True)
-                    self.alloc.drain_returns()
-                    self.stats.evicted_ahead += evicted
-        finally:
-            self.lock.release()
-        self.stats.preclaimed_chunks += got
-        if got == PRECLAIM_BATCH_CHUNKS or evicted == EVICT_AHEAD_BATCH:
-            self._refill.set()              # more at the next idle moment
-        return got
+        pc.note_put(len(positions))
 
     def _reserve_lockfree(self, keys: list[bytes], words: np.ndarray, positions: list[int],
                           have: list[Allocation]) -> tuple[bool, list[Allocation]]:
@@ -616,7 +468,7 @@ class BlockLifecycle:
         t = time.monotonic()
         if t >= self._give_check_at:
             self._give_check_at = t + GIVE_CHECK_S
-            if self._others_ask():
+            if self.others_ask():
                 self._give_check_at = 0.0
                 return False
         return True
@@ -716,7 +568,7 @@ class BlockLifecycle:
         of this node's lane, the eviction of this lane's oldest entry there. ``have``: slots
         already allocated for this batch (freed here on any failure)."""
         try:
-            await self._locked(timeout)
+            await self.hold_lock(timeout)
         except BaseException:
             if have:
                 self.alloc.free_many(have)
@@ -947,7 +799,7 @@ class BlockLifecycle:
         self.stats.puts += 1
         self.stats.bytes_put += nbytes
         if not reserved:
-            self._drained.set()
+            self.preclaimer.maybe_drained()
         if CP.ARMED and layer is not None and reserved:
             CP.hit("publish.layer")
         return len(res)
@@ -994,7 +846,7 @@ class BlockLifecycle:
                 # evict a little ahead of need: the slots left over serve the next puts
                 # without the lock (EVICT_AHEAD)
                 ahead = min(EVICT_AHEAD, max(count, 16)) if self._lockfree else 0
-                got = self._evict_lru_locked(min(need + ahead, budget)) if budget > 0 else 0
+                got = self.evict_lru_locked(min(need + ahead, budget)) if budget > 0 else 0
                 if got == 0:
                     live = self.region.nodes.live_ids(timeout_s=self.cfg.liveness_timeout_s)
                     others = [i for i in live if i != self.node_id]
@@ -1060,7 +912,7 @@ class BlockLifecycle:
         self.stats.chunks_given += len(done)
         return len(done)
 
-    def _evict_lru_locked(self, k: int, *, only_own: bool = False) -> int:
+    def evict_lru_locked(self, k: int, *, only_own: bool = False) -> int:
         """Evict up to ``k`` sampled-LRU victims, this node's own blocks first (only they free
         its slots; ``only_own``: no other node's), and free their payloads; how many."""
         info = np.zeros((k, 6), dtype=np.int64)
@@ -1100,30 +952,24 @@ class BlockLifecycle:
         """Free the payload slots of evicted entries: rows (offset, nbytes, owner word, token,
         slot is the entry's). A stale entry's slot (tag names another reservation) is not
         freed: it is the new occupant's (``index.evict_batch``)."""
-        if len(info) > SMALL_READ:
-            self._free_payload_rows(info)
-            return
-        allocs = []
-        for poff, pnb, owner, token, mine in info.tolist():
-            if not mine:
-                self.stats.stale_entries_dropped += 1
-            elif self._payload_ok(poff, pnb):
-                allocs.append(self.allocation_of(poff, pnb, owner, token))
-        self.alloc.free_many(allocs)
-
-    def _free_payload_rows(self, info: np.ndarray) -> None:
-        """``_free_payloads`` on arrays: the allocation rows built with numpy and freed by
-        ``Allocator.free_rows`` (a full cache evicting 2048 blocks for a 128 MiB put spent
-        ~10-20 ms under the lock building an Allocation per block on the VM)."""
-        g = self.ageo
         mine = info[:, 4] != 0
         self.stats.stale_entries_dropped += int(np.count_nonzero(~mine))
+        rows = self._payload_rows(info)
+        if len(rows):
+            self.alloc.free_rows(rows)
+
+    def _payload_rows(self, info: np.ndarray) -> np.ndarray:
+        """The allocation rows (``alloc.A_*``) of entries' payloads, built with numpy (a full
+        cache evicting 2048 blocks for a 128 MiB put spent ~10-20 ms under the lock building
+        an Allocation per block on the VM): ``info`` rows (offset, nbytes, owner word, token,
+        slot is the entry's); stale rows (last column 0) and payloads that are not a block
+        slot of this region are left out."""
+        g = self.ageo
         poff, pnb = info[:, 0], info[:, 1]
         bb = self.layout.block_bytes
         end = g.chunks_offset + g.nchunks * g.chunk_bytes
-        sel = info[mine & (pnb == bb) & (poff >= g.chunks_offset) & (poff <= end - bb)]
-        if not len(sel):
-            return
+        sel = info[(info[:, 4] != 0) & (pnb == bb) & (poff >= g.chunks_offset)
+                   & (poff <= end - bb)]
         sb = self.alloc.class_for(bb)
         chunk = (sel[:, 0] - g.chunks_offset) // g.chunk_bytes
         rows = np.empty((len(sel), len(Allocation._fields)), dtype=np.int64)
@@ -1135,7 +981,7 @@ class BlockLifecycle:
         rows[:, A_SLOT] = (sel[:, 0] - (g.chunks_offset + chunk * g.chunk_bytes)) // sb
         rows[:, A_GEN] = sel[:, 2] >> 16
         rows[:, A_TOKEN] = sel[:, 3]
-        self.alloc.free_rows(rows)
+        return rows
 
     async def abandon(self, keys: list[bytes]) -> None:
         """Evict this node's unfinished reservations of ``keys`` (after a failed or cancelled
@@ -1153,7 +999,7 @@ class BlockLifecycle:
         await asyncio.shield(self._abandon_locked(mine))
 
     async def _abandon_locked(self, mine: list[tuple[bytes, Reservation]]) -> None:
-        await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
+        await self.hold_lock(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
             if CP.ARMED:
                 CP.hit("abandon.started")
@@ -1169,7 +1015,7 @@ class BlockLifecycle:
         words = keys_to_words(keys)
         if not (self.index.snapshot(words)[:, 2] == ix.READY).any():
             return 0
-        await self._locked(timeout)
+        await self.hold_lock(timeout)
         try:
             snap = self.index.snapshot(words)    # under the lock: READY entries cannot change
             slots = [int(r[0]) for r in snap.tolist() if r[0] >= 0 and r[2] == ix.READY]
@@ -1186,7 +1032,7 @@ class BlockLifecycle:
         words and the snapshot (rows: slot, version, state, payload offset, nbytes, layer bits,
         flags), which ``validate_read`` takes after the copy. Raises BlockNotFound,
         LayerNotReady, TransferTimeout, BlockEvicted."""
-        self._read_seq += 1
+        self.preclaimer.read_started()
         words = keys_to_words(keys)
         snap = self.index.snapshot(words)
         if timeout is not None and timeout > 0:
@@ -1463,7 +1309,7 @@ class BlockLifecycle:
                     self._consumed_layers[k] = seen
         if not done:
             return
-        await self._locked(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
+        await self.hold_lock(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
             check = np.zeros(len(done), dtype=np.bool_)
             self.index.revalidate(slots[done], versions[done], poffs[done], words[done], check)
@@ -1503,11 +1349,11 @@ class BlockLifecycle:
         self.alloc.drain_returns()
         self._flush_touches()           # lock-free (index.py, "Touch")
         expired_possible = self.cfg.mode == "transfer"
-        asked = self._others_ask()
+        asked = self.others_ask()
         dead = self.reclaims_dead() and self.alloc.dead_hold_chunks()
         if not expired_possible and not asked and not dead:
             return
-        await self._locked(timeout)
+        await self.hold_lock(timeout)
         try:
             if dead:
                 self.lock.check_token()
@@ -1524,7 +1370,7 @@ class BlockLifecycle:
         finally:
             self.lock.release()
 
-    def _others_ask(self) -> bool:
+    def others_ask(self) -> bool:
         """Another node has asked for chunks (a lock-free read of the asks) and this node owns
         more than one: maintenance then takes the lock to consider giving some."""
         if len(self.alloc.owned_chunks()) < 2:
@@ -1539,8 +1385,8 @@ class BlockLifecycle:
 
     async def close(self, timeout: float) -> None:
         """Evict unfinished reservations and this node's blocks, return chunks."""
-        self._closing = True
-        await self._locked(timeout)
+        self.closing = True
+        await self.hold_lock(timeout)
         try:
             self.drop_spares()
             self._evict_many_locked([r.slot for r in self._reserved.values()])

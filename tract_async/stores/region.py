@@ -264,7 +264,7 @@ class RegionStore:
         stages: list[tuple[list[bytes], list[int], list[Any], int]] = []
         copy: asyncio.Future[None] | None = None
         t_all = time.perf_counter_ns() if ph is not None else 0
-        b.note_put(n)          # the pre-claim task keeps room for the whole put, not a stage
+        b.preclaimer.note_put(n)          # the pre-claim task keeps room for the whole put, not a stage
         try:
             for s0 in range(0, n, STAGE_BLOCKS):
                 s1 = min(n, s0 + STAGE_BLOCKS)
@@ -352,7 +352,7 @@ class RegionStore:
                 if self.cfg.mode == "transfer":
                     await b.consume(keys, words, snap.copy(), layer)
                 return out
-        with b.reading():           # no evicting ahead meanwhile (BlockLifecycle._busy)
+        with b.preclaimer.reading():           # no evicting ahead meanwhile (PreClaimer.busy)
             words, snap = await b.prepare_read(keys, layer, timeout)
             if ph is not None:
                 ph.add("prepare_read", t0)
