@@ -101,6 +101,35 @@ async def test_an_idle_manager_wakes_rarely(region_path: str,
     assert with_bell < 2500, with_bell
 
 
+async def test_an_idle_managers_slices_are_long_unless_the_lock_is_held(
+        region_path: str) -> None:
+    """Asleep on its bell with no lock held, the manager's scan slices last
+    ``ManagerPolicy.idle_slice_s`` (the Python between slices is most of an idle engine's
+    cost); while a node holds the lock they stay ``slice_s`` long, so that a dead holder is
+    revoked as promptly as before."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as a, \
+            tract.Engine.open(cfg(region_path, 1)) as b:
+        await _idle_manager(a)
+        mgr = a._manager
+
+        async def slices_in(seconds: float) -> float:
+            s0 = mgr.statistics().slices
+            await asyncio.sleep(seconds)
+            return (mgr.statistics().slices - s0) / seconds
+        idle = await slices_in(1.0)
+        await b._lock.acquire(timeout=5.0)
+        try:
+            await asyncio.sleep(3 * B.BELL_AFTER_S)     # idle again, with the lock held
+            held = await slices_in(1.0)
+        finally:
+            b._lock.release()
+    pol = mgr.policy
+    idle_s = min(pol.idle_slice_s, mgr.liveness_timeout_s / 16)
+    assert idle_s >= 4 * pol.slice_s, (idle_s, pol.slice_s)      # what the test tells apart
+    assert idle <= 1.5 / idle_s, (idle, held)
+    assert held >= 2 * idle and held >= 0.5 / pol.slice_s, (idle, held)
+
+
 def test_a_second_bell_on_one_region_does_not_bind() -> None:
     """One bell per region name: a manager whose predecessor still holds it polls instead."""
     class R:
