@@ -87,12 +87,26 @@ async def test_staged_put_is_exact_and_reserves_during_copies(
     async with tract.Engine.open(cfg(region_path, 0, create=True, backend=backend,
                                      copy_threads=2, region_bytes=48 << 20)) as eng:
         blocks = eng._store.blocks
-        during: list[int] = []          # copies running when each reservation started
-        real_reserve = blocks.reserve
+        # copies in flight when each reservation started, counted where the put hands them to
+        # the copier (not when a thread runs the kernel: under load a thread may begin its
+        # 20 ms copy only after the loop reserved the next stage -- [0, 0, 0, 0, 0] in 2 of 8
+        # runs with two CPU hogs, the copy posted and in flight all along)
+        during: list[int] = []
+        copies = [0, 0]                 # copier.copy_in calls begun, ended
+        copier = eng._store.copier
+        real_copy_in, real_reserve = copier.copy_in, blocks.reserve
+
+        async def copy_in(*a: Any, **k: Any) -> Any:
+            copies[0] += 1
+            try:
+                return await real_copy_in(*a, **k)
+            finally:
+                copies[1] += 1
 
         async def reserve(*a: Any, **k: Any) -> Any:
-            during.append(spy.running)
+            during.append(copies[0] - copies[1])
             return await real_reserve(*a, **k)
+        monkeypatch.setattr(copier, "copy_in", copy_in)
         monkeypatch.setattr(blocks, "reserve", reserve)
         n = 5 * STAGE - 20                              # five stages, the last one short
         keys = eng.block_keys(range(TINY.block_tokens * n))
