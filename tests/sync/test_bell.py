@@ -4,13 +4,18 @@ at the next look, and the idle manager no longer wakes thousands of times a seco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 import time
+from typing import Iterator
 
+import numpy as np
 import pytest
 
 import tract_async as tract
 from tests.support.engine_util import cfg, until
+from tract_async.region import nodes as nodes_mod
 from tract_async.sync import bell as B
 from tract_async.sync.lock import GlobalLock
 
@@ -40,25 +45,82 @@ async def test_a_ring_wakes_the_idle_manager(region_path: str, backend: str) -> 
             assert await until(lambda: mgr.statistics().bell_rings > heard, 10.0)
 
 
-async def test_a_requester_that_cannot_ring_is_granted_by_the_next_look(
+@contextlib.contextmanager
+def _requester_of_another_host(region, node_id: int) -> Iterator[GlobalLock]:  # noqa: ANN001
+    """A node whose line names another host (``host_id`` swapped for its join), beating from a
+    thread, and its lock, whose ring cannot reach this host's bell: a requester on another
+    host, as the manager sees it."""
+    real = nodes_mod.host_id
+    nodes_mod.host_id = lambda: 0x7A11_0000_0000_0001
+    try:
+        h = region.nodes.join(node_id)
+    finally:
+        nodes_mod.host_id = real
+    stop = np.zeros(1, dtype=np.uint64)
+    beat = threading.Thread(target=region.nodes.beat_until_stopped, args=(h, 0.05, stop),
+                            daemon=True)
+    beat.start()
+    lock = GlobalLock(region, h)
+    lock._bell.name = b"\0tract-mgr-on-another-host-" + os.urandom(8).hex().encode()
+    try:
+        yield lock
+    finally:
+        lock.close()
+        stop[0] = 1
+        beat.join(5.0)
+        region.nodes.leave(h)
+
+
+async def _bell_sleeps_per_s(mgr, seconds: float = 0.5) -> float:  # noqa: ANN001
+    s0 = mgr.statistics().bell_sleeps
+    await asyncio.sleep(seconds)
+    return (mgr.statistics().bell_sleeps - s0) / seconds
+
+
+async def test_a_requester_on_another_host_is_granted_by_the_next_look(
         region_path: str) -> None:
-    """A requester on another host cannot reach the bell: the manager sees its request at its
-    next look, at most BELL_WAIT_MS after (no ring heard meanwhile)."""
+    """With a live node of another host in the table, the idle manager looks every
+    BELL_WAIT_MS (that node cannot ring); its request is granted with no ring heard."""
     async with tract.Engine.open(cfg(region_path, 0, create=True)) as a, \
             tract.Engine.open(cfg(region_path, 1)) as b:
         await _idle_manager(a)
         mgr = a._manager
-        far = GlobalLock(b._region, b._handle)
-        far._bell.name = b"\0tract-mgr-on-another-host-" + os.urandom(8).hex().encode()
-        try:
+        with _requester_of_another_host(b._region, 5) as far:
             await asyncio.sleep(3 * B.BELL_AFTER_S)      # idle: asleep on the bell
+            rate = await _bell_sleeps_per_s(mgr)
             heard = mgr.statistics().bell_rings
             await far.acquire(timeout=5.0)
             far.release()
             assert far._bell.rings == 0
             assert mgr.statistics().bell_rings == heard   # nobody rang: a timeout's look saw it
+    assert rate >= 0.25 * 1000 / B.BELL_WAIT_MS, rate      # ~one look per BELL_WAIT_MS
+
+
+async def test_with_every_node_local_the_idle_manager_sleeps_until_a_ring(
+        region_path: str) -> None:
+    """Every live node on this host: the idle scan sleeps on the bell up to its slice's end
+    (a sleep per slice, not one per BELL_WAIT_MS), and a same-host requester whose ring does
+    not arrive is still granted, at the slice's end."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as a, \
+            tract.Engine.open(cfg(region_path, 1)) as b:
+        await _idle_manager(a)
+        mgr = a._manager
+        await asyncio.sleep(3 * B.BELL_AFTER_S)
+        rate = await _bell_sleeps_per_s(mgr, 1.0)
+        idle_s = min(mgr.policy.idle_slice_s, mgr.liveness_timeout_s / 16)
+        assert rate <= 1.5 / idle_s, rate
+        mute = GlobalLock(b._region, b._handle)
+        mute._bell.name = b"\0tract-mgr-nobody-" + os.urandom(8).hex().encode()
+        try:
+            heard = mgr.statistics().bell_rings
+            t0 = time.monotonic()
+            await mute.acquire(timeout=5.0)
+            waited = time.monotonic() - t0
+            mute.release()
+            assert mgr.statistics().bell_rings == heard
+            assert waited < 1.0, waited              # one idle slice (50 ms), with room
         finally:
-            far.close()
+            mute.close()
 
 
 def _switches_per_s(seconds: float) -> float:

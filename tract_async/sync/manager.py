@@ -86,7 +86,7 @@ from ..errors import NodeEvicted
 from ..region import layout as L
 from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
 from . import slots as S
-from .bell import BELL_AFTER_S, BELL_WAIT_MS, ManagerBell
+from .bell import BELL_AFTER_S, BELL_WAIT_MS, LOCAL_BELL_WAIT_MS, ManagerBell
 from .lock import run_slice
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,12 @@ class LockManager:
     def _nodes(self) -> list[NodeInfo]:
         return self._region.nodes.all(timeout_s=self.liveness_timeout_s)
 
+    def _all_can_ring(self, nodes: list[NodeInfo], me: NodeInfo) -> bool:
+        """Every LIVE node that is not dead (the ones whose requests the scan grants) runs on
+        this host, so its requests ring the bell (``sync/bell.py``, "Everyone local")."""
+        return all(n.host_id == me.host_id for n in nodes
+                   if n.state_name == "live" and not n.dead)
+
     def _valid(self, info: ManagerInfo, nodes: list[NodeInfo]) -> bool:
         """``manager_valid`` including the manager's stall stamp."""
         if info.node_id is None or info.node_id >= len(nodes):
@@ -437,13 +443,16 @@ class LockManager:
             self._revoke_dead(nodes, fence_deadline)
             if self._term is None:
                 return
+            # every node that may request can ring: the idle scan sleeps on the bell up to the
+            # slice's end; else at most BELL_WAIT_MS (another host's request is seen no later)
+            bell_ms = LOCAL_BELL_WAIT_MS if self._all_can_ring(nodes, me) else BELL_WAIT_MS
             rc, idle = await run_slice(
                 loop, S.manager_slice, self._mem, geo.locks_offset, geo.manager_offset,
                 geo.num_locks, geo.max_nodes, self._live, self._st, self._granted, self.node_id,
                 self._term, fence_deadline,
                 idle_ns if self._idle_ns >= bell_after_ns and (holders < 0).all() else busy_ns,
                 int(pol.spin_s * 1e9),
-                pol.sleep_us_max, self._idle_ns, bell_fd, bell_after_ns, BELL_WAIT_MS,
+                pol.sleep_us_max, self._idle_ns, bell_fd, bell_after_ns, bell_ms,
                 self._bell_buf.ctypes.data, self._bell_stats)
             self._slices += 1
             self._idle_ns = int(idle)

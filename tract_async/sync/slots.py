@@ -370,8 +370,8 @@ def manager_slice(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, m
     ``idle_ns`` is how long the manager has already been idle when the slice starts: it spins
     with ``sched_yield`` while the lock was busy within the last ``spin_ns`` and backs off to
     ``usleep`` (doubling up to ``sleep_us_max``) after that; idle for ``bell_after_ns``, it
-    waits up to ``bell_wait_ms`` for the bell socket ``bell_fd`` (non-blocking) to be readable
-    instead, then drains it (``sync/bell.py``: a ring ends the wait; -1: no bell).
+    waits up to ``bell_wait_ms`` (and not past the slice's budget) for the bell socket
+    ``bell_fd`` (non-blocking) to be readable instead, then drains it (``sync/bell.py``: a ring ends the wait; -1: no bell).
     ``bell_stats`` counts the bell's sleeps [0] and the rings heard [1]; ``bell_buf`` is the
     address of 64 scratch bytes. Returns (events or error code, idle_ns at the end).
     """
@@ -395,7 +395,8 @@ def manager_slice(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, m
             sched_yield()
         elif bell_fd >= 0 and now - last_event >= bell_after_ns:
             bell_stats[0] += 1
-            if fd_wait_readable(bell_fd, bell_wait_ms) > 0:      # a ring (else the timeout)
+            left_ms = (budget_ns - (now - start)) // 1_000_000 + 1   # not past the slice's end
+            if fd_wait_readable(bell_fd, min(bell_wait_ms, left_ms)) > 0:   # a ring (else timeout)
                 bell_stats[1] += 1
                 while fd_read(bell_fd, bell_buf, 64) >= 0:       # non-blocking: drain
                     pass
