@@ -156,6 +156,15 @@ class NodeInfo:
         return {L.NODE_FREE: "free", L.NODE_LIVE: "live", L.NODE_LEFT: "left"}.get(self.state, "?")
 
 
+def all_on_host(nodes: list[NodeInfo], host: int | None, *, stale_too: bool = False) -> bool:
+    """Every node that counts runs on ``host`` (``host_id``): the LIVE ones with a fresh
+    heartbeat (``live``); with ``stale_too`` also those LIVE but stale and not yet ``dead`` (a
+    paused process that may act again once it resumes). The doorbell and the lock manager's
+    bell need no poll across hosts when this holds."""
+    return all(n.host_id == host for n in nodes
+               if n.live or (stale_too and n.state == L.NODE_LIVE and not n.dead))
+
+
 @dataclass(kw_only=True)
 class NodeHandle:
     """Proof of membership: returned by ``join``, needed by ``heartbeat`` and ``leave``."""

@@ -50,6 +50,7 @@ from ..errors import RootNameNotFound
 from ..region import Region
 from ..region import index as ix
 from ..region import layout as L
+from ..region.nodes import all_on_host
 
 SECTION = "sync.doorbells"
 
@@ -203,7 +204,7 @@ class Doorbell:
             self._hosts_at = now + HOSTS_CHECK_S
             nodes = self.region.nodes.all(timeout_s=liveness_timeout_s)
             me = next((n.host_id for n in nodes if n.node_id == self.node_id), None)
-            self._one_host = all(n.host_id == me for n in nodes if n.live)
+            self._one_host = all_on_host(nodes, me)
         return self._one_host
 
     def add(self, check: Callable[[], Any]) -> "_Wait":

@@ -84,7 +84,7 @@ import tract_kernels as K
 from .. import crashpoints as CP
 from ..errors import NodeEvicted
 from ..region import layout as L
-from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
+from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo, all_on_host
 from . import slots as S
 from .bell import BELL_AFTER_S, BELL_WAIT_MS, LOCAL_BELL_WAIT_MS, ManagerBell
 from .lock import run_slice
@@ -276,8 +276,7 @@ class LockManager:
     def _all_can_ring(self, nodes: list[NodeInfo], me: NodeInfo) -> bool:
         """Every LIVE node that is not dead (the ones whose requests the scan grants) runs on
         this host, so its requests ring the bell (``sync/bell.py``, "Everyone local")."""
-        return all(n.host_id == me.host_id for n in nodes
-                   if n.state_name == "live" and not n.dead)
+        return all_on_host(nodes, me.host_id, stale_too=True)
 
     def _valid(self, info: ManagerInfo, nodes: list[NodeInfo]) -> bool:
         """``manager_valid`` including the manager's stall stamp."""

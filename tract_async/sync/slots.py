@@ -371,7 +371,8 @@ def manager_slice(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, m
     with ``sched_yield`` while the lock was busy within the last ``spin_ns`` and backs off to
     ``usleep`` (doubling up to ``sleep_us_max``) after that; idle for ``bell_after_ns``, it
     waits up to ``bell_wait_ms`` (and not past the slice's budget) for the bell socket
-    ``bell_fd`` (non-blocking) to be readable instead, then drains it (``sync/bell.py``: a ring ends the wait; -1: no bell).
+    ``bell_fd`` (non-blocking) to be readable instead, then drains it (``sync/bell.py``: a
+    ring ends the wait; -1: no bell).
     ``bell_stats`` counts the bell's sleeps [0] and the rings heard [1]; ``bell_buf`` is the
     address of 64 scratch bytes. Returns (events or error code, idle_ns at the end).
     """
