@@ -86,10 +86,12 @@ import _common as C  # noqa: E402
 import _nixl  # noqa: E402
 
 import tract_async as tract  # noqa: E402
+from tract_async.region.region import backing_info  # noqa: E402
 
 from _putget import report  # noqa: E402
-from _putget.fixtures import (BLOCK, COPY_THREADS_ENV, KiB, LAYOUT, MiB, TORCH_THREADS,  # noqa: E402
-                              copy_threads_used, remove_leftovers)
+from _putget.fixtures import (BLOCK, COPY_THREADS_ENV, KiB, LAYOUT, MiB,  # noqa: E402
+                              REGION_DIR_ENV, TORCH_THREADS, copy_threads_used, region_dir,
+                              remove_leftovers)
 from _putget.handoff import part_handoff  # noqa: E402
 from _putget.lookup import part_keys  # noqa: E402
 from _putget.throughput import part_putget  # noqa: E402
@@ -125,7 +127,14 @@ def main() -> None:
                     help="dump every thread's stack, remove our regions and exit after this long")
     ap.add_argument("--copy-threads", type=int, default=None, metavar="N",
                     help="EngineConfig.copy_threads of every engine (default: from the host)")
+    ap.add_argument("--region-dir", default=None, metavar="DIR",
+                    help="where regions and the torch baseline's mapping live (default /dev/shm; "
+                         "a hugetlbfs mount gives them 2 MiB pages, as a devdax mapping has)")
     args = ap.parse_args()
+    if args.region_dir is not None:
+        if not os.path.isdir(args.region_dir):
+            ap.error(f"--region-dir {args.region_dir}: not a directory")
+        os.environ[REGION_DIR_ENV] = args.region_dir
     if args.copy_threads is not None and args.copy_threads < 1:
         ap.error("--copy-threads must be >= 1")
     # in the environment: the handoff's child processes build their engines from it too
@@ -136,13 +145,15 @@ def main() -> None:
     sizes = [64 * KiB, MiB, 16 * MiB] if args.quick else [64 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
     load_before = loadavg()
     print(f"load average before: {' '.join(load_before)}; torch threads {TORCH_THREADS}; "
-          f"block {BLOCK} B; copy threads {threads_used}"
+          f"block {BLOCK} B; regions in {region_dir()} ({backing_info(region_dir()).kind}); "
+          f"copy threads {threads_used}"
           f"{' (from the host)' if args.copy_threads is None else ''}", flush=True)
     out: dict[str, Any] = {"quick": args.quick, "layout": {
         "num_layers": LAYOUT.num_layers, "block_tokens": LAYOUT.block_tokens,
         "kv_heads": LAYOUT.kv_heads, "head_dim": LAYOUT.head_dim, "dtype": "bfloat16",
         "block_bytes": BLOCK}, "backend": "hw", "torch_threads": TORCH_THREADS,
         "nixl": _nixl.version(), "load_before": load_before,
+        "region_dir": {"path": region_dir(), "backing": backing_info(region_dir()).kind},
         "copy_threads": {"asked": args.copy_threads, "used": threads_used,
                          "cpu_count": os.cpu_count()}}
     try:

@@ -31,11 +31,22 @@ TORCH_THREADS = torch.get_num_threads()
 # and node tables live in the region too; a producer counts only the rest as room for its blocks
 REGION_OVERHEAD = 96 * MiB
 SHM_DIR = "/dev/shm"
+REGION_DIR_ENV = "TRACT_BENCH_REGION_DIR"
+"""``--region-dir`` of ``bench/putget.py``, in the environment so that the handoff's child
+processes put their region there too; unset or empty: ``SHM_DIR``. A hugetlbfs mount gives the
+region (and the torch baseline's mapping) 2 MiB pages, as a devdax mapping of CXL memory has."""
+HUGE_ALIGN = 2 * MiB
+
+
+def region_dir() -> str:
+    """Where this run's regions and baseline mappings live (``REGION_DIR_ENV``)."""
+    return os.environ.get(REGION_DIR_ENV) or SHM_DIR
 
 
 def shm_path(tag: str) -> str:
-    """A /dev/shm path of this run: ``leftovers()`` finds (and the watchdog removes) every one."""
-    return f"{SHM_DIR}/{_shm_prefix()}{tag}"
+    """A path of this run in ``region_dir()``: ``leftovers()`` finds (and the watchdog removes)
+    every one."""
+    return f"{region_dir()}/{_shm_prefix()}{tag}"
 
 
 def _shm_prefix() -> str:
@@ -43,15 +54,16 @@ def _shm_prefix() -> str:
 
 
 def leftovers() -> list[str]:
-    """Names of this run's files still in /dev/shm (a part that died before its cleanup)."""
-    return [f for f in os.listdir(SHM_DIR) if f.startswith(_shm_prefix())]
+    """Names of this run's files still in ``region_dir()`` (a part that died before its
+    cleanup)."""
+    return [f for f in os.listdir(region_dir()) if f.startswith(_shm_prefix())]
 
 
 def remove_leftovers() -> list[str]:
     """Unlink this run's /dev/shm files; returns their names."""
     left = leftovers()
     for f in left:
-        os.unlink(os.path.join(SHM_DIR, f))
+        os.unlink(os.path.join(region_dir(), f))
     return left
 
 
@@ -100,17 +112,19 @@ def det_keys(label: str, i: int, n: int) -> list[bytes]:
 
 
 class Mapping:
-    """A plain /dev/shm file mapping for the torch baseline (prefaulted, unlinked on close)."""
+    """A plain file mapping in ``region_dir()`` for the torch baseline (prefaulted, unlinked on
+    close). The file is whole 2 MiB pages (a hugetlbfs file must be); the views are ``nbytes``."""
 
     def __init__(self, path: str, nbytes: int) -> None:
         self.path = path
+        size = -(-nbytes // HUGE_ALIGN) * HUGE_ALIGN
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
-            self.mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        self.np = np.frombuffer(self.mm, dtype=np.uint8)
+        self.np = np.frombuffer(self.mm, dtype=np.uint8, count=nbytes)
         self.np[:] = 1
         self.t = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.mem = K.make_mem(self.np, "hw")
