@@ -165,6 +165,12 @@ class EngineConfig:
     copy_read_ahead: bool = False            # large reads (>= 8 MiB, hw) on the older pair of
                                              # threads (one drops lines ahead, one copies)
                                              # instead of copy_threads row groups
+    wait_spin_us: int | None = None          # a same-host wait polls this long on its loop's
+                                             # thread (GIL released, other tasks run between
+                                             # 20 us slices) before it sleeps on the doorbell:
+                                             # None = from the host (stores/waits.py,
+                                             # auto_wait_spin_us: 300 below 8 cores, 2000 from
+                                             # 8; $TRACT_WAIT_SPIN_US overrides it); 0 = off
     cpu_wake_latency_us: int | None = None   # hold a PM QoS request of this many us on
                                              # /dev/cpu_dma_latency while open (root): idle cores
                                              # stay out of deep C-states, so a sleeping waiter
@@ -233,6 +239,11 @@ class EngineConfig:
         if self.nixl_pool_device != "cpu" and not self.nixl_pool_device.startswith("cuda"):
             raise ConfigError(f"EngineConfig.nixl_pool_device must be 'cpu' or 'cuda[:N]', got "
                               f"{self.nixl_pool_device!r}")
+        if self.wait_spin_us is not None and (
+                not isinstance(self.wait_spin_us, int) or isinstance(self.wait_spin_us, bool)
+                or self.wait_spin_us < 0):
+            raise ConfigError(f"EngineConfig.wait_spin_us must be None (from the host) or an "
+                              f"int >= 0 (0: no spin), got {self.wait_spin_us!r}")
         if self.cpu_wake_latency_us is not None and (
                 not isinstance(self.cpu_wake_latency_us, int)
                 or isinstance(self.cpu_wake_latency_us, bool) or self.cpu_wake_latency_us < 0):

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from collections import deque
 from itertools import repeat
@@ -98,9 +97,6 @@ node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when
 batch; an asker waits up to CHUNK_WAIT_S, so a few milliseconds of delay cost it nothing."""
 
 
-LOOP_SPIN_NS = int(float(os.environ.get("TRACT_WAIT_SPIN_US", "300")) * 1000)
-"""How long a same-host wait polls on its loop's thread before it sleeps on the doorbell
-(``BlockLifecycle._spin_on_loop``); ``$TRACT_WAIT_SPIN_US`` (default 300), 0 turns it off."""
 LOOP_SLICE_NS = 20_000
 """The longest the loop is held by one slice of that spin (other tasks run between slices)."""
 
@@ -240,6 +236,9 @@ class BlockLifecycle:
         self.geo = index.geo
         self.ageo = alloc_geometry(region)
         self.node_id = cfg.node_id
+        self.spin_ns = 1000 * (waits.auto_wait_spin_us() if cfg.wait_spin_us is None
+                               else cfg.wait_spin_us)
+        """How long a same-host wait spins before it sleeps (``_spin_on_loop``)."""
         self.stats = StoreStats()
         self._reserved: dict[bytes, Reservation] = {}
         self._touches: dict[int, int] = {}            # slot -> version, stamped at maintenance
@@ -1220,23 +1219,25 @@ class BlockLifecycle:
             bell.remove(w)
 
     async def _spin_on_loop(self, words: np.ndarray, layer: int | None) -> np.ndarray | None:
-        """The first ``LOOP_SPIN_NS`` of a same-host wait: the jitted poll of ``waits.py`` on the
+        """The first ``spin_ns`` of a same-host wait (``EngineConfig.wait_spin_us``, from the
+        host by default: ``waits.auto_wait_spin_us``): the jitted poll of ``waits.py`` on the
         loop's own thread, GIL released, in slices of ``LOOP_SLICE_NS`` with the loop's other
         tasks run between them. Returns the snapshot once satisfied (or a block vanished), None
-        when the spin ran out. Why (measured on the 16-core H200 host, ``bench/wakeup.py``): a
-        process asleep in its selector takes 50-150 us to wake on that host however it is woken
-        (a bare datagram wake-up: 152 us p50), because its idle core has dropped into a deep
-        C-state; most waits end within a put's time of their start (the consumer asks just
-        before its producer writes), so a brief spin sees the block within a poll's time and
-        leaves the sleep (and its wake-up) to waits that outlast it. The poll yields the CPU
-        (``sched_yield``) between looks, so on 2 cores it gives way to the producer."""
-        if LOOP_SPIN_NS <= 0:
+        when the spin ran out. Why (measured on the 16-core H200 host, ``bench/wakeup.py`` and
+        ``bench/wakecost.py``): a process asleep in its selector takes 20-150 us to wake on that
+        host however it is woken (a bare datagram wake-up: 152 us p50), because its idle vCPU
+        has halted, and then runs 2-4x slower for a while; most waits end within a put's time
+        of their start (the consumer asks just before its producer writes), so a spin sees the
+        block within a poll's time and leaves the sleep (and its wake-up) to waits that outlast
+        it. The poll yields the CPU (``sched_yield``) between looks, so on 2 cores it gives way
+        to the producer."""
+        if self.spin_ns <= 0:
             return None
         g = self.geo
         word, bit = (0, 0) if layer is None else divmod(layer, 64)
         out = np.zeros((words.shape[0], 8), dtype=np.int64)
         stop = np.zeros(1, dtype=np.uint8)
-        end = time.perf_counter_ns() + LOOP_SPIN_NS
+        end = time.perf_counter_ns() + self.spin_ns
         while True:
             now = time.perf_counter_ns()
             if now >= end:

@@ -25,6 +25,7 @@ flag (cancellation), so a cancelled wait leaves no thread behind for longer than
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -38,6 +39,34 @@ from ..timerslack import call_tight
 SPIN_NS = 300_000
 FAST_NS = 2_000_000
 MAX_SLEEP_US = 500
+
+WAIT_SPIN_ENV = "TRACT_WAIT_SPIN_US"
+MANY_CORES = 8
+"""From this many cores a same-host wait spins ``LONG_SPIN_US`` on its loop's thread, below it
+``SHORT_SPIN_US`` (``auto_wait_spin_us``)."""
+SHORT_SPIN_US = 300
+LONG_SPIN_US = 2000
+
+
+def auto_wait_spin_us(cpus: int | None = None) -> int:
+    """How long a same-host wait spins before it sleeps on the doorbell, for
+    ``EngineConfig.wait_spin_us=None``: ``$TRACT_WAIT_SPIN_US`` when set, else ``SHORT_SPIN_US``
+    on a host of fewer than ``MANY_CORES`` cores and ``LONG_SPIN_US`` from there.
+
+    Why two figures. On 2 cores a spinner takes the core its producer needs: 300 µs (about a
+    small put) catches the waits that end at once and leaves the rest to the doorbell. On the
+    16-core H200 host (a Firecracker guest whose idle vCPUs halt) a sleeping waiter pays twice
+    when it is woken: a blocking wake-up across processes took 20-43 µs p50 against 3-6 µs for
+    a spinning reader, and the code that runs next ran 2-4x slower than back to back (a 64 KiB
+    get 26 -> 54-73 µs; ``bench/wakecost.py``). A consumer that asks 1 ms before its producer
+    writes (the handoff benchmark's ``64K-wait1ms``) then spent 118-227 µs from the put's end
+    to its get's; spinning 2 ms, 37.6 µs. A spin costs at most that much of one core per wait
+    that outlasts it, and none while nothing waits."""
+    env = os.environ.get(WAIT_SPIN_ENV)
+    if env:
+        return max(0, int(float(env)))
+    n = os.cpu_count() if cpus is None else cpus
+    return LONG_SPIN_US if (n or 1) >= MANY_CORES else SHORT_SPIN_US
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,79 @@
+"""The spin of a same-host wait (``EngineConfig.wait_spin_us``, ``waits.auto_wait_spin_us``):
+how long it is from the host, and that a wait ending within it never sleeps on the doorbell
+while one that outlasts it does."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tract_async as tract
+from tests.support.engine_util import block_matches, cfg, kv_for_keys, np_out
+from tract_async.errors import ConfigError
+from tract_async.stores import waits
+
+
+def test_the_spin_is_short_on_few_cores_and_long_on_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(waits.WAIT_SPIN_ENV, raising=False)
+    assert waits.auto_wait_spin_us(1) == waits.auto_wait_spin_us(2) == waits.SHORT_SPIN_US == 300
+    assert waits.auto_wait_spin_us(waits.MANY_CORES - 1) == waits.SHORT_SPIN_US
+    assert waits.auto_wait_spin_us(waits.MANY_CORES) == waits.LONG_SPIN_US == 2000
+    assert waits.auto_wait_spin_us(16) == waits.LONG_SPIN_US
+
+
+def test_the_environment_overrides_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(waits.WAIT_SPIN_ENV, "50")
+    assert waits.auto_wait_spin_us(16) == 50
+    monkeypatch.setenv(waits.WAIT_SPIN_ENV, "0")
+    assert waits.auto_wait_spin_us(2) == 0
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "300"])
+def test_a_bad_spin_is_refused(region_path: str, bad: object) -> None:
+    with pytest.raises(ConfigError, match="wait_spin_us"):
+        cfg(region_path, 0, create=True, wait_spin_us=bad)
+
+
+async def test_the_config_sets_the_spin(region_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(waits.WAIT_SPIN_ENV, "123")
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as a, \
+            tract.Engine.open(cfg(region_path, 1, wait_spin_us=7)) as b:
+        assert a._store.blocks.spin_ns == 123_000     # None: the environment, then the host
+        assert b._store.blocks.spin_ns == 7_000
+
+
+async def _late_put(prod: tract.Engine, cons: tract.Engine, tokens: list[int],
+                    delay_s: float) -> None:
+    """The consumer waits; the producer puts ``delay_s`` later (same loop: the spin's slices
+    let the producer's task run)."""
+    keys = cons.block_keys(tokens)
+    waiting = asyncio.create_task(cons.get_kv(keys, out=np_out(keys), timeout=20.0))
+    await asyncio.sleep(delay_s)
+    await prod.put_kv(keys, kv_for_keys(keys, as_numpy=True))
+    assert all(block_matches(keys, await waiting))
+
+
+async def test_a_wait_within_the_spin_never_sleeps(region_path: str) -> None:
+    """A spin of 2 s: each put 20 ms after its wait began is seen by the spin (``spin_wakes``),
+    and no wait registers with the doorbell (none is rung)."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as prod, \
+            tract.Engine.open(cfg(region_path, 1, wait_spin_us=2_000_000)) as cons:
+        for r in range(3):
+            await _late_put(prod, cons, list(range(16 * r, 16 * (r + 1))), 0.02)
+        st = cons.stats()
+        assert st["spin_wakes"] == 3
+        assert st["doorbell_wakes"] == 0
+        assert prod._store.blocks.doorbell.rings_sent == 0
+
+
+@pytest.mark.parametrize("spin_us", [0, 1000])
+async def test_a_wait_that_outlasts_the_spin_sleeps_on_the_doorbell(region_path: str,
+                                                                    spin_us: int) -> None:
+    """No spin, or one of 1 ms against puts 100 ms late: every wait sleeps and the ring wakes it."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as prod, \
+            tract.Engine.open(cfg(region_path, 1, wait_spin_us=spin_us)) as cons:
+        for r in range(3):
+            await _late_put(prod, cons, list(range(16 * r, 16 * (r + 1))), 0.1)
+        st = cons.stats()
+        assert st["spin_wakes"] == 0
+        assert st["doorbell_wakes"] == 3
