@@ -242,3 +242,45 @@ def test_two_thread_read_copies_exactly_and_stops_on_a_bad_row(buf: np.ndarray) 
     ctl[0] = 0                                   # nothing dropped yet, and the other side gave up
     assert K.read_rows_behind(m, good_rows, np.uint64(dst.ctypes.data), ctl.ctypes.data,
                               False) == 1
+
+
+@pytest.mark.parametrize("step", [0, 64, 4096, 4160, 1 << 20])
+@pytest.mark.parametrize("nt_dst", [False, True])
+def test_a_pipelined_read_copies_exactly_what_the_plain_one_does(buf: np.ndarray, step: int,
+                                                                  nt_dst: bool) -> None:
+    """``read_rows`` with the drops overlapped (``set_read_step``; 0 is the unpipelined read)
+    copies every byte of rows that are misaligned, of odd lengths, empty, and smaller and larger
+    than a step, into a destination of their own order; bytes outside the rows stay as they
+    were. Bounds are checked before anything is copied."""
+    m = K.make_mem(buf, "hw")
+    rng = np.random.default_rng(step + nt_dst)
+    buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    lens = [3000, 1, 0, 64, 8192, 17, 12345, 4096, 63, 20000]
+    plan, src, dst_off = [], 5, 0
+    for n in lens:
+        plan.append([src, dst_off, n])
+        src += n + int(rng.integers(0, 200))
+        dst_off += n
+    plan_np = np.array(plan[::-1], dtype=np.int64)       # the rows' source order is not theirs
+    dst = np.full(dst_off + 64, 0xAB, dtype=np.uint8)
+    before = K.read_step()
+    try:
+        K.set_read_step(step)
+        assert K.read_step() == step & ~63
+        K.read_rows(m, plan_np, np.uint64(dst.ctypes.data), S_R, nt_dst)
+        for s, d, n in plan:
+            assert np.array_equal(dst[d:d + n], buf[s:s + n])
+        assert (dst[dst_off:] == 0xAB).all()
+        bad = plan_np.copy()
+        bad[-1, 0] = buf.size - 10
+        dst[:] = 0xAB
+        with pytest.raises(IndexError):
+            K.read_rows(m, bad, np.uint64(dst.ctypes.data), S_R, nt_dst)
+        assert (dst == 0xAB).all()
+    finally:
+        K.set_read_step(before)
+
+
+def test_a_negative_read_step_is_refused() -> None:
+    with pytest.raises(ValueError):
+        K.set_read_step(-64)
