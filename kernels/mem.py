@@ -73,33 +73,6 @@ class MemState(NamedTuple):
 _SIM_STATES: dict[int, MemState] = {}
 _HW_STATE = MemState(*sim.new_state(1, 1, 0.0))
 
-HW_CTL_READ_STEP = 6
-"""Word of the hardware backend's (otherwise unused) ``ctl`` array that holds the step of a
-pipelined read (``read_rows``, ``set_read_step``); a runtime value, not a compile-time constant,
-so that one process can compare steps and the Numba cache never freezes a choice."""
-READ_STEP_ENV = "TRACT_READ_STEP"
-DEFAULT_READ_STEP = 0
-"""Unpipelined by default: on the 2-core VM (AMD EPYC) a pipelined 64 KiB read took 4.2-4.5 µs
-at a 16 KiB step, 4.8 at 8 KiB, 6.7 at 4 KiB and 12.1 at 2 KiB against 4.0 unpipelined (each
-step's ``mfence`` costs more than the overlap gains); 32 MiB likewise."""
-
-
-def set_read_step(step_bytes: int) -> None:
-    """Bytes per step of the hardware backend's pipelined read (``read_rows``): the lines of the
-    step after next are dropped while this step is copied. 0: the unpipelined read (drop every
-    line, one ``mfence``, copy). Rounded down to whole lines; process-wide."""
-    if step_bytes < 0:
-        raise ValueError(f"read step must be >= 0 bytes, got {step_bytes}")
-    _HW_STATE.ctl[HW_CTL_READ_STEP] = np.uint64(step_bytes & ~63)
-
-
-def read_step() -> int:
-    """The current step of ``set_read_step`` (0: unpipelined)."""
-    return int(_HW_STATE.ctl[HW_CTL_READ_STEP])
-
-
-set_read_step(int(os.environ.get(READ_STEP_ENV) or DEFAULT_READ_STEP))
-
 
 def mem_state(m: Mem) -> MemState:
     """The private cache arrays behind ``m`` (sim), or the shared dummies (hw). Raises
@@ -523,22 +496,9 @@ def read_rows(m, plan, dst_base, site, nt_dst=False):
     ``nt_dst``: write the private destination with non-temporal stores (then ``sfence``). For
     reads larger than the cache the destination would be evicted anyway, and ordinary stores
     first read every destination line (read-for-ownership): 256 MiB cold went from 15.3 to
-    18.8 GB/s. Small reads keep cached stores: their consumer reads the bytes right away.
-
-    On the hardware backend with a read step set (``set_read_step``) the drops run ahead of
-    the copy instead of all before it (``_read_rows_pipelined``): the same order for every line
-    (dropped, then a fence, then read), with the drop of later lines overlapping the copy of
-    earlier ones."""
+    18.8 GB/s. Small reads keep cached stores: their consumer reads the bytes right away."""
     for i in range(plan.shape[0]):
         _check_range(m[MEM_SIZE_BYTES], plan[i, 0], plan[i, 2])
-    if m[MEM_BACKEND] != BACKEND_SIM and site != m[MEM_SKIP_SITE]:
-        step = np.int64(aload64(np.uint64(m[MEM_CTL_ADDR]) + np.uint64(8 * HW_CTL_READ_STEP)))
-        if step > 0:
-            _read_rows_pipelined(np.uint64(m[MEM_BASE_ADDR]), plan, dst_base, nt_dst,
-                                 m[MEM_FLUSH_INSN], step)
-            if nt_dst:
-                sfence()
-            return
     if site != m[MEM_SKIP_SITE]:
         for i in range(plan.shape[0]):
             if plan[i, 2] > 0:
@@ -551,79 +511,6 @@ def read_rows(m, plan, dst_base, site, nt_dst=False):
     _copy_rows_prefetched(np.uint64(m[MEM_BASE_ADDR]), plan, dst_base, nt_dst)
     if nt_dst:
         sfence()
-
-
-@njit(cache=True, nogil=True)
-def _flush_rows(base_addr, plan, r, o, nbytes, flush_insn):
-    """Advance a drop cursor (row ``r``, offset ``o`` in it) by ``nbytes`` of the plan's
-    concatenated source rows, dropping every line they touch (no fence); returns (r, o)."""
-    n = plan.shape[0]
-    k = np.int64(0)
-    while k < nbytes and r < n:
-        nb = plan[r, 2]
-        if o >= nb:
-            r += 1
-            o = np.int64(0)
-            continue
-        take = min(nb - o, nbytes - k)
-        a = plan[r, 0] + o
-        line = a & ~np.int64(63)
-        _flush_lines_hw(base_addr + np.uint64(line), (a + take - line + 63) >> 6, flush_insn)
-        o += take
-        k += take
-    return r, o
-
-
-@njit(cache=True, nogil=True)
-def _copy_span(base_addr, plan, dst_base, nt_dst, r, o, nbytes):
-    """Copy ``nbytes`` of the plan's concatenated rows from cursor (``r``, ``o``); returns it."""
-    n = plan.shape[0]
-    k = np.int64(0)
-    while k < nbytes and r < n:
-        nb = plan[r, 2]
-        if o >= nb:
-            r += 1
-            o = np.int64(0)
-            continue
-        take = min(nb - o, nbytes - k)
-        src = base_addr + np.uint64(plan[r, 0] + o)
-        dst = dst_base + np.uint64(plan[r, 1] + o)
-        if nt_dst:
-            nt_copy_raw(dst, src, take)
-        else:
-            _plain_copy(dst, src, take)
-        o += take
-        k += take
-    return r, o
-
-
-@njit(cache=True, nogil=True)
-def _read_rows_pipelined(base_addr, plan, dst_base, nt_dst, flush_insn, step):
-    """``read_rows`` on the hardware backend, its drops overlapped with its copy. The rows'
-    concatenated bytes go in steps of ``step``; with steps s0, s1, ...:
-
-        drop s0, s1; mfence; prefetch s0
-        for each k:  drop s(k+2);  prefetch s(k+1);  copy s(k);  mfence
-
-    Every line is still dropped, then fenced, then read: s(k+1)'s drop was fenced at the end of
-    step k-1, before its prefetch and its copy. The drop of s(k+2) (clflushopt: weakly ordered,
-    in flight meanwhile) overlaps the copy of s(k), and the prefetch runs one step ahead of the
-    copy, within lines already fenced (a prefetch of a line not yet dropped would be thrown
-    away by its drop). The per-step fence also waits for the copy's own loads (and stores)."""
-    total = np.int64(0)
-    for i in range(plan.shape[0]):
-        total += plan[i, 2]
-    fr, fo = _flush_rows(base_addr, plan, 0, np.int64(0), 2 * step, flush_insn)
-    mfence()
-    pr, po = _prefetch_rows(base_addr, plan, 0, np.int64(0), step)
-    cr, co = 0, np.int64(0)
-    done = np.int64(0)
-    while done < total:
-        fr, fo = _flush_rows(base_addr, plan, fr, fo, step, flush_insn)
-        pr, po = _prefetch_rows(base_addr, plan, pr, po, step)
-        cr, co = _copy_span(base_addr, plan, dst_base, nt_dst, cr, co, step)
-        done += step
-        mfence()
 
 
 PREFETCH_AHEAD = 8192
