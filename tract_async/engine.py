@@ -69,6 +69,7 @@ class Engine:
         self._store: Any = None
         self._http: Any = None      # HttpStore: the HTTP transport, or the region's fallback
         self._xfer: Any = None      # what put/get/lookup use: RegionStore, HttpStore, FallbackStore
+        self._small: Any = None     # SmallPath (stores/small.py) when the region is the only store
         self.fallbacks: Counter[str] = Counter()   # transfers (or opens) that fell back, by reason
         self.fallback_reason: str | None = None    # why the region could not be attached
         self._region: Any = None
@@ -115,6 +116,11 @@ class Engine:
         """region=None: HTTP transport. A region: the region, plus (fallback=True and HTTP
         configured: peers, or a secret to serve them) an HttpStore per transfer; a region that
         cannot be attached then runs the whole engine on HTTP (``fallbacks['attach']``)."""
+        await self._start_stores()
+        # the one-block fast path, with the region as the only store (stores/small.py)
+        self._small = getattr(self._xfer, "small", None)
+
+    async def _start_stores(self) -> None:
         cfg = self.cfg
         if cfg.cpu_wake_latency_us is not None and self._cpu_qos is None:
             from .cpu_qos import CpuLatencyRequest
@@ -451,6 +457,10 @@ class Engine:
         Raises TensorMismatch, KeyMismatch, RegionFull, TransferTimeout (lock), EngineClosed.
         """
         self._check_open()
+        if layer is None and self._small is not None:
+            done = self._small.put(keys, kv)       # None: not the one-block case (small.py)
+            if done is not None:
+                return done
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
         # a network store whose pool is in GPU memory takes CUDA tensors as they are; otherwise
@@ -476,6 +486,9 @@ class Engine:
         block changed during the read: a miss), TensorMismatch, KeyMismatch, EngineClosed.
         """
         self._check_open()
+        if (layer is None and out is not None and device is None and self._small is not None
+                and self._small.get(keys, out)):
+            return out                                  # the one-block fast path (small.py)
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self.layout)
         gpu_pool = self._region is None and getattr(self._xfer, "takes_cuda", False)

@@ -209,6 +209,10 @@ class StoreStats(TransferStats):
     """Puts done in one kernel call (``put_fused``), a subset of ``lockfree_reservations``."""
     fused_gets: int = 0
     """Gets done in one kernel call (``get_fused``)."""
+    small_puts: int = 0
+    """Fused puts that came by the Engine's one-block fast path (``stores/small.py``)."""
+    small_gets: int = 0
+    """Fused gets that came by that path."""
     spin_wakes: int = 0
     """Waits that the brief spin on the loop's thread satisfied (``_spin_on_loop``)."""
     preclaimed_chunks: int = 0

@@ -63,6 +63,7 @@ from . import plan as kvplan
 from .blocks import BlockLifecycle, StoreStats
 from .cpucopy import INLINE_COPY_BYTES, CpuCopier
 from .phases import PhaseTimes
+from .small import SmallPath
 
 STAGE_BLOCKS = 512
 """Keys per stage of a staged put (module docstring): 32 MiB of whole 64 KiB blocks, ~1 ms of
@@ -100,6 +101,8 @@ class RegionStore:
         """Yield one loop turn before a transfer while a task of this process waits for or
         holds the global lock ("Yielding to this node's lock"). Off only in the negative
         control of the test that shows why."""
+        self.small = SmallPath(self)
+        """The Engine's one-block fast path over this store (``stores/small.py``)."""
 
     def _fusable(self, n: int, layer: int | None) -> bool:
         """A transfer the fused kernels take (``stores/fused.py``): whole blocks, at most
