@@ -389,14 +389,18 @@ class BlockLifecycle:
             todo = sorted(set(todo).union(got)) if todo else got
         return todo
 
-    def filling(self, keys: list[bytes]) -> list[int] | None:
-        """Every position of ``keys`` when each key is a block this node is filling (reserved
-        by an earlier layer's put, not yet READY): what ``reserve`` would return for them, found
-        without the index snapshot it needs for other keys. None otherwise."""
+    def filling(self, keys: list[bytes]) -> list["Reservation"] | None:
+        """This node's reservations of ``keys``, in order, when each key is a block this node
+        is filling (reserved by an earlier layer's put, not yet READY): what ``reserve`` and
+        ``reservations`` would give for them, found without the index snapshot (and the key
+        words) they need for other keys. None otherwise. One dict pass, a C loop."""
         reserved = self._reserved
-        if len(reserved) >= len(keys) and all(map(reserved.__contains__, keys)):
-            return list(range(len(keys)))
-        return None
+        if len(reserved) < len(keys):
+            return None
+        try:
+            return list(map(reserved.__getitem__, keys))
+        except KeyError:
+            return None
 
     async def _reserve_or_wait(self, keys: list[bytes], words: np.ndarray,
                                positions: list[int], timeout: float | None) -> None:

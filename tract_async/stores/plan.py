@@ -18,10 +18,10 @@ import numpy as np
 from .. import arrays
 from ..config import KVLayout
 from ..errors import KeyMismatch, TensorMismatch
-from ..keys import KEY_BYTES
+from ..keys import KEY_BYTES, BlockKey
 
 
-_KEY_TYPES = {bytes, bytearray}
+_KEY_TYPES = {bytes, bytearray, BlockKey}
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -195,27 +195,31 @@ class RegionStore:
                    timeout: float | None) -> int:
         b, ph = self.blocks, self.phases
         kv = arrays.contiguous(kv)
-        words = keys_to_words(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
         if self._fusable(len(keys), layer):
-            done = b.put_fused(keys, words, arrays.data_ptr(kv), self._template(len(keys)))
+            done = b.put_fused(keys, keys_to_words(keys), arrays.data_ptr(kv),
+                               self._template(len(keys)))
             if done is not None:
                 if ph is not None:      # the publish ended the kernel: stamp it on return
                     ph.add("fused", t0)
                     ph.stamp("publish")
                 return done
-        # a later layer of blocks this node is filling needs neither the index nor the lock
-        todo = b.filling(keys) if layer is not None else None
-        if todo is None and self._stageable(len(keys), layer):
-            return await self._put_staged(keys, words, kv, layer, timeout)
-        if todo is None:
+        # a later layer of blocks this node is filling needs neither the index, nor the lock,
+        # nor the key words
+        res = b.filling(keys) if layer is not None else None
+        if res is not None:
+            todo = list(range(len(keys)))
+            if ph is not None:
+                ph.add("reserve_incl_lock", t0)
+        else:
+            words = keys_to_words(keys)
+            if self._stageable(len(keys), layer):
+                return await self._put_staged(keys, words, kv, layer, timeout)
             todo = await self._reserve_new(keys, words, timeout)
-        elif ph is not None:
-            ph.add("reserve_incl_lock", t0)
+            res = b.reservations(keys, todo) if todo else []
         if not todo:
             b.stats.puts += 1
             return 0
-        res = b.reservations(keys, todo)
         poffs = b.payload_offsets(res)
         plan = kvplan.plan(self.layout, poffs, kvplan.positions(todo, len(keys)), len(keys),
                            layer)
