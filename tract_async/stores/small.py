@@ -15,12 +15,12 @@ torch tensor on the CPU, contiguous, of the layout's dtype and one block's shape
 (``layer=None``); for a get the same as ``out``. Anything else -- a numpy array, a
 ``bytearray`` key, a layer, two keys, a CUDA tensor, a wrong shape -- returns None with
 nothing done, and the caller runs the full path, which raises the errors the API documents.
-So do: the lock wanted by this process (the full path yields to it first), phases being timed
-(``Engine.time_phases``: the full path records them), the ``transfer`` mode on a get (a read
-consumes the block: an ``await``), and every case the fused kernels decline (a key of this
+So do: the lock wanted by this process (the full path yields to it first), the ``transfer``
+mode on a get (a read consumes the block: an ``await``), and every case the fused kernels decline (a key of this
 node in flight, too few free slots, a block absent or not READY, ...). A put or get that this
 path completes is the full path's, counted the same (``fused_puts`` / ``fused_gets``), plus
-``small_puts`` / ``small_gets``.
+``small_puts`` / ``small_gets``, and timed the same while ``Engine.time_phases`` is on (the
+``fused`` phase, and a put's ``publish`` stamp, which the handoff benchmark reads).
 
 The Engine uses it only with the region as its only store (no HTTP fallback or mirror, whose
 ``FallbackStore`` has its own bookkeeping per put).
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -90,8 +91,7 @@ class SmallPath:
 
     def _declined(self) -> bool:
         s = self.store
-        return (not self.usable or s.phases is not None
-                or (s.yield_to_lock and self.blocks.lock.wanted))
+        return not self.usable or (s.yield_to_lock and self.blocks.lock.wanted)
 
     def put(self, keys: Sequence[bytes], kv: Any) -> int | None:
         """Blocks stored (0 or 1), or None: not this path, nothing done (module docstring)."""
@@ -100,9 +100,14 @@ class SmallPath:
         kw = self._key_words(keys)
         if kw is None:
             return None
+        ph = self.store.phases
+        t0 = time.perf_counter_ns() if ph is not None else 0
         done = self.blocks.put_fused(kw[0], kw[1], kv.data_ptr(), self._tmpl)
         if done is not None:
             self.blocks.stats.small_puts += 1
+            if ph is not None:         # as the full path: the publish ended the kernel
+                ph.add("fused", t0)
+                ph.stamp("publish")
         return done
 
     def get(self, keys: Sequence[bytes], out: Any) -> bool:
@@ -114,7 +119,11 @@ class SmallPath:
         kw = self._key_words(keys)
         if kw is None:
             return False
+        ph = self.store.phases
+        t0 = time.perf_counter_ns() if ph is not None else 0
         if self.blocks.get_fused(kw[0], kw[1], out.data_ptr(), self._tmpl) is None:
             return False
         self.blocks.stats.small_gets += 1
+        if ph is not None:
+            ph.add("fused", t0)
         return True
