@@ -112,6 +112,8 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   doorbell_tests (tests/engine/test_doorbell.py: same-host wake-ups on these cores)
 #   wakeup (bench/wakeup.py: the doorbell's wake-up against a bare datagram wake-up)
 #   transport_cpu / transport_gpu (bench/transport.py --quick, DRAM / VRAM, 3 rounds)
+#   wakecost (bench/wakecost.py: wake-up latency and what an operation costs right after one)
+#   handoff_spin_ab (bench/putget.py --parts 2 with the wait's spin 0, 300 µs, the host's default)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
@@ -136,11 +138,15 @@ want wakeup && step wakeup 150 $PY bench/wakeup.py --n 400
 want transport_cpu && step transport_cpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --rounds 3
 want transport_gpu && step transport_gpu "${TRANSPORT_S:-200}" $PY bench/transport.py --quick --gpu \
   ${TRANSPORT_GPU_ARGS:---rounds 3}
-# A/B of the loop spin of a same-host wait (stores/blocks.py, LOOP_SPIN_NS): handoffs only
+want wakecost && step wakecost 120 $PY bench/wakecost.py --reps 200
+# A/B of the loop spin of a same-host wait (EngineConfig.wait_spin_us, stores/waits.py
+# auto_wait_spin_us; the environment overrides it): handoffs only, 0 / 300 µs / the host's default
 want handoff_spin_ab && { TRACT_WAIT_SPIN_US=0 step handoff_spin0 120 $PY bench/putget.py --parts 2 --deadline-s 110
   cp bench/results/putget.json bench/results/putget-handoff-spin0.json
   TRACT_WAIT_SPIN_US=300 step handoff_spin300 120 $PY bench/putget.py --parts 2 --deadline-s 110
-  cp bench/results/putget.json bench/results/putget-handoff-spin300.json; finish; }
+  cp bench/results/putget.json bench/results/putget-handoff-spin300.json
+  TRACT_WAIT_SPIN_US= step handoff_spin_auto 120 $PY bench/putget.py --parts 2 --deadline-s 110
+  cp bench/results/putget.json bench/results/putget-handoff-spin-auto.json; finish; }
 want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 
