@@ -77,3 +77,14 @@ async def test_a_wait_that_outlasts_the_spin_sleeps_on_the_doorbell(region_path:
         st = cons.stats()
         assert st["spin_wakes"] == 0
         assert st["doorbell_wakes"] == 3
+
+
+def test_the_default_counts_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process confined to 2 CPUs of a large host spins as on a 2-core host."""
+    import os
+    monkeypatch.delenv(waits.WAIT_SPIN_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert waits.auto_wait_spin_us() == waits.SHORT_SPIN_US
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert waits.auto_wait_spin_us() == waits.LONG_SPIN_US

@@ -51,7 +51,8 @@ LONG_SPIN_US = 2000
 def auto_wait_spin_us(cpus: int | None = None) -> int:
     """How long a same-host wait spins before it sleeps on the doorbell, for
     ``EngineConfig.wait_spin_us=None``: ``$TRACT_WAIT_SPIN_US`` when set, else ``SHORT_SPIN_US``
-    on a host of fewer than ``MANY_CORES`` cores and ``LONG_SPIN_US`` from there.
+    with fewer than ``MANY_CORES`` CPUs to run on (``cpus``, default this process's affinity
+    mask) and ``LONG_SPIN_US`` from there.
 
     Why two figures. On 2 cores a spinner takes the core its producer needs: 300 µs (about a
     small put) catches the waits that end at once and leaves the rest to the doorbell. On the
@@ -65,8 +66,10 @@ def auto_wait_spin_us(cpus: int | None = None) -> int:
     env = os.environ.get(WAIT_SPIN_ENV)
     if env:
         return max(0, int(float(env)))
-    n = os.cpu_count() if cpus is None else cpus
-    return LONG_SPIN_US if (n or 1) >= MANY_CORES else SHORT_SPIN_US
+    if cpus is None:       # the CPUs this process may run on (a cpuset or taskset counts)
+        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1)
+    return LONG_SPIN_US if cpus >= MANY_CORES else SHORT_SPIN_US
 
 
 @njit(cache=True, nogil=True)
