@@ -197,12 +197,9 @@ class RegionStore:
         kv = arrays.contiguous(kv)
         t0 = time.perf_counter_ns() if ph is not None else 0
         if self._fusable(len(keys), layer):
-            done = b.put_fused(keys, keys_to_words(keys), arrays.data_ptr(kv),
-                               self._template(len(keys)))
+            done = self.put_fused(keys, keys_to_words(keys), arrays.data_ptr(kv),
+                                  self._template(len(keys)))
             if done is not None:
-                if ph is not None:      # the publish ended the kernel: stamp it on return
-                    ph.add("fused", t0)
-                    ph.stamp("publish")
                 return done
         # a later layer of blocks this node is filling needs neither the index, nor the lock,
         # nor the key words
@@ -235,6 +232,19 @@ class RegionStore:
         done = b.publish(keys, todo, res, layer, nbytes)
         if ph is not None:
             ph.add("publish", t0)
+        return done
+
+    def put_fused(self, keys: list[bytes], words: np.ndarray, src: int,
+                  tmpl: np.ndarray) -> int | None:
+        """``BlockLifecycle.put_fused``, timed while phases are on: the ``fused`` phase, and the
+        ``publish`` stamp on return (the kernel ended with the publish). The full put path and
+        the Engine's one-block fast path (``stores/small.py``) both come through here."""
+        ph = self.phases
+        t0 = time.perf_counter_ns() if ph is not None else 0
+        done = self.blocks.put_fused(keys, words, src, tmpl)
+        if done is not None and ph is not None:
+            ph.add("fused", t0)
+            ph.stamp("publish")
         return done
 
     async def _reserve_new(self, keys: list[bytes], words: np.ndarray,

@@ -100,14 +100,9 @@ class SmallPath:
         kw = self._key_words(keys)
         if kw is None:
             return None
-        ph = self.store.phases
-        t0 = time.perf_counter_ns() if ph is not None else 0
-        done = self.blocks.put_fused(kw[0], kw[1], kv.data_ptr(), self._tmpl)
+        done = self.store.put_fused(kw[0], kw[1], kv.data_ptr(), self._tmpl)
         if done is not None:
             self.blocks.stats.small_puts += 1
-            if ph is not None:         # as the full path: the publish ended the kernel
-                ph.add("fused", t0)
-                ph.stamp("publish")
         return done
 
     def get(self, keys: Sequence[bytes], out: Any) -> bool:
