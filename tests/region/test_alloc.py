@@ -195,3 +195,104 @@ async def test_large_batches_alloc_and_free_on_arrays(region_path: str, backend:
         lock.close()
     finally:
         r.close()
+
+
+async def test_bulk_take_matches_per_chunk_take(region_path: str, backend: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large rows batch takes its slots through one ``_take_runs`` call for all its chunks:
+    the same rows, in the same order, and the same heap words and used counts in the region
+    as the per-chunk path gives from the same state -- read through a second node's view, so
+    on the incoherent backend only what the kernel flushed counts (negative control: without
+    the heap flush that view sees other words). A slot that the free list hands out while it
+    is marked used is refused with nothing changed, free lists included (negative control of
+    the kernel's check)."""
+    from tract_async.region import alloc as A
+    from tract_async.region import layout as L
+    import os
+    import numpy as np
+    import tract_kernels as K
+
+    def heaps(r, al) -> bytes:  # noqa: ANN001 - through another node's (empty) cache
+        other = K.make_mem(r.buf, backend, seed=99, evict_prob=0.0)
+        g = al.geo
+        out = bytearray()
+        for ci in al.owned_chunks():
+            raw = np.zeros((1 + g.heap_bitmap_lines) * L.LINE_BYTES, dtype=np.uint8)
+            K.read_bytes(other, g.heap_off(ci), raw.ctypes.data, raw.size, A.S_HEAP_READ)
+            out += raw.tobytes()
+        return bytes(out)
+
+    modes = ("bulk", "each") + (("bulk-without-flush",) if backend == "sim" else ())
+    results = {}
+    for mode in modes:
+        path = f"{region_path}-{mode}"
+        monkeypatch.setattr(A, "TAKE_MIN_SLOTS", 1 << 30 if mode == "each" else 16)
+        r = P.make_region(path, backend, size_bytes=8 << 20, chunk_bytes=1 << 20, evict_prob=0.0)
+        try:
+            h = r.nodes.join(0, timeout_s=LIVENESS_S)
+            al = Allocator(r, h, liveness_timeout_s=LIVENESS_S, keep_free_chunks=0)
+            lock = GlobalLock(r, h)
+            async with node_services(r, h):
+                await lock.acquire(timeout=10)
+                try:     # 4 chunks of 16 slots, carved with 3 slots in use
+                    first = al.alloc_many_locked(64 << 10, 3, lock)
+                    al.preclaim_locked(64 << 10, 60, lock, max_chunks=3)
+                finally:
+                    lock.release()
+                al.free_many(first[1:2])               # a hole: the free list is not in order
+                mem = r.mem
+                if mode == "bulk-without-flush":
+                    r.mem = K.with_skip_site(mem, A.S_HEAP_FLUSH)
+                rows = al.alloc_many_nowait(64 << 10, 40, rows=True)
+                r.mem = mem
+                results[mode] = (rows.copy(), heaps(r, al))
+                if mode != "bulk-without-flush":
+                    assert al.self_check() == []
+                    al.free_rows(rows)
+                    al.free_many([first[0], first[2]])
+                    assert await al.close(lock, timeout=10) == 4
+            lock.close()
+        finally:
+            r.close()
+            if mode != "bulk-without-flush":
+                rep = run_fsck(path, liveness_timeout_s=LIVENESS_S)
+                assert rep.clean, rep.text()
+            os.unlink(path)
+    (rows_b, heap_b), (rows_e, heap_e) = results["bulk"], results["each"]
+    assert rows_b.shape == (40, len(Allocation._fields))
+    assert rows_b.tolist() == rows_e.tolist()
+    assert heap_b == heap_e
+    assert len({int(x) for x in rows_b[:, 0]}) == 40 and len(set(rows_b[:, 4].tolist())) >= 3
+    if backend == "sim":
+        rows_n, heap_n = results["bulk-without-flush"]
+        assert rows_n.tolist() == rows_b.tolist() and heap_n != heap_b
+
+    # negative control: a used slot on a free list is refused before anything changes
+    monkeypatch.setattr(A, "TAKE_MIN_SLOTS", 16)
+    r = P.make_region(region_path, backend, size_bytes=8 << 20, chunk_bytes=1 << 20)
+    try:
+        h = r.nodes.join(0, timeout_s=LIVENESS_S)
+        al = Allocator(r, h, liveness_timeout_s=LIVENESS_S, keep_free_chunks=0)
+        lock = GlobalLock(r, h)
+        async with node_services(r, h):
+            await lock.acquire(timeout=10)
+            try:
+                al.preclaim_locked(64 << 10, 32, lock, max_chunks=2)
+            finally:
+                lock.release()
+            taken = al.alloc_many_nowait(64 << 10, 1)[0]
+            c = al._chunks[taken.chunk_index]
+            before = (c.used.copy(), c.words.copy(), heaps(r, al))
+            c.free.append(taken.slot_index)            # the bug the check exists for
+            with pytest.raises(AssertionError, match="which is marked used"):
+                al.alloc_many_nowait(64 << 10, 20, rows=True)
+            assert (c.used == before[0]).all() and (c.words == before[1]).all()
+            assert heaps(r, al) == before[2]
+            assert c.free[-1] == taken.slot_index     # the free lists as they were, too
+            c.free.pop()                              # undo the damage, then clean up
+            al.free(taken)
+            assert al.self_check() == []
+            assert await al.close(lock, timeout=10) == 2
+        lock.close()
+    finally:
+        r.close()
