@@ -151,10 +151,20 @@ def test_copy_threads_default_comes_from_the_host(region_path: str) -> None:
     assert rs.auto_copy_threads(4) == 2
     assert rs.auto_copy_threads(16) == 8
     assert rs.auto_copy_threads(128) == 8
-    assert rs.auto_copy_threads() == max(1, min(8, (os.cpu_count() or 1) // 2))
+    assert rs.auto_copy_threads() == max(1, min(8, len(os.sched_getaffinity(0)) // 2))
     for bad in (0, -1, True, 2.0):
         with pytest.raises(E.ConfigError):
             tract.EngineConfig(layout=TINY, region=region_path, copy_threads=bad)
+
+
+def test_copy_threads_count_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process confined to 2 CPUs of a large host copies on one thread, as on a 2-core host;
+    given 16 it takes 8, whatever ``os.cpu_count()`` says."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert rs.auto_copy_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert rs.auto_copy_threads() == 8
 
 
 async def test_default_store_resolves_copy_threads_from_the_host(region_path: str) -> None:

@@ -110,11 +110,12 @@ def _gang_kind(fn: Any) -> int | None:
 
 
 def auto_copy_threads(cpus: int | None = None) -> int:
-    """Copy threads for ``copy_threads=None``: half the host's cores (the other half runs the
+    """Copy threads for ``copy_threads=None``: half the CPUs this process may run on
+    (``cpus``, default ``waits.usable_cpus()``: its affinity mask; the other half runs the
     loop, the lock manager, the heartbeat and the caller's own work), between 1 and 8 (a cap,
     not a measured optimum: a few streams already draw most of a socket's bandwidth)."""
-    n = os.cpu_count() if cpus is None else cpus
-    return max(1, min(MAX_AUTO_COPY_THREADS, (n or 1) // 2))
+    n = waits.usable_cpus() if cpus is None else cpus
+    return max(1, min(MAX_AUTO_COPY_THREADS, n // 2))
 
 
 def threads_for(nbytes: int, copy_threads: int) -> int:

@@ -48,6 +48,16 @@ SHORT_SPIN_US = 300
 LONG_SPIN_US = 2000
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a cpuset or ``taskset`` counts),
+    else ``os.cpu_count()``. What the host-sized defaults (``auto_wait_spin_us``,
+    ``cpucopy.auto_copy_threads``) count: a process confined to 2 CPUs of a 16-core host must
+    size itself as on a 2-core host."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def auto_wait_spin_us(cpus: int | None = None) -> int:
     """How long a same-host wait spins before it sleeps on the doorbell, for
     ``EngineConfig.wait_spin_us=None``: ``$TRACT_WAIT_SPIN_US`` when set, else ``SHORT_SPIN_US``
@@ -66,9 +76,8 @@ def auto_wait_spin_us(cpus: int | None = None) -> int:
     env = os.environ.get(WAIT_SPIN_ENV)
     if env:
         return max(0, int(float(env)))
-    if cpus is None:       # the CPUs this process may run on (a cpuset or taskset counts)
-        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                else os.cpu_count() or 1)
+    if cpus is None:
+        cpus = usable_cpus()
     return LONG_SPIN_US if cpus >= MANY_CORES else SHORT_SPIN_US
 
 
