@@ -246,7 +246,7 @@ async def test_layer_puts_and_gets_on_four_threads_are_exact(
 async def test_a_4_mib_layer_is_cut_by_size_and_later_layers_skip_the_index(
         region_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 16 MiB layer-streamed transfer: each 4 MiB layer is copied on four threads (one per
-    MiB), also with eight allowed; only the first layer's put reads the index (later layers
+    MiB), also with eight allowed; only the first layer's put looks at the index (later layers
     fill blocks this node already reserved: ``BlockLifecycle.filling``)."""
     puts, gets = _spy(monkeypatch, "copy_in"), _spy(monkeypatch, "copy_out")
     layout = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=4, head_dim=64,
@@ -255,8 +255,9 @@ async def test_a_4_mib_layer_is_cut_by_size_and_later_layers_skip_the_index(
                                      region_bytes=96 << 20)) as eng:
         blocks = eng._store.blocks
         snaps: list[int] = []
-        real_snapshot = blocks.snapshot
-        monkeypatch.setattr(blocks, "snapshot", lambda w: snaps.append(len(w)) or real_snapshot(w))
+        real_snapshot = blocks.snapshot_for_put      # a put's look at the index (it may
+        monkeypatch.setattr(blocks, "snapshot_for_put",  # skip the read: the kernel probes)
+                            lambda w: snaps.append(len(w)) or real_snapshot(w))
         n = (16 << 20) // layout.block_bytes
         keys = eng.block_keys(range(layout.block_tokens * n))
         for layer in range(layout.num_layers):

@@ -19,6 +19,7 @@ import torch
 from numba import njit
 
 import tract_async as tract
+from tract_async.stores import blocks as bfb
 from tract_async import errors as E
 from tests.support.engine_http_util import http_cfg, http_pair, needs_nixl
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
@@ -181,6 +182,38 @@ async def test_layer_puts_of_other_shapes_than_the_first(region_path: str, backe
         await a.put_kv(keys[:12], kv[3][:, :12 * bt].contiguous(), layer=3)   # 12 complete
         assert blocks.in_flight == 20 and b.lookup(keys) == 12
         await a.put_kv(keys[12:], kv[2][:, 12 * bt:].contiguous(), layer=2)   # the rest
+        assert blocks.in_flight == 0 and b.lookup(keys) == len(keys)
+        assert torch.equal(await b.get_kv(keys), kv)
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_a_batch_split_while_its_layer_is_in_flight(region_path: str, backend: str) -> None:
+    """A layer put of a whole batch holds the ``FillBatch`` itself as its handle
+    (``blocks.filling``). When another task abandons some of its keys before the layer is
+    published, the batch is split (a Reservation per key) and the publish through the stale
+    handle sets the layer of the remaining blocks only; the abandoned keys put again later are
+    new reservations, and every block ends READY with the right bytes, or absent."""
+    a, b = await _pair(region_path, backend)
+    try:
+        keys = a.block_keys(range(24 * TINY.block_tokens))
+        kv = kv_for_keys(keys)
+        blocks = a._store.blocks
+        await a.put_kv(keys, kv[0].contiguous(), layer=0)
+        handle = blocks.filling(keys)
+        assert isinstance(handle, bfb.FillBatch) and handle.whole
+        assert blocks.filling(list(keys)) is handle           # equal keys, another list
+        await blocks.abandon(keys[:5])
+        assert not handle.whole and blocks.in_flight == len(keys) - 5
+        assert blocks.publish(keys, list(range(len(keys))), handle, 1, 0) == len(keys) - 5
+        assert all(blocks._reserved[k].layers_lo == 0b11 for k in keys[5:])
+        for layer in range(1, TINY.num_layers):    # the rest of the put, all keys again
+            await a.put_kv(keys, kv[layer].contiguous(), layer=layer)
+        assert blocks.in_flight == 5                  # the abandoned five lack layer 0
+        assert b.lookup(keys[5:]) == len(keys) - 5 and b.lookup(keys) == 0
+        assert torch.equal(await b.get_kv(keys[5:]), kv[:, :, 5 * TINY.block_tokens:])
+        await a.put_kv(keys[:5], kv[0][:, :5 * TINY.block_tokens].contiguous(), layer=0)
         assert blocks.in_flight == 0 and b.lookup(keys) == len(keys)
         assert torch.equal(await b.get_kv(keys), kv)
     finally:

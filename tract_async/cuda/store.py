@@ -184,7 +184,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     if ready is None:
         ready = _PUT_READY.get()
     words = keys_to_words(keys)
-    todo = await b.reserve(keys, words, b.snapshot(words), timeout)
+    todo = await b.reserve(keys, words, b.snapshot_for_put(words), timeout)
     if ph is not None:
         ph.add("reserve_incl_lock", t0)
         t0 = time.perf_counter_ns()

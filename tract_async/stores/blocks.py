@@ -8,7 +8,7 @@ lock (once per reservation batch, and for maintenance) and keeping this node's b
 
 A put::
 
-    words = keys_to_words(keys); snap = blocks.snapshot(words)
+    words = keys_to_words(keys); snap = blocks.snapshot_for_put(words)
     todo = await blocks.reserve(keys, words, snap, timeout)     # positions this put writes
     res = blocks.reservations(keys, todo)                        # their payload offsets
     ... copy layer(s) into [r.offset, +block_bytes) ...
@@ -108,6 +108,9 @@ SPARE_SLOTS = 16
 one allocator call (~10-20 µs of Python) per this many small puts instead of one per put. The
 cost: this many blocks' worth of a node's chunks held for it (1 MiB of 64 KiB blocks)."""
 
+OPTIMISTIC_MIN_KEYS = 64
+"""A put of at least this many keys may skip its index snapshot (``snapshot_for_put``)."""
+
 _TIMER = object()
 """What a wait's safety timer resolves its future with (``BlockLifecycle._wait_on_doorbell``)."""
 
@@ -134,58 +137,67 @@ _OFFSET_OF = attrgetter("offset")
 
 
 class FillBatch:
-    """What the reservations of one ``_place`` call share while their blocks are filled layer
-    by layer: the layers published so far for all of them, their slots and payload offsets
-    (numpy), and the reservations themselves, in order (``members``).
+    """The blocks one ``_place`` call reserved, as arrays: while they are filled layer by
+    layer, every one of their keys maps to this object in ``BlockLifecycle._reserved`` (it
+    stands for all of them) and it is the handle ``reservations`` and ``filling`` return for a
+    transfer of exactly its keys, in order.
 
-    Why. A layer-streamed put republishes the same blocks once per layer, and each layer put
-    touched every reservation in Python: their offsets, their slots, their layer bits (~0.25 ms
-    per 1024-block layer on the VM, more on the H200 host; as much as the metadata kernels).
-    A layer put whose reservations are exactly ``members`` -- the same objects in the same
-    order, which one C-level list comparison checks -- uses the arrays and updates the shared
-    layer bits once. Any other shape (a subset, another order, an abandoned member) takes the
-    per-block path, which first gives each reservation it touches a batch of its own
-    (``detach``) and marks this one broken (``members = None``), so the fast path can never
-    apply to a batch whose members disagree."""
-    __slots__ = ("layers_lo", "layers_hi", "members", "slots", "offsets", "shared")
+    Why. A put of n new blocks used to make n ``Reservation`` objects under its reservation
+    (0.15 µs each on the 2-core VM: 308 µs of a 2048-block put's ~1.3 ms ``_place``, and 2-3x
+    that on the H200 host, where the first layer of a layer-streamed 128 MiB handoff waits for
+    it), and each later layer put looked each one up and compared it (``filling``, ``publish``:
+    ~100 µs a 2048-block layer). The arrays serve the common shape -- every layer put for the
+    same keys in the same order -- with one list comparison per layer.
 
-    def __init__(self, members: list["Reservation"] | None, slots: np.ndarray | None,
-                 offsets: np.ndarray | None, layers_lo: int = 0, layers_hi: int = 0, *,
-                 shared: bool = False) -> None:
-        self.layers_lo = layers_lo
-        self.layers_hi = layers_hi
-        self.members = members
+    Any other shape (a subset of the keys, another order, an abandon, an undo) first *splits*
+    the batch (``BlockLifecycle._split``): a ``Reservation`` per key, with the layers published
+    so far, replaces the batch in ``_reserved``; ``members`` keeps them in key order and
+    ``whole`` turns False, so the arrays never serve again. A transfer holding the batch as its
+    handle while that happened (a copy in flight when another task abandoned some of its keys)
+    then publishes through ``members``, key by key, as for any list of reservations."""
+    __slots__ = ("keys", "slots", "versions", "offsets", "chunks", "layers_lo", "layers_hi",
+                 "whole", "members")
+
+    def __init__(self, keys: list[bytes], slots: np.ndarray, versions: np.ndarray,
+                 offsets: np.ndarray, chunks: np.ndarray) -> None:
+        self.keys = keys
         self.slots = slots
+        self.versions = versions
         self.offsets = offsets
-        self.shared = shared
-        """Several reservations refer to it (made by ``_place``); a private one has one."""
+        self.chunks = chunks
+        self.layers_lo = 0
+        self.layers_hi = 0
+        self.whole = True
+        """Every key of ``keys`` maps to this batch in ``_reserved`` (until a split or the
+        publish of its last layer)."""
+        self.members: list["Reservation"] | None = None
+        """The reservations a split made, in key order (None before a split)."""
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 class Reservation:
-    """A block this node reserved and is filling, layer by layer: its index entry (``slot``,
-    ``version``), its payload (``offset``: bytes from the region base, in chunk ``chunk``),
-    and the layers published so far (its ``batch``'s). (A slotted class: one is made per block
-    of every put, under the global lock. It keeps the payload's place, not its ``Allocation``:
-    a 256 MiB put would build 4096 of those for nothing -- a reservation is undone through its
-    index entry, whose payload words say what to free.)"""
-    __slots__ = ("slot", "version", "offset", "chunk", "batch")
+    """A block this node reserved and is filling, layer by layer, apart from any batch: its
+    index entry (``slot``, ``version``), its payload (``offset``: bytes from the region base, in
+    chunk ``chunk``), and the layers published so far. (A slotted class; a large put's blocks
+    are a ``FillBatch`` instead. It keeps the payload's place, not its ``Allocation``: a
+    reservation is undone through its index entry, whose payload words say what to free.)"""
+    __slots__ = ("slot", "version", "offset", "chunk", "layers_lo", "layers_hi")
 
-    def __init__(self, slot: int, version: int, offset: int, chunk: int,
-                 batch: FillBatch | None = None) -> None:
+    def __init__(self, slot: int, version: int, offset: int, chunk: int, layers_lo: int = 0,
+                 layers_hi: int = 0) -> None:
         self.slot = slot
         self.version = version
         self.offset = offset
         self.chunk = chunk
-        self.batch = FillBatch(None, None, None) if batch is None else batch
+        self.layers_lo = layers_lo
+        self.layers_hi = layers_hi
 
-    def detach(self) -> FillBatch:
-        """This reservation's own batch (a copy of the shared one's layer bits, the shared one
-        marked broken): before its layer bits change apart from its batch's other members."""
-        b = self.batch
-        if b.shared:
-            b.members = b.slots = b.offsets = None     # broken: never the fast path again
-            self.batch = b = FillBatch(None, None, None, b.layers_lo, b.layers_hi)
-        return b
+
+Reserved = FillBatch | list[Reservation]
+"""What ``reservations`` and ``filling`` return and ``payload_offsets`` / ``publish`` take:
+a whole batch, or one reservation per position."""
 
 
 @dataclasses.dataclass
@@ -220,6 +232,8 @@ class StoreStats(TransferStats):
     evicted_ahead: int = 0
     """This node's blocks evicted ahead of need by the pre-claim task, in a full region
     (``stores/preclaim.py``, "Evicting ahead"); also counted in ``evictions``."""
+    unsnapshotted_puts: int = 0
+    """Puts (or stages of one) that reserved without an index snapshot (``snapshot_for_put``)."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
@@ -244,7 +258,8 @@ class BlockLifecycle:
                                else cfg.wait_spin_us)
         """How long a same-host wait spins before it sleeps (``_spin_on_loop``)."""
         self.stats = StoreStats()
-        self._reserved: dict[bytes, Reservation] = {}
+        self._reserved: dict[bytes, Reservation | FillBatch] = {}
+        """This node's blocks in flight: each key's reservation, or the batch that holds it."""
         self._touches: dict[int, int] = {}            # slot -> version, stamped at maintenance
         # large reads' (slots, versions), stamped at the next flush as they are
         self._touch_rows: list[tuple[np.ndarray, np.ndarray]] = []
@@ -279,6 +294,8 @@ class BlockLifecycle:
         pb = cfg.preclaim_bytes
         self.preclaimer = PreClaimer(self, (1 << 62) if pb is None else pb // self.layout.block_bytes)
         """The pre-claim task's state (``stores/preclaim.py``): puts and reads report to it."""
+        self._puts_fresh = True
+        """The last ``reserve`` found none of its keys present (``snapshot_for_put``)."""
         self._placed = 0
         """Blocks the last successful ``_place`` reserved (``reserve``: all placed, no per-key
         look)."""
@@ -359,6 +376,26 @@ class BlockLifecycle:
         """The index rows of ``words`` (``PrefixIndex.snapshot``), lock-free."""
         return self.index.snapshot(words)
 
+    def snapshot_for_put(self, words: np.ndarray) -> np.ndarray:
+        """What a put's ``reserve`` starts from: the index rows of ``words``, or -- for a put of
+        at least ``OPTIMISTIC_MIN_KEYS`` keys while this node's last put found none of its keys
+        present (``_puts_fresh``) -- rows that say every key is absent, without reading the
+        index.
+
+        Why. The snapshot only sorts present keys out before slots are allocated for the rest;
+        the reservation kernel probes every key's window anyway and skips a key it finds live
+        (``index.reserve_batch``: ``-(2 + slot)``; its slot goes back to the free list). A
+        layer-streamed handoff or a prefill's new blocks put fresh keys every time, and a
+        cache's caller looks its prefix up before it puts, so the snapshot mostly reads what
+        the kernel reads again: 0.2-0.3 µs a key on the 2-core VM, 363-440 µs of a 2048-block
+        put's ~1.5 ms reservation. A put that does find present keys costs their slots' take
+        and give-back (a few µs), and the next put snapshots again."""
+        n = words.shape[0]
+        if n >= OPTIMISTIC_MIN_KEYS and self._puts_fresh:
+            self.stats.unsnapshotted_puts += 1
+            return np.full((n, 8), -1, dtype=np.int64)
+        return self.index.snapshot(words)
+
     # -- put ----------------------------------------------------------------------------------
     async def reserve(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
                               timeout: float | None) -> list[int]:
@@ -370,6 +407,7 @@ class BlockLifecycle:
         todo: list[int] = []          # positions in keys this call writes
         new: list[int] = []           # positions that need a reservation
         reserved = self._reserved
+        skipped = self.stats.blocks_skipped
         if not reserved and len(keys) > SMALL_READ:    # none of ours in flight: one numpy pass
             present = snap[:, 0] >= 0
             self.stats.blocks_skipped += int(present.sum())
@@ -387,20 +425,63 @@ class BlockLifecycle:
             got = (new if self._placed == len(new) else      # all placed: no per-key look
                    [i for i in new if keys[i] in reserved])
             todo = sorted(set(todo).union(got)) if todo else got
+        self._puts_fresh = self.stats.blocks_skipped == skipped   # ``snapshot_for_put``
         return todo
 
-    def filling(self, keys: list[bytes]) -> list["Reservation"] | None:
+    def filling(self, keys: list[bytes]) -> Reserved | None:
         """This node's reservations of ``keys``, in order, when each key is a block this node
         is filling (reserved by an earlier layer's put, not yet READY): what ``reserve`` and
         ``reservations`` would give for them, found without the index snapshot (and the key
-        words) they need for other keys. None otherwise. One dict pass, a C loop."""
+        words) they need for other keys -- the whole ``FillBatch`` when ``keys`` are exactly
+        its keys (one list comparison). None otherwise."""
         reserved = self._reserved
-        if len(reserved) < len(keys):
+        if not keys or len(reserved) < len(keys):
             return None
+        whole = self._batch_of(keys)
+        if whole is not None:
+            return whole
         try:
-            return list(map(reserved.__getitem__, keys))
+            return self._as_reservations(keys, list(map(reserved.__getitem__, keys)))
         except KeyError:
             return None
+
+    def _batch_of(self, keys: list[bytes]) -> FillBatch | None:
+        """The whole FillBatch whose keys are exactly ``keys`` (same order), or None."""
+        b = self._reserved.get(keys[0])
+        if type(b) is FillBatch and b.whole and (b.keys is keys or b.keys == keys):
+            return b
+        return None
+
+    def _as_reservations(self, keys: list[bytes], vals: list[Any]) -> list[Reservation]:
+        """``vals`` (the ``_reserved`` values of ``keys``) as one Reservation per key: any
+        batch among them is split first (``FillBatch``). A C-level type scan when none is."""
+        if FillBatch not in map(type, vals):
+            return vals
+        self._split_keys(keys)
+        return list(map(self._reserved.__getitem__, keys))
+
+    def _split_keys(self, keys: list[bytes]) -> None:
+        """Split every FillBatch that one of ``keys`` maps to (``FillBatch``: a Reservation per
+        key, with the layers published so far, replaces it)."""
+        reserved = self._reserved
+        seen: dict[int, FillBatch] = {}
+        for k in keys:
+            v = reserved.get(k)
+            if type(v) is FillBatch:
+                seen[id(v)] = v
+        for b in seen.values():
+            if not b.whole:
+                continue
+            members = list(map(Reservation, b.slots.tolist(), b.versions.tolist(),
+                               b.offsets.tolist(), b.chunks.tolist(), repeat(b.layers_lo),
+                               repeat(b.layers_hi)))
+            reserved.update(zip(b.keys, members))
+            b.members = members
+            b.whole = False
+
+    def _in_flight(self) -> list[Reservation | FillBatch]:
+        """The distinct values of ``_reserved`` (a batch once, however many keys it holds)."""
+        return list({id(v): v for v in self._reserved.values()}.values())
 
     async def _reserve_or_wait(self, keys: list[bytes], words: np.ndarray,
                                positions: list[int], timeout: float | None) -> None:
@@ -639,9 +720,9 @@ class BlockLifecycle:
                 # a few: tuples beat five numpy operations
                 ainfo = np.array([_alloc_info(a) for a in allocs],
                                  dtype=np.uint64).reshape(-1, 4)
-                offs = [a.offset_bytes for a in allocs]
-                chunks = [a.chunk_index for a in allocs]
-                offs_np = None
+                offs: list[int] | None = [a.offset_bytes for a in allocs]
+                chunks: list[int] | None = [a.chunk_index for a in allocs]
+                offs_np = chunks_np = None
             else:
                 a = allocs if isinstance(allocs, np.ndarray) else allocation_rows(allocs)
                 ainfo = np.empty((len(allocs), 4), dtype=np.uint64)
@@ -650,8 +731,8 @@ class BlockLifecycle:
                 ainfo[:, 2] = a[:, A_OWNER] | (a[:, A_GEN] << 16)
                 ainfo[:, 3] = a[:, A_TOKEN]
                 offs_np = a[:, A_OFFSET].copy()
-                offs = offs_np.tolist()
-                chunks = a[:, A_CHUNK].tolist()
+                chunks_np = a[:, A_CHUNK].copy()
+                offs = chunks = None                  # lists only for per-key reservations
             g = self.geo
             try:
                 # one kernel call: the reservation, then (all reserved) the publishes counter
@@ -667,16 +748,17 @@ class BlockLifecycle:
             full: list[int] = []
             unused: list[int] = []
             reserved = self._reserved
-            if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: C loops
+            if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: a batch
                 ks = keys if len(positions) == len(keys) else [keys[i] for i in positions]
-                batch = FillBatch(None, res[:, 0].copy(),
+                batch = FillBatch(ks, res[:, 0].copy(), res[:, 2].copy(),
                                   offs_np if offs_np is not None else
-                                  np.asarray(offs, dtype=np.int64), shared=True)
-                members = list(map(Reservation, res[:, 0].tolist(), res[:, 2].tolist(), offs,
-                                   chunks, repeat(batch)))
-                batch.members = members
-                reserved.update(zip(ks, members))
+                                  np.asarray(offs, dtype=np.int64),
+                                  chunks_np if chunks_np is not None else
+                                  np.asarray(chunks, dtype=np.int64))
+                reserved.update(zip(ks, repeat(batch)))
                 fast = (ks, res[:, 1])     # ``mine`` is built only if they must be undone
+            elif offs is None:
+                offs, chunks = offs_np.tolist(), chunks_np.tolist()
             for j, (slot, prev, version) in enumerate(res.tolist() if fast is None else ()):
                 i = positions[j]
                 if slot >= 0:
@@ -717,6 +799,7 @@ class BlockLifecycle:
     def _undo(self, mine: list[tuple[bytes, int]]) -> None:
         """Take back this call's reservations ``mine`` (key, previous state), newest first: an
         entry that was EMPTY goes back to EMPTY (no probe chain can run through it yet)."""
+        self._split_keys([k for k, _ in mine])
         for state in (ix.EMPTY, ix.TOMBSTONE):
             back = [self._reserved.pop(k).slot for k, prev in reversed(mine) if prev == state]
             self._evict_many_locked(back, count=False, new_state=state)
@@ -738,30 +821,26 @@ class BlockLifecycle:
             self.stats.evictions_for_space += n
         return n
 
-    def reservations(self, keys: list[bytes], positions: list[int]) -> list[Reservation]:
-        """This node's reservations of ``keys[i]`` for ``i`` in ``positions`` (from ``reserve``)."""
+    def reservations(self, keys: list[bytes], positions: list[int]) -> Reserved:
+        """This node's reservations of ``keys[i]`` for ``i`` in ``positions`` (from ``reserve``):
+        the whole FillBatch when they are exactly its keys, else one Reservation each."""
         reserved = self._reserved
-        if len(positions) == len(keys):     # every key (positions ascend): a C loop
-            return list(map(reserved.__getitem__, keys))
-        return [reserved[keys[i]] for i in positions]
+        if len(positions) == len(keys):     # every key (positions ascend)
+            whole = self._batch_of(keys) if keys else None
+            if whole is not None:
+                return whole
+            return self._as_reservations(keys, list(map(reserved.__getitem__, keys)))
+        ks = [keys[i] for i in positions]
+        return self._as_reservations(ks, list(map(reserved.__getitem__, ks)))
 
     @staticmethod
-    def _whole_batch(res: list[Reservation]) -> FillBatch | None:
-        """The FillBatch whose members are exactly ``res`` (same objects, same order), or None."""
-        if len(res) <= SMALL_READ:
-            return None
-        fb = res[0].batch
-        return fb if fb.members is not None and fb.members == res else None
-
-    def payload_offsets(self, res: list[Reservation]) -> np.ndarray:
-        """int64 payload offsets of ``res`` (from the batch's array when they are one whole
-        FillBatch)."""
-        whole = self._whole_batch(res)
-        if whole is not None:
-            return whole.offsets
+    def payload_offsets(res: Reserved) -> np.ndarray:
+        """int64 payload offsets of ``res``, in order."""
+        if type(res) is FillBatch:
+            return res.offsets
         return np.fromiter(map(_OFFSET_OF, res), dtype=np.int64, count=len(res))
 
-    def publish(self, keys: list[bytes], positions: list[int], res: list[Reservation],
+    def publish(self, keys: list[bytes], positions: list[int], res: Reserved,
                 layer: int | None, nbytes: int) -> int:
         """Step 3 of a put, once the bytes of ``layer`` (all layers: None) of these
         reservations are in the region: set their layer bits; a block whose every layer is in
@@ -771,45 +850,60 @@ class BlockLifecycle:
             CP.hit("put.copied")
         lo, hi = kvplan.layer_mask(self.layout, layer)
         reserved = self._reserved
+        if type(res) is FillBatch:
+            if res.whole:                 # nothing split it meanwhile: the arrays serve
+                n = self._publish_slots(res.slots, lo, hi)
+                if layer is not None:
+                    res.layers_lo |= lo
+                    res.layers_hi |= hi
+                if layer is None or (res.layers_lo == self._all_lo
+                                     and res.layers_hi == self._all_hi):
+                    deque(map(reserved.__delitem__, res.keys), maxlen=0)
+                    res.whole = False
+                    self.stats.blocks_stored += n
+                return self._published(layer, nbytes, n)
+            res = res.members or []       # split meanwhile (an abandon?): key by key
         ks = keys if len(positions) == len(keys) else [keys[i] for i in positions]
         if list(map(reserved.get, ks)) != res:     # some abandoned meanwhile (the list compares
             live = [(i, r) for i, r in zip(positions, res)   # by identity first: C loops)
                     if reserved.get(keys[i]) is r]
             positions, res = [i for i, _ in live], [r for _, r in live]
             ks = [keys[i] for i in positions]
-        whole = self._whole_batch(res)
         if res:
-            slots = (whole.slots if whole is not None else
-                     np.fromiter(map(_SLOT_OF, res), dtype=np.int64, count=len(res)))
-            waiting = db.publish_and_look(self.mem, self.geo.entries_offset, slots, lo, hi,
-                                          self._all_lo, self._all_hi, self._db_off,
-                                          self._db_nodes)
-            if waiting:
-                self.doorbell.ring(int(waiting))
+            self._publish_slots(np.fromiter(map(_SLOT_OF, res), dtype=np.int64,
+                                            count=len(res)), lo, hi)
         if layer is None:             # every layer written: all of them are READY now
             deque(map(reserved.__delitem__, ks), maxlen=0)
             self.stats.blocks_stored += len(res)
-        elif whole is not None:       # one update for the whole batch (FillBatch)
-            whole.layers_lo |= lo
-            whole.layers_hi |= hi
-            if whole.layers_lo == self._all_lo and whole.layers_hi == self._all_hi:
-                deque(map(reserved.__delitem__, ks), maxlen=0)
-                self.stats.blocks_stored += len(res)
         else:
-            for i, r in zip(positions, res):
-                fb = r.detach()
-                fb.layers_lo |= lo
-                fb.layers_hi |= hi
-                if fb.layers_lo == self._all_lo and fb.layers_hi == self._all_hi:
-                    del reserved[keys[i]]
+            all_lo, all_hi = self._all_lo, self._all_hi
+            for k, r in zip(ks, res):
+                r.layers_lo |= lo
+                r.layers_hi |= hi
+                if r.layers_lo == all_lo and r.layers_hi == all_hi:
+                    del reserved[k]
                     self.stats.blocks_stored += 1
+        return self._published(layer, nbytes, len(res))
+
+    def _publish_slots(self, slots: np.ndarray, lo: int, hi: int) -> int:
+        """Set layer bits ``lo``/``hi`` in the entries ``slots`` (READY once all are in),
+        ringing the doorbell of any node waiting on this region; returns ``len(slots)``."""
+        waiting = db.publish_and_look(self.mem, self.geo.entries_offset, slots, lo, hi,
+                                      self._all_lo, self._all_hi, self._db_off, self._db_nodes)
+        if waiting:
+            self.doorbell.ring(int(waiting))
+        return len(slots)
+
+    def _published(self, layer: int | None, nbytes: int, n: int) -> int:
+        """A publish's counters and after-steps; returns ``n``."""
         self.stats.puts += 1
         self.stats.bytes_put += nbytes
+        reserved = self._reserved
         if not reserved:
             self.preclaimer.maybe_drained()
         if CP.ARMED and layer is not None and reserved:
             CP.hit("publish.layer")
-        return len(res)
+        return n
 
     def _alloc_many_locked(self, count: int) -> np.ndarray:
         """``count`` block slots (``allocation_rows``), evicting this node's LRU blocks while
@@ -900,7 +994,9 @@ class BlockLifecycle:
         if spare <= 0:
             return 0
         self.drop_spares()                  # they keep chunks from being empty
-        busy = {r.chunk for r in self._reserved.values()}
+        busy: set[int] = set()
+        for v in self._in_flight():
+            busy.update(v.chunks.tolist() if type(v) is FillBatch else (v.chunk,))
         pick = [c for c, _ in sorted(use.items(), key=lambda cu: cu[1]) if c not in busy][:spare]
         if not pick:
             return 0
@@ -995,6 +1091,7 @@ class BlockLifecycle:
         put, once none of its copies can still land): without the lock in its own lane (nobody
         else writes a RESERVED entry of a live producer), else under it (shielded: it completes
         when cancelled)."""
+        self._split_keys(keys)
         mine = [(k, self._reserved.pop(k)) for k in keys if k in self._reserved]
         if not mine:
             return
@@ -1398,7 +1495,9 @@ class BlockLifecycle:
         await self.hold_lock(timeout)
         try:
             self.drop_spares()
-            self._evict_many_locked([r.slot for r in self._reserved.values()])
+            self._evict_many_locked(
+                [x for v in self._in_flight()
+                 for x in (v.slots.tolist() if type(v) is FillBatch else (v.slot,))])
             self._reserved.clear()
             table = self.index.scan()
             mine = np.flatnonzero(((table[:, 0] == ix.READY) | (table[:, 0] == ix.RESERVED))

@@ -253,7 +253,7 @@ class RegionStore:
         (of a whole put, or of one stage), each step timed into its phase."""
         b, ph = self.blocks, self.phases
         t0 = time.perf_counter_ns() if ph is not None else 0
-        snap = b.snapshot(words)
+        snap = b.snapshot_for_put(words)
         if ph is not None:
             ph.add("snapshot", t0)
             t0 = time.perf_counter_ns()
