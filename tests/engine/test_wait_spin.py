@@ -88,3 +88,50 @@ def test_the_default_counts_the_cpus_this_process_may_use(monkeypatch: pytest.Mo
     assert waits.auto_wait_spin_us() == waits.SHORT_SPIN_US
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert waits.auto_wait_spin_us() == waits.LONG_SPIN_US
+
+
+async def test_a_wait_looks_at_its_last_key_first(region_path: str) -> None:
+    """``waits.ready_state`` with ``SENTINEL_MIN_KEYS`` keys or more: while the last key lacks
+    the layer, a look reads that key alone (the other rows of the snapshot stay as they were);
+    once it has it, the look reads every key and decides (another key without the layer: not
+    ready); a key seen and then gone is reported as vanished, with every row read."""
+    import numpy as np
+    from tract_async.keys import keys_to_words
+    from tests.support.engine_util import TINY
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as prod, \
+            tract.Engine.open(cfg(region_path, 1)) as cons:
+        keys = prod.block_keys(range(20 * TINY.block_tokens))
+        n = len(keys)
+        assert n >= waits.SENTINEL_MIN_KEYS
+        kv = kv_for_keys(keys, as_numpy=True)
+        bt = TINY.block_tokens
+        st = cons._store
+        g = st.geo
+        words = keys_to_words(keys)
+        seen = np.zeros(n, dtype=np.uint8)
+
+        def look(layer: int) -> tuple[int, np.ndarray]:
+            snap = np.full((n, 8), 777, dtype=np.int64)
+            r = waits.ready_state(st.mem, g.entries_offset, st.index.mask, g.max_probe, g.lanes,
+                                  words, 0, np.uint64(1 << layer), False, snap, seen)
+            return int(r), snap
+
+        await prod.put_kv(keys, np.ascontiguousarray(kv[0]), layer=0)
+        r, snap = look(1)
+        assert r == 0 and (snap[:-1] == 777).all() and snap[-1, 0] >= 0   # the last key alone
+        await prod.put_kv(keys[:-1], np.ascontiguousarray(kv[1][:, :(n - 1) * bt]), layer=1)
+        r, snap = look(1)
+        assert r == 0 and (snap[:-1] == 777).all()
+        await prod.put_kv(keys[-1:], np.ascontiguousarray(kv[1][:, (n - 1) * bt:]), layer=1)
+        r, snap = look(1)
+        assert r == 1 and (snap[:, 0] >= 0).all()                        # every key read
+        # the last key has layer 2, the others not: the full look says not yet
+        await prod.put_kv(keys[-1:], np.ascontiguousarray(kv[2][:, (n - 1) * bt:]), layer=2)
+        r, snap = look(2)
+        assert r == 0 and (snap[:, 0] >= 0).all() and (snap[:-1] != 777).all()
+        # the last key abandoned by its producer: vanished (the others have layer 0), with
+        # every row read for the report
+        await prod._store.blocks.abandon(keys[-1:])
+        r, snap = look(0)
+        assert r == -1 and snap[-1, 0] < 0 and (snap[:-1, 0] >= 0).all()
+        await prod._store.blocks.abandon(keys)
