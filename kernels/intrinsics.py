@@ -340,3 +340,29 @@ def int64_ptr(typingctx, addr):
         v = context.cast(builder, args[0], signature.args[0], types.uint64)
         return builder.inttoptr(v, _i64p)
     return sig, codegen
+
+
+@intrinsic
+def uint64_ptr(typingctx, addr):
+    """The integer ``addr`` as a ``uint64*`` (``int64_ptr``'s twin, for key words).
+
+    Warning: nothing checks that ``addr`` points at live, aligned uint64 memory."""
+    sig = types.CPointer(types.uint64)(addr)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint64)
+        return builder.inttoptr(v, _i64p)
+    return sig, codegen
+
+
+@intrinsic
+def bool_ptr(typingctx, addr):
+    """The integer ``addr`` as a ``bool*`` (one byte each, as numpy's ``bool_`` arrays).
+
+    Warning: nothing checks that ``addr`` points at live memory."""
+    sig = types.CPointer(types.boolean)(addr)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint64)
+        return builder.inttoptr(v, _i8p)
+    return sig, codegen

@@ -203,8 +203,9 @@ async def test_workers_copy_while_the_loop_holds_the_gil(region: Region, gang: b
 
 
 async def test_engine_layer_streaming_runs_on_the_gang(region_path: str) -> None:
-    """Through the engine: 4 MiB layers of a 16 MiB transfer go to the gang, bytes exact; the
-    sim backend never uses it."""
+    """Through the engine: 4 MiB layers of a 16 MiB transfer go to the gang (puts as copies,
+    gets as parallel reads: ``stores/parallel.py``), bytes exact; the sim backend never uses
+    it."""
     layout = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=4, head_dim=64,
                             dtype=torch.bfloat16)
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=4, layout=layout,
@@ -216,7 +217,9 @@ async def test_engine_layer_streaming_runs_on_the_gang(region_path: str) -> None
         for layer in range(layout.num_layers):
             got = await eng.get_kv(keys, layer=layer)
             assert torch.equal(got, kv_for_keys(keys, layout, layer)), layer
-        assert eng._store.copier.gang_copies == 2 * layout.num_layers
+        # the puts' copies, and the gets as parallel reads (each group checked on its thread)
+        assert eng._store.copier.gang_copies == layout.num_layers
+        assert eng._store.stats.parallel_reads == layout.num_layers
 
 
 async def test_the_sim_backend_never_gangs(region_path: str) -> None:

@@ -191,6 +191,8 @@ async def test_put_get_32_mib_on_four_threads_is_exact(region_path: str,
     puts, gets = _spy(monkeypatch, "copy_in"), _spy(monkeypatch, "copy_out_nt")
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=4,
                                      region_bytes=96 << 20)) as eng:
+        eng._store.parallel.enabled = False      # the step-by-step read's copies
+        # (parallel reads: test_parallel_reads.py)
         n = (32 << 20) // TINY.block_bytes
         keys = eng.block_keys(range(TINY.block_tokens * n))
         kv = kv_for_keys(keys)
@@ -227,6 +229,8 @@ async def test_layer_puts_and_gets_on_four_threads_are_exact(
     puts, gets = _spy(monkeypatch, "copy_in"), _spy(monkeypatch, "copy_out_nt")
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=4, layout=MID,
                                      region_bytes=96 << 20, chunk_bytes=4 << 20)) as eng:
+        eng._store.parallel.enabled = False      # the step-by-step read's copies
+        # (parallel reads: test_parallel_reads.py)
         n = (32 << 20) // MID.block_bytes
         keys = eng.block_keys(range(MID.block_tokens * n))
         layer_bytes = n * MID.layer_bytes
@@ -253,6 +257,8 @@ async def test_a_4_mib_layer_is_cut_by_size_and_later_layers_skip_the_index(
                             dtype=torch.bfloat16)            # 64 KiB blocks, 16 KiB a layer
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=8, layout=layout,
                                      region_bytes=96 << 20)) as eng:
+        eng._store.parallel.enabled = False      # the step-by-step read's copies
+        # (parallel reads: test_parallel_reads.py)
         blocks = eng._store.blocks
         snaps: list[int] = []
         real_snapshot = blocks.snapshot_for_put      # a put's look at the index (it may
@@ -337,6 +343,8 @@ async def test_cancelled_get_and_put_wait_for_every_thread(region_path: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=4,
                                      region_bytes=128 << 20)) as eng:
+        eng._store.parallel.enabled = False      # the step-by-step read's copies
+        # (parallel reads: test_parallel_reads.py)
         n = (16 << 20) // TINY.block_bytes
         keys = eng.block_keys(range(TINY.block_tokens * n))
         more = eng.block_keys(range(10_000_000, 10_000_000 + TINY.block_tokens * n))

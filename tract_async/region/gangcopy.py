@@ -14,7 +14,7 @@ worker, so that two workers' rows share no cache line):
 
 | word | name      | writer                 | meaning                                        |
 |------|-----------|------------------------|------------------------------------------------|
-| 0    | kind      | dispatcher             | KIND_PUT, KIND_GET, KIND_GET_NT or KIND_STOP   |
+| 0    | kind      | dispatcher             | KIND_PUT, KIND_GET, KIND_GET_NT, KIND_GET_CHECKED, KIND_PUT_PUBLISH or KIND_STOP |
 | 1    | plan_addr | dispatcher             | address of the group's plan rows (int64[n, 3]) |
 | 2    | nrows     | dispatcher             | rows of that plan                              |
 | 3    | base      | dispatcher             | private address the plan's second column adds to |
@@ -22,7 +22,19 @@ worker, so that two workers' rows share no cache line):
 | 14   | done      | worker                 | jobs this worker finished (a count)            |
 | 15   | failed    | worker                 | jobs it refused (a row out of the region)      |
 | 16   | seq       | dispatcher             | jobs posted to this worker (a count)           |
-| 17-31| (unused)  |                        | pads the row to 256 bytes                      |
+| 17   | args      | dispatcher             | address of the job's argument words (the kinds that take them), else 0 |
+| 18-31| (unused)  |                        | pads the row to 256 bytes                      |
+
+Argument words (private int64 arrays, alive until the job is done; the worker writes only the
+result word): KIND_GET_CHECKED, a whole checked read of a group of keys (``get_checked``:
+snapshot, checks, copy, revalidation; ``stores/parallel.py``), ``GA_*``: index geometry
+(entries offset, mask, max probe, lanes), payload bounds (chunks' start and end, block
+bytes), output bytes per block position, the slot-tag geometry's address and length, the key
+words' address and count, the plan template's address and rows, the snapshot rows' and ok
+flags' addresses, validate / whole / layer word / layer bit / non-temporal output, the result,
+and a test seam's address (``hold``). KIND_PUT_PUBLISH, a copy whose thread then sets its
+blocks' layer bits (``put_published``), ``PA_*``: entries offset, the slots' address and count,
+the layer bits and every layer's bits, the result.
 
 Hand-off: the dispatcher writes a row, bumps ``seq``, then ``write()``s 1 to that worker's
 eventfd. A worker that finished a job within the last ``spin_ns`` is still polling ``seq`` (with
@@ -48,14 +60,121 @@ import numpy as np
 from numba import carray, njit
 
 import tract_kernels as K
-from tract_kernels.intrinsics import (aload64, astore64, fd_read, fd_write, int64_ptr,
-                                      monotonic_ns, sched_yield)
+from tract_kernels.intrinsics import (aload64, astore64, bool_ptr, fd_read, fd_write,
+                                      int64_ptr, monotonic_ns, sched_yield, uint64_ptr)
 
 from . import index as ix
 
 JOB_WORDS = 32
 J_KIND, J_PLAN_ADDR, J_NROWS, J_BASE, J_MEM, J_DONE, J_FAILED, J_SEQ = 0, 1, 2, 3, 4, 14, 15, 16
+J_ARGS = 17
 KIND_PUT, KIND_GET, KIND_GET_NT, KIND_STOP = 1, 2, 3, 9
+KIND_GET_CHECKED, KIND_PUT_PUBLISH = 4, 5
+
+# the arguments of a KIND_GET_CHECKED job (int64[GA_WORDS], its address in word J_ARGS)
+(GA_EOFF, GA_MASK, GA_MAX_PROBE, GA_LANES, GA_CHUNKS_LO, GA_CHUNKS_END, GA_BLOCK_BYTES,
+ GA_POS_STEP, GA_TGEO, GA_TGEO_LEN, GA_KEYS, GA_NKEYS, GA_TMPL, GA_TMPL_ROWS, GA_SNAP, GA_OK,
+ GA_VALIDATE, GA_WHOLE, GA_WORD, GA_BIT, GA_NT, GA_RESULT, GA_HOLD, GA_WORDS) = range(24)
+# the arguments of a KIND_PUT_PUBLISH job (int64[PA_WORDS])
+(PA_EOFF, PA_SLOTS, PA_NSLOTS, PA_LO, PA_HI, PA_ALL_LO, PA_ALL_HI, PA_RESULT, PA_WORDS) = range(9)
+
+NOT_READY = -1
+"""``get_checked``: some key absent, or without what the read needs (``snap`` says which)."""
+BAD_BOUNDS = -2
+"""``get_checked``: some snapshot's payload bounds do not fit (changed during the read)."""
+
+
+@njit(cache=True, nogil=True)
+def _shifted_rows(tmpl, poffs, pos_step):
+    """Plan rows of blocks 0..n-1 of a group: the template's rows shifted by each block's
+    payload offset and its position (block-major, as ``plan.plan`` builds them)."""
+    r = tmpl.shape[0]
+    n = poffs.shape[0]
+    plan = np.empty((n * r, 3), dtype=np.int64)
+    for j in range(n):
+        for t in range(r):
+            plan[j * r + t, 0] = tmpl[t, 0] + poffs[j]
+            plan[j * r + t, 1] = tmpl[t, 1] + j * pos_step
+            plan[j * r + t, 2] = tmpl[t, 2]
+    return plan
+
+
+@njit(cache=True, nogil=True)
+def get_checked(m, eoff, mask, max_probe, lanes, chunks_lo, chunks_end, block_bytes, pos_step,
+                tgeo, keys, tmpl, dst_base, validate, whole, word, bit, nt, snap, ok, hold=0):
+    """The whole read of ``keys`` into private memory at ``dst_base``, the steps of the
+    lock-free read (``region/index.py``) in one call, for one group of a parallel read
+    (``stores/parallel.py``): ``snapshot_batch``; every key present and READY (``whole``) or
+    with the layer bit ``bit`` of word ``word``, and payload bounds of one block inside the
+    chunks -- else NOT_READY / BAD_BOUNDS with nothing copied; ``read_rows`` by ``tmpl``
+    (one block's rows at payload offset 0 and position 0, ``pos_step`` bytes of output a
+    block); ``revalidate_batch`` unless ``validate`` is off. Returns NOT_READY, BAD_BOUNDS,
+    or the number of blocks that failed revalidation (0: the output is good; ``ok`` per
+    block). ``hold``: a test seam, the address of two words (0: none): after its checks the
+    call stores 1 in the second and waits while the first is not 0 (a deterministic torn read:
+    ``tests/engine/test_parallel_reads.py``)."""
+    ix.snapshot_batch(m, eoff, mask, max_probe, lanes, keys, snap)
+    n = keys.shape[0]
+    for i in range(n):
+        if snap[i, 0] < 0:
+            return np.int64(NOT_READY)
+        st = snap[i, 2]
+        if st == np.int64(ix.READY):
+            continue
+        if whole or st != np.int64(ix.RESERVED):
+            return np.int64(NOT_READY)
+        if (np.uint64(snap[i, 5 + word]) & np.uint64(bit)) == 0:
+            return np.int64(NOT_READY)
+    for i in range(n):
+        # ``> end - bb``, not ``+ bb > end``: a damaged offset near 2**63 would wrap the sum
+        if snap[i, 4] != block_bytes or snap[i, 3] < chunks_lo \
+                or snap[i, 3] > chunks_end - block_bytes:
+            return np.int64(BAD_BOUNDS)
+    poffs = np.empty(n, dtype=np.int64)
+    slots = np.empty(n, dtype=np.int64)
+    versions = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        poffs[i] = snap[i, 3]
+        slots[i] = snap[i, 0]
+        versions[i] = snap[i, 1]
+    if hold != 0:
+        astore64(np.uint64(hold) + np.uint64(8), np.uint64(1))
+        while aload64(np.uint64(hold)) != 0:
+            sched_yield()
+    K.read_rows(m, _shifted_rows(tmpl, poffs, pos_step), dst_base, ix.S_IX_PAYLOAD_READ, nt)
+    if not validate:
+        for i in range(n):
+            ok[i] = True
+        return np.int64(0)
+    return np.int64(ix.revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok))
+
+
+@njit(cache=True, nogil=True)
+def put_published(m, plan, src_base, eoff, slots, lo, hi, all_lo, all_hi):
+    """One group of a parallel layer put (``stores/parallel.py``): ``write_rows`` of its rows
+    (non-temporal stores, its own ``sfence``), then ``publish_layers`` of its blocks -- the
+    thread that wrote a block's bytes and fenced them sets that block's layer bits, so each
+    block's bits follow its bytes as in a one-thread publish. Returns the entries that became
+    READY."""
+    K.write_rows(m, plan, src_base, ix.S_IX_PAYLOAD_WRITE)
+    return ix.publish_layers(m, eoff, slots, np.uint64(lo), np.uint64(hi), np.uint64(all_lo),
+                             np.uint64(all_hi))
+
+
+@njit(cache=True, nogil=True)
+def _run_get_checked(m, args, dst_base):
+    """A KIND_GET_CHECKED job from its argument words (``GA_*``): ``get_checked``'s result."""
+    tgeo = carray(int64_ptr(args[GA_TGEO]), (args[GA_TGEO_LEN],))
+    n = args[GA_NKEYS]
+    keys = carray(uint64_ptr(args[GA_KEYS]), (n, 4))
+    tmpl = carray(int64_ptr(args[GA_TMPL]), (args[GA_TMPL_ROWS], 3))
+    snap = carray(int64_ptr(args[GA_SNAP]), (n, 8))
+    ok = carray(bool_ptr(args[GA_OK]), (n,))
+    return get_checked(m, args[GA_EOFF], args[GA_MASK], args[GA_MAX_PROBE], args[GA_LANES],
+                       args[GA_CHUNKS_LO], args[GA_CHUNKS_END], args[GA_BLOCK_BYTES],
+                       args[GA_POS_STEP], tgeo, keys, tmpl, dst_base, args[GA_VALIDATE] != 0,
+                       args[GA_WHOLE] != 0, args[GA_WORD], args[GA_BIT], args[GA_NT] != 0,
+                       snap, ok, args[GA_HOLD])
 
 
 @njit(cache=True, nogil=True)
@@ -118,9 +237,17 @@ def worker_loop(board, worker, wake_fd, done_fd, scratch_addr, spin_ns):
              np.int64(aload64(w + np.uint64(32))), np.int64(aload64(w + np.uint64(40))),
              np.int64(aload64(w + np.uint64(48))), np.int64(aload64(w + np.uint64(56))),
              np.int64(aload64(w + np.uint64(64))), np.int64(aload64(w + np.uint64(72))))
-        if not rows_in_region(m[K.MEM_SIZE_BYTES], plan) or m[K.MEM_BACKEND] != K.BACKEND_HW:
+        if kind == KIND_GET_CHECKED and m[K.MEM_BACKEND] == K.BACKEND_HW:
+            args = carray(int64_ptr(aload64(row + np.uint64(J_ARGS * 8))), (GA_WORDS,))
+            args[GA_RESULT] = _run_get_checked(m, args, base)
+        elif not rows_in_region(m[K.MEM_SIZE_BYTES], plan) or m[K.MEM_BACKEND] != K.BACKEND_HW:
             failed = row + np.uint64(J_FAILED * 8)
             astore64(failed, aload64(failed) + np.uint64(1))
+        elif kind == KIND_PUT_PUBLISH:
+            args = carray(int64_ptr(aload64(row + np.uint64(J_ARGS * 8))), (PA_WORDS,))
+            slots = carray(int64_ptr(args[PA_SLOTS]), (args[PA_NSLOTS],))
+            args[PA_RESULT] = put_published(m, plan, base, args[PA_EOFF], slots, args[PA_LO],
+                                            args[PA_HI], args[PA_ALL_LO], args[PA_ALL_HI])
         elif kind == KIND_PUT:
             K.write_rows(m, plan, base, ix.S_IX_PAYLOAD_WRITE)
         else:

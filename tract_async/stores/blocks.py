@@ -234,6 +234,12 @@ class StoreStats(TransferStats):
     (``stores/preclaim.py``, "Evicting ahead"); also counted in ``evictions``."""
     unsnapshotted_puts: int = 0
     """Puts (or stages of one) that reserved without an index snapshot (``snapshot_for_put``)."""
+    parallel_reads: int = 0
+    """Reads done in parallel groups, metadata included (``stores/parallel.py``)."""
+    parallel_reads_redone: int = 0
+    """Parallel reads that a group sent to the step-by-step path (not ready, changed)."""
+    parallel_read_groups: int = 0
+    """Groups of parallel reads (the loop's own included)."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
@@ -1184,13 +1190,20 @@ class BlockLifecycle:
                                    np.uint64(dst), self.validate_reads, snap, ok))
         if bad < 0:
             return None
-        self._count_read(keys, ok, bad, n * self.layout.block_bytes, snap[:, 0], snap[:, 1])
+        self.count_read(keys, ok, bad, n * self.layout.block_bytes, snap[:, 0], snap[:, 1])
         self.stats.fused_gets += 1
         return snap
 
     def fused_snapshot(self, n: int) -> np.ndarray:
         """A copy of what the last fused get of ``n`` keys snapshotted."""
         return self._fsnap[:n].copy()
+
+    async def wait_ready(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
+                         timeout: float) -> np.ndarray:
+        """Wait up to ``timeout`` until every key of ``words`` is present and has ``layer``
+        (READY for None), from ``snap`` (``_wait_ready``); the last snapshot. Raises
+        TransferTimeout."""
+        return await self._wait_ready(words, snap, layer, timeout)
 
     async def wait_whole(self, words: np.ndarray, snap: np.ndarray, timeout: float) -> None:
         """Wait up to ``timeout`` until every key is READY (``_wait_ready``, from ``snap``).
@@ -1209,10 +1222,10 @@ class BlockLifecycle:
         ok = np.ones(n, dtype=np.bool_)
         bad = (self.index.revalidate(slots, versions, snap[:, 3], words, ok)
                if self.validate_reads else 0)
-        self._count_read(keys, ok, int(bad), nbytes, slots, versions)
+        self.count_read(keys, ok, int(bad), nbytes, slots, versions)
 
-    def _count_read(self, keys: list[bytes], ok: np.ndarray, bad: int, nbytes: int,
-                    slots: np.ndarray, versions: np.ndarray) -> None:
+    def count_read(self, keys: list[bytes], ok: np.ndarray, bad: int, nbytes: int,
+                   slots: np.ndarray, versions: np.ndarray) -> None:
         """After a read's revalidation (``bad`` blocks failed, ``ok`` per block): count it,
         and either raise BlockEvicted or record the LRU touches."""
         st, n = self.stats, len(keys)

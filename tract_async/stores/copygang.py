@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -157,34 +157,56 @@ class CopyGang:
         workers copy theirs; then it polls for them (module doc). Raises IndexError (nothing
         posted) for a row outside the region; the loop's own kernel's error after every worker
         is done; AssertionError when called busy, closed, or from another loop."""
-        loop = asyncio.get_running_loop()
-        if not self.idle or not self.serves(loop) or len(groups) > self.workers:
-            raise AssertionError("copy gang: run() needs an idle gang of this loop with a "
-                                 "worker per group")
         size = int(mem[K.MEM_SIZE_BYTES])
         for g in (*groups, *(() if own is None else (own[1],))):
             if not G.rows_in_region(size, g):
                 raise IndexError("region byte range out of bounds")
+        await self._dispatch(mem, [(kind, g, base, None) for g in groups],
+                             None if own is None else (lambda: own[0](mem, own[1], base)))
+
+    async def run_jobs(self, mem: K.Mem, jobs: list[tuple[int, np.ndarray, int, np.ndarray]],
+                       own: Callable[[], Any] | None = None) -> Any:
+        """Post ``jobs`` -- ``(kind, plan, base, args)`` of the kinds that take argument words
+        (``gangcopy.KIND_GET_CHECKED``, ``KIND_PUT_PUBLISH``; each job's result lands in its
+        ``args``) -- one per worker, run ``own()`` on the loop's thread meanwhile, and return its
+        result once every worker is done (as ``run``: also when cancelled, then re-raise).
+        Raises IndexError (nothing posted) for a plan row outside the region."""
+        size = int(mem[K.MEM_SIZE_BYTES])
+        for _, plan, _, _ in jobs:
+            if not G.rows_in_region(size, plan):
+                raise IndexError("region byte range out of bounds")
+        return await self._dispatch(mem, jobs, own)
+
+    async def _dispatch(self, mem: K.Mem,
+                        jobs: list[tuple[int, np.ndarray, int, np.ndarray | None]],
+                        own: Callable[[], Any] | None) -> Any:
+        loop = asyncio.get_running_loop()
+        if not self.idle or not self.serves(loop) or len(jobs) > self.workers:
+            raise AssertionError("copy gang: a run needs an idle gang of this loop with a "
+                                 "worker per job")
         if not self._threads:
             self._start(loop)
         fut: asyncio.Future[None] = loop.create_future()
         self._fut = fut
-        self._keep = [np.ascontiguousarray(g, dtype=np.int64) for g in groups]
+        plans = [np.ascontiguousarray(j[1], dtype=np.int64) for j in jobs]
+        self._keep = plans + [j[3] for j in jobs if j[3] is not None]
         b = self.board
-        self._workers = np.arange(len(groups), dtype=np.int64)
-        self._targets = b[:len(groups), G.J_DONE] + 1
-        for i, g in enumerate(self._keep):
+        self._workers = np.arange(len(jobs), dtype=np.int64)
+        self._targets = b[:len(jobs), G.J_DONE] + 1
+        for i, ((kind, _, base, args), plan) in enumerate(zip(jobs, plans)):
             b[i, G.J_KIND] = kind
-            b[i, G.J_PLAN_ADDR] = g.ctypes.data
-            b[i, G.J_NROWS] = g.shape[0]
+            b[i, G.J_PLAN_ADDR] = plan.ctypes.data
+            b[i, G.J_NROWS] = plan.shape[0]
             b[i, G.J_BASE] = base
             b[i, G.J_MEM:G.J_MEM + 10] = mem
+            b[i, G.J_ARGS] = 0 if args is None else args.ctypes.data
             b[i, G.J_SEQ] += 1
             os.eventfd_write(self._wake[i], 1)
         own_err: BaseException | None = None
+        got: Any = None
         if own is not None:
             try:
-                own[0](mem, own[1], base)
+                got = own()
             except BaseException as e:     # noqa: BLE001 - raised once the workers are done
                 own_err = e
             if G.wait_done(b, self._workers, self._targets, LOOP_WAIT_NS):
@@ -193,7 +215,7 @@ class CopyGang:
                     raise own_err
                 if err is not None:
                     raise err
-                return
+                return got
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -207,6 +229,7 @@ class CopyGang:
             raise
         if own_err is not None:
             raise own_err
+        return got
 
     def close(self) -> None:
         """Stop the workers (after the copy in flight, if any) and close the descriptors.

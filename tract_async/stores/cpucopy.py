@@ -216,7 +216,7 @@ class CpuCopier:
         if gang is not None:
             gang.close()
 
-    def _idle_gang(self) -> CopyGang | None:
+    def idle_gang(self) -> CopyGang | None:
         """The gang, made on first use, when it can take a copy now (idle, this loop)."""
         if not self.use_gang or self.copy_threads < 2:
             return None
@@ -282,7 +282,7 @@ class CpuCopier:
             groups = split_plan(plan, parts)
             if len(groups) > 1:
                 kind = _gang_kind(fn)
-                gang = self._idle_gang() if kind is not None else None
+                gang = self.idle_gang() if kind is not None else None
                 share = (loop_share and
                          max(int(g[:, 2].sum()) for g in groups) <= LOOP_SHARE_MAX_BYTES)
                 if gang is not None and len(groups) - share <= gang.workers:

@@ -63,6 +63,7 @@ from . import plan as kvplan
 from .blocks import BlockLifecycle, StoreStats
 from .cpucopy import INLINE_COPY_BYTES, CpuCopier
 from .phases import PhaseTimes
+from .parallel import ParallelReads
 from .small import SmallPath
 
 STAGE_BLOCKS = 512
@@ -103,6 +104,8 @@ class RegionStore:
         control of the test that shows why."""
         self.small = SmallPath(self)
         """The Engine's one-block fast path over this store (``stores/small.py``)."""
+        self.parallel = ParallelReads(self)
+        """Large reads in parallel groups, metadata included (``stores/parallel.py``)."""
 
     def _fusable(self, n: int, layer: int | None) -> bool:
         """A transfer the fused kernels take (``stores/fused.py``): whole blocks, at most
@@ -370,6 +373,17 @@ class RegionStore:
                     await b.consume(keys, words, snap.copy(), layer)
                 return out
         with b.preclaimer.reading():           # no evicting ahead meanwhile (PreClaimer.busy)
+            if self.parallel.takes(n, n * self.layout.layer_bytes *
+                                   (self.layout.num_layers if layer is None else 1)):
+                words = keys_to_words(keys)
+                t_wait = time.monotonic()
+                snap = await self.parallel.get(keys, words, out, layer, timeout)
+                if snap is not None:
+                    if self.cfg.mode == "transfer":
+                        await b.consume(keys, words, snap, layer)
+                    return out
+                if timeout is not None and timeout > 0:   # what its wait left of the timeout
+                    timeout = max(1e-3, timeout - (time.monotonic() - t_wait))
             words, snap = await b.prepare_read(keys, layer, timeout)
             if ph is not None:
                 ph.add("prepare_read", t0)

@@ -1,0 +1,170 @@
+"""Parallel reads (``stores/parallel.py``): each copy thread snapshots, copies and revalidates
+its own group of blocks.
+
+The bytes are exact, whole and layer by layer, with the groups really run on the gang's
+workers; a group that finds a layer missing sends the read to the step-by-step path, which
+waits for it or raises as before; the sim backend never takes the path. A deterministic torn
+read: a worker's group is held after its snapshot while another node evicts one of its blocks
+and writes another key into that slot; with the per-group revalidation the read gives up and
+the step-by-step path reports the miss, without it (the negative control) the other key's bytes
+come back as the block's.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import tract_async as tract
+from tract_async import errors as E
+from tract_async.keys import keys_to_words
+from tract_async.stores import parallel as P
+from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
+
+N = 96          # blocks: 3 MiB of TINY's 32 KiB blocks (>= PARALLEL_COPY_BYTES whole)
+
+
+def _keys(eng: tract.Engine, first: int, n: int = N) -> list[bytes]:
+    bt = TINY.block_tokens
+    return eng.block_keys(range(first * bt, (first + n) * bt))
+
+
+async def test_parallel_reads_are_exact(region_path: str) -> None:
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=3)) as a, \
+            tract.Engine.open(cfg(region_path, 1, copy_threads=3)) as b:
+        keys = _keys(a, 0)
+        kv = kv_for_keys(keys, as_numpy=True)
+        for layer in range(TINY.num_layers):
+            await a.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer)
+        st = b._store.stats
+        got = await b.get_kv(keys, out=np_out(keys))
+        assert all(block_matches(keys, got))
+        assert st.parallel_reads == 1 and st.parallel_read_groups == 3
+        for layer in range(TINY.num_layers):        # 768 KiB a layer: below 2 threads' worth
+            got = await b.get_kv(keys, layer=layer, out=np_out(keys, layer=layer))
+            assert all(block_matches(keys, got, layer=layer))
+        assert st.parallel_reads == 1
+        big = _keys(a, 1000, 4 * N)                 # 3 MiB a layer: the parallel path
+        kvb = kv_for_keys(big, as_numpy=True)
+        for layer in range(TINY.num_layers):
+            await a.put_kv(big, np.ascontiguousarray(kvb[layer]), layer=layer)
+            got = await b.get_kv(big, layer=layer, out=np_out(big, layer=layer), timeout=5)
+            assert all(block_matches(big, got, layer=layer)), layer
+        assert st.parallel_reads == 1 + TINY.num_layers and st.parallel_reads_redone == 0
+        assert st.hits == N + TINY.num_layers * (N + 4 * N)
+
+
+async def test_a_layer_not_landed_goes_to_the_step_by_step_read(region_path: str) -> None:
+    """The last key has layer 1 and the others not: the parallel read gives up, and the
+    step-by-step read raises LayerNotReady without a timeout, or waits for the layer with one."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=2)) as a, \
+            tract.Engine.open(cfg(region_path, 1, copy_threads=2)) as b:
+        keys = _keys(a, 0, 4 * N)
+        kv = kv_for_keys(keys, as_numpy=True)
+        bt = TINY.block_tokens
+        await a.put_kv(keys, np.ascontiguousarray(kv[0]), layer=0)
+        await a.put_kv(keys[-1:], np.ascontiguousarray(kv[1][:, -bt:]), layer=1)
+        st = b._store.stats
+        with pytest.raises(E.LayerNotReady):
+            await b.get_kv(keys, layer=1, out=np_out(keys, layer=1))
+        assert st.parallel_reads_redone == 1 and st.parallel_reads == 0
+        waiting = asyncio.create_task(b.get_kv(keys, layer=1, out=np_out(keys, layer=1),
+                                               timeout=10))
+        await asyncio.sleep(0.05)
+        await a.put_kv(keys[:-1], np.ascontiguousarray(kv[1][:, :-bt]), layer=1)
+        got = await waiting
+        assert all(block_matches(keys, got, layer=1))
+        assert st.parallel_reads_redone == 2
+
+
+async def test_the_sim_backend_reads_step_by_step(region_path: str) -> None:
+    async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim",
+                                     copy_threads=2)) as a:
+        keys = _keys(a, 0)
+        await a.put_kv(keys, kv_for_keys(keys, as_numpy=True))
+        got = await a.get_kv(keys, out=np_out(keys))
+        assert all(block_matches(keys, got)) and a._store.stats.parallel_read_groups == 0
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validated", "negative-control"])
+async def test_a_group_revalidates_what_it_copied(region_path: str, validate: bool) -> None:
+    a = await tract.Engine.open(cfg(region_path, 0, create=True))
+    b = await tract.Engine.open(cfg(region_path, 1, copy_threads=2))
+    try:
+        x = _keys(a, 0)
+        await a.put_kv(x, kv_for_keys(x, as_numpy=True))
+        last = int(a._store.index.snapshot(keys_to_words(x[-1:]))[0, 3])
+        hold = np.array([1, 0], dtype=np.uint64)
+        bp = b._store.parallel
+        bp.hold_after_snapshot = hold
+        b._store.blocks.validate_reads = validate
+        reader = asyncio.create_task(b.get_kv(x, out=np_out(x)))
+        for _ in range(2000):                  # the worker's group (the last keys) snapshotted
+            if hold[1]:
+                break
+            await asyncio.sleep(0.005)
+        assert hold[1] == 1, "the worker's group never reached its hold"
+        assert not reader.done()
+        st = a._store
+        assert await st.blocks.evict(x[-1:], timeout=10) == 1
+        y = a.block_keys(range(900_000, 900_000 + TINY.block_tokens))
+        await a.put_kv(y, kv_for_keys(y, as_numpy=True))
+        assert int(st.index.snapshot(keys_to_words(y))[0, 3]) == last, \
+            "Y must have been written into the last block's slot"
+        bp.hold_after_snapshot = None
+        hold[0] = 0
+        if validate:
+            with pytest.raises(E.BlockNotFound):   # the step-by-step read finds it gone
+                await reader
+            assert b._store.stats.parallel_reads_redone == 1
+        else:
+            got = await reader
+            ok = block_matches(x, got)
+            assert all(ok[:-1]) and not ok[-1], "expected Y's bytes in the last block's place"
+            assert all(block_matches(y, got[:, :, -TINY.block_tokens:]))
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_reads_of_few_blocks_keep_the_step_by_step_path(region_path: str) -> None:
+    """Fewer than ``PARALLEL_MIN_BLOCKS`` blocks, even of enough bytes for several threads."""
+    lay = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=8, head_dim=128,
+                         dtype=TINY.dtype)                         # 256 KiB blocks
+    n = P.PARALLEL_MIN_BLOCKS - 1
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=4, layout=lay,
+                                     chunk_bytes=4 << 20, region_bytes=64 << 20)) as a:
+        keys = a.block_keys(range(n * lay.block_tokens))
+        kv = kv_for_keys(keys, lay)
+        await a.put_kv(keys, kv)
+        got = await a.get_kv(keys)
+        assert all(block_matches(keys, got, lay))
+        assert a._store.stats.parallel_read_groups == 0 and n * lay.block_bytes >= 4 << 20
+
+
+async def test_a_cancelled_parallel_read_waits_for_its_workers(region_path: str) -> None:
+    """A worker's group cannot be interrupted: a cancelled read returns (cancelled) only once
+    every group is done -- its output is written by nobody afterwards (DESIGN.md invariant 7)
+    -- and the gang serves the next read."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=2)) as a:
+        x = _keys(a, 0)
+        await a.put_kv(x, kv_for_keys(x, as_numpy=True))
+        hold = np.array([1, 0], dtype=np.uint64)
+        a._store.parallel.hold_after_snapshot = hold
+        reader = asyncio.create_task(a.get_kv(x, out=np_out(x)))
+        for _ in range(2000):
+            if hold[1]:
+                break
+            await asyncio.sleep(0.005)
+        assert hold[1] == 1
+        reader.cancel()
+        await asyncio.sleep(0.1)
+        assert not reader.done(), "the cancelled read returned while its worker still copies"
+        a._store.parallel.hold_after_snapshot = None
+        hold[0] = 0
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert a._store.copier.idle_gang() is not None
+        got = await a.get_kv(x, out=np_out(x))
+        assert all(block_matches(x, got)) and a._store.stats.parallel_reads == 1
