@@ -14,7 +14,7 @@ worker, so that two workers' rows share no cache line):
 
 | word | name      | writer                 | meaning                                        |
 |------|-----------|------------------------|------------------------------------------------|
-| 0    | kind      | dispatcher             | KIND_PUT, KIND_GET, KIND_GET_NT, KIND_GET_CHECKED, KIND_PUT_PUBLISH or KIND_STOP |
+| 0    | kind      | dispatcher             | KIND_PUT, KIND_GET, KIND_GET_NT, KIND_GET_CHECKED or KIND_STOP |
 | 1    | plan_addr | dispatcher             | address of the group's plan rows (int64[n, 3]) |
 | 2    | nrows     | dispatcher             | rows of that plan                              |
 | 3    | base      | dispatcher             | private address the plan's second column adds to |
@@ -22,19 +22,17 @@ worker, so that two workers' rows share no cache line):
 | 14   | done      | worker                 | jobs this worker finished (a count)            |
 | 15   | failed    | worker                 | jobs it refused (a row out of the region)      |
 | 16   | seq       | dispatcher             | jobs posted to this worker (a count)           |
-| 17   | args      | dispatcher             | address of the job's argument words (the kinds that take them), else 0 |
+| 17   | args      | dispatcher             | address of the job's argument words (KIND_GET_CHECKED), else 0 |
 | 18-31| (unused)  |                        | pads the row to 256 bytes                      |
 
-Argument words (private int64 arrays, alive until the job is done; the worker writes only the
-result word): KIND_GET_CHECKED, a whole checked read of a group of keys (``get_checked``:
-snapshot, checks, copy, revalidation; ``stores/parallel.py``), ``GA_*``: index geometry
-(entries offset, mask, max probe, lanes), payload bounds (chunks' start and end, block
+Argument words of a KIND_GET_CHECKED job (a private int64 array, alive until the job is done;
+the worker writes only the result word), ``GA_*``: a whole checked read of a group of keys
+(``get_checked``: snapshot, checks, copy, revalidation; ``stores/parallel.py``) -- index
+geometry (entries offset, mask, max probe, lanes), payload bounds (chunks' start and end, block
 bytes), output bytes per block position, the slot-tag geometry's address and length, the key
 words' address and count, the plan template's address and rows, the snapshot rows' and ok
 flags' addresses, validate / whole / layer word / layer bit / non-temporal output, the result,
-and a test seam's address (``hold``). KIND_PUT_PUBLISH, a copy whose thread then sets its
-blocks' layer bits (``put_published``), ``PA_*``: entries offset, the slots' address and count,
-the layer bits and every layer's bits, the result.
+and a test seam's address (``hold``).
 
 Hand-off: the dispatcher writes a row, bumps ``seq``, then ``write()``s 1 to that worker's
 eventfd. A worker that finished a job within the last ``spin_ns`` is still polling ``seq`` (with
@@ -49,8 +47,9 @@ Why the poll. On the 16-core H200 host a thread asleep in ``read()`` takes 50-15
 per layer, a few hundred microseconds apart: polling for ``spin_ns`` after each job keeps the
 workers awake between the layers of one transfer and asleep (no CPU at all) between transfers.
 
-The worker publishes nothing but its done count and the completion ``write()`` after its copy's
-own fence (``write_rows`` ends in ``sfence``; ``read_rows`` invalidates before it reads), so the
+The worker publishes nothing to the region but its copy (a checked read's group also writes its
+result, snapshot rows and ok flags into private memory, all before its done count); the done
+count and the completion ``write()`` come after its copy's own fence (``write_rows`` ends in ``sfence``; ``read_rows`` invalidates before it reads), so the
 dispatcher may publish once every job of a copy is counted: by the eventfd the loop watches, or
 by polling the done counts itself (``wait_done``).
 """
@@ -69,14 +68,12 @@ JOB_WORDS = 32
 J_KIND, J_PLAN_ADDR, J_NROWS, J_BASE, J_MEM, J_DONE, J_FAILED, J_SEQ = 0, 1, 2, 3, 4, 14, 15, 16
 J_ARGS = 17
 KIND_PUT, KIND_GET, KIND_GET_NT, KIND_STOP = 1, 2, 3, 9
-KIND_GET_CHECKED, KIND_PUT_PUBLISH = 4, 5
+KIND_GET_CHECKED = 4
 
 # the arguments of a KIND_GET_CHECKED job (int64[GA_WORDS], its address in word J_ARGS)
 (GA_EOFF, GA_MASK, GA_MAX_PROBE, GA_LANES, GA_CHUNKS_LO, GA_CHUNKS_END, GA_BLOCK_BYTES,
  GA_POS_STEP, GA_TGEO, GA_TGEO_LEN, GA_KEYS, GA_NKEYS, GA_TMPL, GA_TMPL_ROWS, GA_SNAP, GA_OK,
  GA_VALIDATE, GA_WHOLE, GA_WORD, GA_BIT, GA_NT, GA_RESULT, GA_HOLD, GA_WORDS) = range(24)
-# the arguments of a KIND_PUT_PUBLISH job (int64[PA_WORDS])
-(PA_EOFF, PA_SLOTS, PA_NSLOTS, PA_LO, PA_HI, PA_ALL_LO, PA_ALL_HI, PA_RESULT, PA_WORDS) = range(9)
 
 NOT_READY = -1
 """``get_checked``: some key absent, or without what the read needs (``snap`` says which)."""
@@ -147,18 +144,6 @@ def get_checked(m, eoff, mask, max_probe, lanes, chunks_lo, chunks_end, block_by
             ok[i] = True
         return np.int64(0)
     return np.int64(ix.revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok))
-
-
-@njit(cache=True, nogil=True)
-def put_published(m, plan, src_base, eoff, slots, lo, hi, all_lo, all_hi):
-    """One group of a parallel layer put (``stores/parallel.py``): ``write_rows`` of its rows
-    (non-temporal stores, its own ``sfence``), then ``publish_layers`` of its blocks -- the
-    thread that wrote a block's bytes and fenced them sets that block's layer bits, so each
-    block's bits follow its bytes as in a one-thread publish. Returns the entries that became
-    READY."""
-    K.write_rows(m, plan, src_base, ix.S_IX_PAYLOAD_WRITE)
-    return ix.publish_layers(m, eoff, slots, np.uint64(lo), np.uint64(hi), np.uint64(all_lo),
-                             np.uint64(all_hi))
 
 
 @njit(cache=True, nogil=True)
@@ -243,11 +228,6 @@ def worker_loop(board, worker, wake_fd, done_fd, scratch_addr, spin_ns):
         elif not rows_in_region(m[K.MEM_SIZE_BYTES], plan) or m[K.MEM_BACKEND] != K.BACKEND_HW:
             failed = row + np.uint64(J_FAILED * 8)
             astore64(failed, aload64(failed) + np.uint64(1))
-        elif kind == KIND_PUT_PUBLISH:
-            args = carray(int64_ptr(aload64(row + np.uint64(J_ARGS * 8))), (PA_WORDS,))
-            slots = carray(int64_ptr(args[PA_SLOTS]), (args[PA_NSLOTS],))
-            args[PA_RESULT] = put_published(m, plan, base, args[PA_EOFF], slots, args[PA_LO],
-                                            args[PA_HI], args[PA_ALL_LO], args[PA_ALL_HI])
         elif kind == KIND_PUT:
             K.write_rows(m, plan, base, ix.S_IX_PAYLOAD_WRITE)
         else:

@@ -167,8 +167,8 @@ class CopyGang:
     async def run_jobs(self, mem: K.Mem, jobs: list[tuple[int, np.ndarray, int, np.ndarray]],
                        own: Callable[[], Any] | None = None) -> Any:
         """Post ``jobs`` -- ``(kind, plan, base, args)`` of the kinds that take argument words
-        (``gangcopy.KIND_GET_CHECKED``, ``KIND_PUT_PUBLISH``; each job's result lands in its
-        ``args``) -- one per worker, run ``own()`` on the loop's thread meanwhile, and return its
+        (``gangcopy.KIND_GET_CHECKED``; each job's result lands in its ``args``) -- one per
+        worker, run ``own()`` on the loop's thread meanwhile, and return its
         result once every worker is done (as ``run``: also when cancelled, then re-raise).
         Raises IndexError (nothing posted) for a plan row outside the region."""
         size = int(mem[K.MEM_SIZE_BYTES])
