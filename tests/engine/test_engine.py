@@ -169,6 +169,7 @@ async def test_layer_puts_of_other_shapes_than_the_first(region_path: str, backe
         await a.put_kv(keys, kv[0].contiguous(), layer=0)       # reserves: one shared batch
         await a.put_kv(keys, kv[1].contiguous(), layer=1)       # the whole batch: fast path
         await landed(keys, 1, True)
+        await landed(keys, 0, True)       # layer 1's publish kept layer 0's bits
         await landed(keys, 2, False)
         bt = TINY.block_tokens
         await a.put_kv(keys[:12], kv[2][:, :12 * bt].contiguous(), layer=2)   # a subset

@@ -858,10 +858,15 @@ class BlockLifecycle:
         reserved = self._reserved
         if type(res) is FillBatch:
             if res.whole:                 # nothing split it meanwhile: the arrays serve
-                n = self._publish_slots(res.slots, lo, hi)
-                if layer is not None:
-                    res.layers_lo |= lo
-                    res.layers_hi |= hi
+                res.layers_lo |= lo
+                res.layers_hi |= hi
+                # the batch's record is what its entries hold (index.publish_layers_known)
+                waiting = db.publish_known_and_look(
+                    self.mem, self.geo.entries_offset, res.slots, res.layers_lo,
+                    res.layers_hi, self._all_lo, self._all_hi, self._db_off, self._db_nodes)
+                if waiting:
+                    self.doorbell.ring(int(waiting))
+                n = len(res)
                 if layer is None or (res.layers_lo == self._all_lo
                                      and res.layers_hi == self._all_hi):
                     deque(map(reserved.__delitem__, res.keys), maxlen=0)

@@ -108,6 +108,16 @@ def publish_and_look(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi, dboff, no
     return waiting_mask(m, dboff, nodes)
 
 
+@njit(cache=True)            # holds the GIL (fused.py, "Holding the GIL")
+def publish_known_and_look(m, eoff, slots, lo_val, hi_val, all_lo, all_hi, dboff, nodes):
+    """``index.publish_layers_known`` (the caller knows the entries' layer words), then
+    ``waiting_mask``, as ``publish_and_look``."""
+    ix.publish_layers_known(m, eoff, slots, lo_val, hi_val, all_lo, all_hi)
+    if dboff < 0:
+        return np.int64(0)
+    return waiting_mask(m, dboff, nodes)
+
+
 def _name(region: Region, node_id: int) -> bytes:
     return b"\0tract-db-%s-%d" % (region.uuid.hex.encode(), node_id)
 
