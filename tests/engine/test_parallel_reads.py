@@ -19,6 +19,7 @@ import pytest
 import tract_async as tract
 from tract_async import errors as E
 from tract_async.keys import keys_to_words
+from tract_async.region import gangcopy as G
 from tract_async.stores import parallel as P
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
 
@@ -168,3 +169,23 @@ async def test_a_cancelled_parallel_read_waits_for_its_workers(region_path: str)
         assert a._store.copier.idle_gang() is not None
         got = await a.get_kv(x, out=np_out(x))
         assert all(block_matches(x, got)) and a._store.stats.parallel_reads == 1
+
+
+async def test_large_groups_all_go_to_the_workers(region_path: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups above ``LOOP_SHARE_MAX_BYTES`` are all read by the workers (the loop's thread
+    would be held for their whole copy); the bytes are exact either way."""
+    monkeypatch.setattr(P, "LOOP_SHARE_MAX_BYTES", 1 << 20)      # 3 MiB in 3 groups: 1 MiB
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=3)) as a:
+        x = _keys(a, 0)
+        await a.put_kv(x, kv_for_keys(x, as_numpy=True))
+        got = await a.get_kv(x, out=np_out(x))
+        assert all(block_matches(x, got))
+        assert a._store.stats.parallel_read_groups == 3    # 1 MiB a group: the loop reads one
+        monkeypatch.setattr(P, "LOOP_SHARE_MAX_BYTES", (1 << 20) - 1)
+        got = await a.get_kv(x, out=np_out(x))
+        assert all(block_matches(x, got))
+        st = a._store.stats
+        assert st.parallel_reads == 2 and st.parallel_read_groups == 3 + 3   # workers: 3 of 3
+        gang = a._store.copier._gang       # jobs done by the workers: 2 of the first read's
+        assert int(gang.board[:, G.J_DONE].sum()) == 2 + 3    # groups, all 3 of the second's

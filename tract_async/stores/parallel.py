@@ -15,7 +15,9 @@ How. The read's keys are cut into contiguous groups, one per thread (``cpucopy.t
 of its bytes); each group is one ``gangcopy.get_checked`` call -- snapshot of its keys, the
 checks, the copy of its rows, the revalidation of its blocks -- the steps of the lock-free
 read of ``region/index.py`` in their order, for a subset of the blocks. The copy gang's
-workers run the other groups (``KIND_GET_CHECKED``) while the loop's thread runs the first.
+workers run the other groups (``KIND_GET_CHECKED``) while the loop's thread runs the first --
+when a group is at most ``cpucopy.LOOP_SHARE_MAX_BYTES`` (a larger one would hold the loop
+for milliseconds); else the workers run every group and the loop waits.
 Each group's snapshot precedes its own copy and its revalidation follows it, which is all the
 seqlock read needs per block: a block is good when the entry read after its copy still names
 the version read before it. The read is good when every group is.
@@ -48,7 +50,7 @@ import tract_kernels as K
 from .. import arrays
 from ..region import gangcopy as G
 from . import plan as kvplan
-from .cpucopy import NT_READ_BYTES, threads_for
+from .cpucopy import LOOP_SHARE_MAX_BYTES, NT_READ_BYTES, threads_for
 
 if TYPE_CHECKING:
     from .region import RegionStore
@@ -103,6 +105,11 @@ class ParallelReads:
                 return None
         parts = min(threads_for(nbytes, st.copier.copy_threads), gang.workers + 1,
                     n // (PARALLEL_MIN_BLOCKS // 4))
+        # the loop's thread reads a group itself only when a group is small enough to hold
+        # the loop for (``cpucopy.LOOP_SHARE_MAX_BYTES``); else every group goes to a worker
+        loop_reads = nbytes // max(1, parts) <= LOOP_SHARE_MAX_BYTES
+        if not loop_reads:
+            parts = min(parts, gang.workers)
         if parts < 2:
             return None
         ph = st.phases
@@ -123,7 +130,7 @@ class ParallelReads:
         validate = b.validate_reads
         jobs = []
         empty = np.zeros((0, 3), dtype=np.int64)
-        for k in range(1, parts):
+        for k in range(1 if loop_reads else 0, parts):
             k0, k1 = cuts[k], cuts[k + 1]
             a = np.zeros(G.GA_WORDS, dtype=np.int64)
             a[:8] = fixed
@@ -143,8 +150,8 @@ class ParallelReads:
             return int(G.get_checked(mem, *fixed, tgeo, words[:c1], tmpl, dst, validate, whole,
                                      word, np.uint64(1 << bit), nt, snap[:c1], ok[:c1]))
 
-        mine = await gang.run_jobs(mem, jobs, own)
-        results = [mine] + [int(a[G.GA_RESULT]) for _, _, _, a in jobs]
+        mine = await gang.run_jobs(mem, jobs, own if loop_reads else None)
+        results = ([mine] if loop_reads else []) + [int(a[G.GA_RESULT]) for _, _, _, a in jobs]
         b.stats.parallel_read_groups += parts
         if any(results):
             b.stats.parallel_reads_redone += 1
