@@ -18,6 +18,8 @@ compile, or LLVM aborts the process with no Python exception. Importing this mod
 """
 from __future__ import annotations
 
+from typing import Any
+
 from llvmlite import binding as _llvm_binding
 from llvmlite import ir
 from numba import types
@@ -329,17 +331,25 @@ def fd_wait_readable(typingctx, fd, timeout_ms):
     return sig, codegen
 
 
+def _address_as(item: Any, llptr: Any) -> Any:
+    """The typing and code of an intrinsic that takes an integer address as an ``item*`` (the
+    pointer intrinsics below differ only in ``item`` and its LLVM pointer type)."""
+    def typed(addr: Any) -> Any:
+        sig = types.CPointer(item)(addr)
+
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            v = context.cast(builder, args[0], signature.args[0], types.uint64)
+            return builder.inttoptr(v, llptr)
+        return sig, codegen
+    return typed
+
+
 @intrinsic
 def int64_ptr(typingctx, addr):
     """The integer ``addr`` as an ``int64*`` (for ``numba.carray`` over memory given by address).
 
     Warning: nothing checks that ``addr`` points at live, aligned int64 memory."""
-    sig = types.CPointer(types.int64)(addr)
-
-    def codegen(context, builder, signature, args):
-        v = context.cast(builder, args[0], signature.args[0], types.uint64)
-        return builder.inttoptr(v, _i64p)
-    return sig, codegen
+    return _address_as(types.int64, _i64p)(addr)
 
 
 @intrinsic
@@ -347,12 +357,7 @@ def uint64_ptr(typingctx, addr):
     """The integer ``addr`` as a ``uint64*`` (``int64_ptr``'s twin, for key words).
 
     Warning: nothing checks that ``addr`` points at live, aligned uint64 memory."""
-    sig = types.CPointer(types.uint64)(addr)
-
-    def codegen(context, builder, signature, args):
-        v = context.cast(builder, args[0], signature.args[0], types.uint64)
-        return builder.inttoptr(v, _i64p)
-    return sig, codegen
+    return _address_as(types.uint64, _i64p)(addr)
 
 
 @intrinsic
@@ -360,9 +365,4 @@ def bool_ptr(typingctx, addr):
     """The integer ``addr`` as a ``bool*`` (one byte each, as numpy's ``bool_`` arrays).
 
     Warning: nothing checks that ``addr`` points at live memory."""
-    sig = types.CPointer(types.boolean)(addr)
-
-    def codegen(context, builder, signature, args):
-        v = context.cast(builder, args[0], signature.args[0], types.uint64)
-        return builder.inttoptr(v, _i8p)
-    return sig, codegen
+    return _address_as(types.boolean, _i8p)(addr)

@@ -82,21 +82,6 @@ BAD_BOUNDS = -2
 
 
 @njit(cache=True, nogil=True)
-def _shifted_rows(tmpl, poffs, pos_step):
-    """Plan rows of blocks 0..n-1 of a group: the template's rows shifted by each block's
-    payload offset and its position (block-major, as ``plan.plan`` builds them)."""
-    r = tmpl.shape[0]
-    n = poffs.shape[0]
-    plan = np.empty((n * r, 3), dtype=np.int64)
-    for j in range(n):
-        for t in range(r):
-            plan[j * r + t, 0] = tmpl[t, 0] + poffs[j]
-            plan[j * r + t, 1] = tmpl[t, 1] + j * pos_step
-            plan[j * r + t, 2] = tmpl[t, 2]
-    return plan
-
-
-@njit(cache=True, nogil=True)
 def get_checked(m, eoff, mask, max_probe, lanes, chunks_lo, chunks_end, block_bytes, pos_step,
                 tgeo, keys, tmpl, dst_base, validate, whole, word, bit, nt, snap, ok, hold=0):
     """The whole read of ``keys`` into private memory at ``dst_base``, the steps of the
@@ -138,7 +123,8 @@ def get_checked(m, eoff, mask, max_probe, lanes, chunks_lo, chunks_end, block_by
         astore64(np.uint64(hold) + np.uint64(8), np.uint64(1))
         while aload64(np.uint64(hold)) != 0:
             sched_yield()
-    K.read_rows(m, _shifted_rows(tmpl, poffs, pos_step), dst_base, ix.S_IX_PAYLOAD_READ, nt)
+    K.read_rows(m, ix.shifted_rows(tmpl, poffs, np.arange(n), pos_step), dst_base,
+                ix.S_IX_PAYLOAD_READ, nt)
     if not validate:
         for i in range(n):
             ok[i] = True

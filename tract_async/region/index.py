@@ -422,6 +422,24 @@ def invalidate_payloads(m, poffs, rel_offset, nbytes):
 
 
 @njit(cache=True, nogil=True)
+def shifted_rows(tmpl, poffs, positions, pos_step):
+    """Copy plan rows (region offset, tensor offset, nbytes) of whole blocks, block-major, as
+    ``stores/plan.plan`` builds them: the template's rows (one block at payload offset 0 and
+    tensor position 0) shifted by each block's payload offset and tensor position
+    (``pos_step`` bytes a position). What the one-call transfers build inside their kernel
+    (``stores/fused.py``, ``gangcopy.get_checked``)."""
+    r = tmpl.shape[0]
+    n = poffs.shape[0]
+    plan = np.empty((n * r, 3), dtype=np.int64)
+    for j in range(n):
+        for t in range(r):
+            plan[j * r + t, 0] = tmpl[t, 0] + poffs[j]
+            plan[j * r + t, 1] = tmpl[t, 1] + positions[j] * pos_step
+            plan[j * r + t, 2] = tmpl[t, 2]
+    return plan
+
+
+@njit(cache=True, nogil=True)
 def copy_out(m, plan, dst_base):
     """Copy region ranges to private memory: plan rows (region_offset, dst_offset, nbytes)."""
     K.read_rows(m, plan, dst_base, S_IX_PAYLOAD_READ, False)

@@ -99,22 +99,6 @@ BAD_BOUNDS = -2
 """``get_blocks``: some snapshot's payload bounds do not fit (changed during the read)."""
 
 
-@njit(cache=True, nogil=True)
-def _plan_rows(tmpl, poffs, positions, pos_step):
-    """Copy plan rows (region offset, tensor offset, nbytes) of whole blocks, block-major, as
-    ``plan.plan`` builds them: the template's rows shifted by each block's payload offset and
-    tensor position."""
-    r = tmpl.shape[0]
-    n = poffs.shape[0]
-    plan = np.empty((n * r, 3), dtype=np.int64)
-    for j in range(n):
-        for t in range(r):
-            plan[j * r + t, 0] = tmpl[t, 0] + poffs[j]
-            plan[j * r + t, 1] = tmpl[t, 1] + positions[j] * pos_step
-            plan[j * r + t, 2] = tmpl[t, 2]
-    return plan
-
-
 @njit(cache=True)            # holds the GIL (module docstring, "Holding the GIL")
 def put_blocks(m, p, tgeo, keys, ainfo, tmpl, src_base, now_ns, deadline_ns, res):
     """The whole put of ``keys`` (module docstring): ``ainfo`` rows (payload offset, nbytes,
@@ -150,7 +134,7 @@ def put_blocks(m, p, tgeo, keys, ainfo, tmpl, src_base, now_ns, deadline_ns, res
             positions[j] = i
             slots[j] = res[i, 0]
             j += 1
-    K.write_rows(m, _plan_rows(tmpl, poffs, positions, p[P_POS_STEP]), src_base,
+    K.write_rows(m, ix.shifted_rows(tmpl, poffs, positions, p[P_POS_STEP]), src_base,
                  ix.S_IX_PAYLOAD_WRITE)
     all_lo, all_hi = np.uint64(p[P_ALL_LO]), np.uint64(p[P_ALL_HI])
     ix.publish_layers(m, eoff, slots, all_lo, all_hi, all_lo, all_hi)
@@ -186,7 +170,7 @@ def get_blocks(m, p, tgeo, keys, tmpl, dst_base, validate, snap, ok):
         positions[i] = i
         slots[i] = snap[i, 0]
         versions[i] = snap[i, 1]
-    K.read_rows(m, _plan_rows(tmpl, poffs, positions, p[P_POS_STEP]), dst_base,
+    K.read_rows(m, ix.shifted_rows(tmpl, poffs, positions, p[P_POS_STEP]), dst_base,
                 ix.S_IX_PAYLOAD_READ, False)
     if not validate:
         for i in range(n):
