@@ -59,6 +59,7 @@ from numba import njit
 
 import tract_kernels as K
 
+from ..region import gangcopy as G
 from ..region import index as ix
 from ..region.chunks import S_COUNT_READ
 from .doorbell import waiting_mask
@@ -93,9 +94,9 @@ FENCED = -1
 """``put_blocks``: this node was judged dead (NodeEvicted); nothing was written."""
 WINDOW_FULL = -2
 """``put_blocks``: some key found no free entry of the lane; ``res`` rows >= 0 are reserved."""
-NOT_READY = -1
+NOT_READY = G.NOT_READY
 """``get_blocks``: some key absent or not READY (``snap`` says which)."""
-BAD_BOUNDS = -2
+BAD_BOUNDS = G.BAD_BOUNDS
 """``get_blocks``: some snapshot's payload bounds do not fit (changed during the read)."""
 
 
@@ -150,30 +151,8 @@ def get_blocks(m, p, tgeo, keys, tmpl, dst_base, validate, snap, ok):
 
     Returns NOT_READY or BAD_BOUNDS (nothing copied), else the number of blocks that failed
     revalidation (0: the output is good)."""
-    eoff = p[P_EOFF]
-    ix.snapshot_batch(m, eoff, p[P_MASK], p[P_MAX_PROBE], p[P_LANES], keys, snap)
-    n = keys.shape[0]
-    lo, end, bb = p[P_CHUNKS_LO], p[P_CHUNKS_END], p[P_BLOCK_BYTES]
-    for i in range(n):
-        if snap[i, 0] < 0 or snap[i, 2] != np.int64(ix.READY):
-            return np.int64(NOT_READY)
-    for i in range(n):
-        # ``> end - bb``, not ``+ bb > end``: a damaged offset near 2**63 would wrap the sum
-        if snap[i, 4] != bb or snap[i, 3] < lo or snap[i, 3] > end - bb:
-            return np.int64(BAD_BOUNDS)
-    poffs = np.empty(n, dtype=np.int64)
-    positions = np.empty(n, dtype=np.int64)
-    slots = np.empty(n, dtype=np.int64)
-    versions = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        poffs[i] = snap[i, 3]
-        positions[i] = i
-        slots[i] = snap[i, 0]
-        versions[i] = snap[i, 1]
-    K.read_rows(m, ix.shifted_rows(tmpl, poffs, positions, p[P_POS_STEP]), dst_base,
-                ix.S_IX_PAYLOAD_READ, False)
-    if not validate:
-        for i in range(n):
-            ok[i] = True
-        return np.int64(0)
-    return np.int64(ix.revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok))
+    # the checked read of a parallel read's group (``region/gangcopy.py``), whole blocks,
+    # cached destination stores, no test seam; called from here it keeps the GIL
+    return G.get_checked(m, p[P_EOFF], p[P_MASK], p[P_MAX_PROBE], p[P_LANES], p[P_CHUNKS_LO],
+                         p[P_CHUNKS_END], p[P_BLOCK_BYTES], p[P_POS_STEP], tgeo, keys, tmpl,
+                         dst_base, validate, True, 0, np.uint64(1), False, snap, ok, 0)
