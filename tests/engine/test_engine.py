@@ -23,6 +23,7 @@ from tract_async.stores import blocks as bfb
 from tract_async import errors as E
 from tests.support.engine_http_util import http_cfg, http_pair, needs_nixl
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
+from tract_async.fsck import run_fsck
 from tract_async.keys import keys_to_words
 from tract_kernels.intrinsics import monotonic_ns
 
@@ -443,6 +444,36 @@ async def test_a_starving_node_gets_a_chunk_while_the_owner_keeps_putting(
         if b is not None:
             await b.close()
         await a.close()
+
+
+@pytest.mark.parametrize("wait", [pytest.param(True, id="delivered"),
+                                  pytest.param(False, id="negative-control",
+                                               marks=pytest.mark.fsck_dirty)])
+async def test_a_consumers_close_delivers_its_returns(region_path: str, wait: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transfer-only mode: a consumer that read (and so freed) more of a producer's blocks than
+    the producer's return ring holds still delivers every return at its close, once the
+    producer's maintenance has drained the ring; the producer then releases all its chunks
+    (fsck clean). The negative control closes without waiting: the producer's chunks leak."""
+    from tract_async.region import alloc as A
+    if not wait:
+        monkeypatch.setattr(A, "RETURN_WAIT_S", 0.0)
+    a, b = await _pair(region_path, "hw", mode="transfer")
+    try:
+        n = 480                                   # > the 128 entries of a ring
+        keys = a.block_keys(range(n * TINY.block_tokens))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv)
+        assert torch.equal(await b.get_kv(keys), kv)
+        assert b.stats()["consumed"] == n and b._store.alloc._pending
+    finally:
+        await b.close()
+        await a.close()
+    rep = run_fsck(region_path)
+    if wait:
+        assert rep.clean, rep.text()
+    else:
+        assert not rep.clean and "leak" in rep.text()
 
 
 async def test_transfer_only_mode_frees_on_consume_and_deadline(region_path: str,

@@ -191,3 +191,25 @@ async def test_large_groups_all_go_to_the_workers(region_path: str,
         assert st.parallel_reads == 2 and st.parallel_read_groups == 3 + 3   # workers: 3 of 3
         # jobs done by the workers: 2 of the first read's groups, all 3 of the second's
         assert int(gang.board[:, G.J_DONE].sum()) - done0 == 2 + 3
+
+
+async def test_transfer_mode_consumes_after_parallel_reads(region_path: str) -> None:
+    """Transfer-only mode: blocks read by parallel reads are consumed as after any read --
+    whole at once, or after the last layer read layer by layer."""
+    kw = dict(copy_threads=2, mode="transfer")
+    async with tract.Engine.open(cfg(region_path, 0, create=True, **kw)) as a, \
+            tract.Engine.open(cfg(region_path, 1, **kw)) as b:
+        x = _keys(a, 0)
+        await a.put_kv(x, kv_for_keys(x, as_numpy=True))
+        got = await b.get_kv(x, out=np_out(x))
+        assert all(block_matches(x, got))
+        assert b.lookup(x) == 0 and b.stats()["consumed"] == N
+        y = _keys(a, 10_000, 4 * N)
+        kvy = kv_for_keys(y, as_numpy=True)
+        await a.put_kv(y, kvy)
+        for layer in range(TINY.num_layers):
+            assert b.lookup(y) == len(y)
+            got = await b.get_kv(y, layer=layer, out=np_out(y, layer=layer))
+            assert all(block_matches(y, got, layer=layer))
+        assert b.lookup(y) == 0 and b.stats()["consumed"] == N + 4 * N
+        assert b._store.stats.parallel_reads == 1 + TINY.num_layers
