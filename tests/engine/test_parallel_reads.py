@@ -213,3 +213,25 @@ async def test_transfer_mode_consumes_after_parallel_reads(region_path: str) -> 
             assert all(block_matches(y, got, layer=layer))
         assert b.lookup(y) == 0 and b.stats()["consumed"] == N + 4 * N
         assert b._store.stats.parallel_reads == 1 + TINY.num_layers
+
+
+async def test_a_read_reuses_the_words_of_the_same_keys_only(region_path: str) -> None:
+    """``BlockLifecycle.read_words`` caches the key words of the last large read's list: the
+    same list again gives the same array; the list changed in place, or another list, gives
+    fresh words, and the read returns the blocks of the keys it was given."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=2)) as a:
+        x, y = _keys(a, 0), _keys(a, 5000)
+        await a.put_kv(x + y, kv_for_keys(x + y, as_numpy=True))
+        blocks = a._store.blocks
+        keys = list(x)
+        w1 = blocks.read_words(keys)
+        assert blocks.read_words(keys) is w1
+        assert np.array_equal(w1, keys_to_words(x))
+        keys[:] = y                                  # the same list object, other keys
+        w2 = blocks.read_words(keys)
+        assert w2 is not w1 and np.array_equal(w2, keys_to_words(y))
+        got = await a.get_kv(keys, out=np_out(keys))
+        assert all(block_matches(y, got))
+        keys[:] = x
+        got = await a.get_kv(keys, out=np_out(keys))
+        assert all(block_matches(x, got))

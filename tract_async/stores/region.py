@@ -375,7 +375,7 @@ class RegionStore:
         with b.preclaimer.reading():           # no evicting ahead meanwhile (PreClaimer.busy)
             if self.parallel.takes(n, n * self.layout.layer_bytes *
                                    (self.layout.num_layers if layer is None else 1)):
-                words = keys_to_words(keys)
+                words = b.read_words(keys)
                 t_wait = time.monotonic()
                 snap = await self.parallel.get(keys, words, out, layer, timeout)
                 if snap is not None:
