@@ -30,12 +30,15 @@ def print_putget(p1: dict[str, Any]) -> None:
     print("\nwhere the time goes (instrumented pass, median us of each phase over the calls)")
     print(C.table(p1["phases"], ["size", "op", "total_us", "lock_wait_us", "reserve_held_us",
                                  "snapshot_us", "copy_kernel_us", "copy_hop_us", "fused_us",
-                                 "staged_us", "other_us",
+                                 "staged_us", "parallel_us", "other_us",
                                  "copy_only_GBps", "lock_wait_p50_us"]))
     if any(r.get("staged_us") for r in p1["phases"]):
         print("staged_us: the wall time of a staged put's stages (stores/region.py, \"Staged "
               "large puts\"); its reservation, snapshot and copy columns overlap there and do "
               "not add up; other_us is then total - staged_us")
+    if any(r.get("parallel_us") for r in p1["phases"]):
+        print("parallel_us: the wall time of a parallel read's groups (stores/parallel.py), "
+              "each group's snapshot, copy and revalidation on its own thread")
     for k, v in p1.items():
         if k.startswith("fixed_pieces"):
             print(f"{k}: " + ", ".join(f"{a} {b:.1f}" for a, b in v.items()))

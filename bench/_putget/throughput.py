@@ -226,9 +226,12 @@ def phase_rows(s: int, put_phase: dict[str, float], get_phase: dict[str, float],
           "validate_us": us(get_phase, "validate"),
           "copy_kernel_us": us(get_phase, "copy_kernel"),
           "copy_hop_us": us(get_phase, "copy_call") - us(get_phase, "copy_kernel"),
-          "fused_us": us(get_phase, "fused")}
+          "fused_us": us(get_phase, "fused"),
+          # a parallel read (stores/parallel.py): every group's snapshot, copy and
+          # revalidation on its own thread; their wall time together
+          "parallel_us": us(get_phase, "parallel")}
     gp["other_us"] = (gp["total_us"] - gp["snapshot_us"] - gp["copy_kernel_us"]
-                      - gp["copy_hop_us"] - gp["fused_us"])
+                      - gp["copy_hop_us"] - gp["fused_us"] - gp["parallel_us"])
     gp["copy_only_GBps"] = (s / get_phase["copy_kernel"] / 1e9
                             if get_phase.get("copy_kernel", 0) > 0 else None)
     return [pp, gp]
