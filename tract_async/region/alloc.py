@@ -48,7 +48,6 @@ pending list, visible in ``fsck`` as used slots, recovered when the owner releas
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from itertools import chain, repeat
@@ -79,10 +78,6 @@ S_RING_TAIL_READ = K.site("alloc.ring.tail.invalidate")
 S_TAG_CLEAR_FLUSH = K.site("alloc.tag.clear.flush")
 
 GEN_MASK = 0xFFFFFF
-
-RETURN_WAIT_S = 2.0
-"""How long ``close`` retries returns that did not fit their owners' rings."""
-RETURN_RETRY_S = 0.01
 
 RECLAIM_SCAN_S = 0.25
 """A chunk claim reads the whole owner table at most this often unless the per-node counts
@@ -1036,23 +1031,23 @@ class Allocator:
     async def close(self, lock: Any, *, timeout: float | None = None) -> int:
         """Deliver pending returns, take back returned slots, release every empty chunk.
 
-        Returns this node freed in other nodes' chunks that did not fit their rings yet
-        (``_pending``) are retried for up to ``RETURN_WAIT_S`` (or ``timeout``, if shorter)
-        while their owners drain their rings (each owner's maintenance does, every few
-        heartbeats). Without the wait a consumer of many transfer-only blocks (a 480-block
-        handoff consumed on a 128-entry ring) left them undelivered at its close, and their
-        owner could not release those chunks at its own (fsck: a leak awaiting reclaim). A
-        return whose owner does not drain in time stays lost, as for a node that dies (module
-        docstring, "Death"). Chunks with slots still in use stay owned (recovery reclaims them
-        when the node dies). Returns the number of chunks released.
+        Chunks with slots still in use stay owned (recovery reclaims them when the node dies).
+        Returns the number of chunks released. (Returns that still do not fit their owners'
+        rings are lost here: a caller with an event loop retries them first,
+        ``pending_returns`` / ``deliver_pending``.)
         """
         self.drain_returns()
-        wait_s = RETURN_WAIT_S if timeout is None else min(RETURN_WAIT_S, timeout)
-        deadline = time.monotonic() + wait_s
-        while self._pending and time.monotonic() < deadline:
-            await asyncio.sleep(RETURN_RETRY_S)
-            self._flush_pending()
         return await self.trim(lock, keep=0, timeout=timeout)
+
+    def pending_returns(self) -> int:
+        """Slots this node freed in other nodes' chunks whose returns did not fit the owners'
+        rings yet (retried at this node's next allocator call, or by ``deliver_pending``)."""
+        return sum(len(v) for v in self._pending.values())
+
+    def deliver_pending(self) -> int:
+        """Push pending returns whose owners' rings have room now; how many are still pending."""
+        self._flush_pending()
+        return self.pending_returns()
 
     # -- introspection ------------------------------------------------------------------------
     def owned_chunks(self) -> list[int]:

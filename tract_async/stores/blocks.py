@@ -108,6 +108,11 @@ SPARE_SLOTS = 16
 one allocator call (~10-20 µs of Python) per this many small puts instead of one per put. The
 cost: this many blocks' worth of a node's chunks held for it (1 MiB of 64 KiB blocks)."""
 
+RETURN_WAIT_S = 2.0
+"""How long a closing node retries returns that did not fit their owners' rings
+(``_deliver_returns``)."""
+RETURN_RETRY_S = 0.01
+
 OPTIMISTIC_MIN_KEYS = 64
 """A put of at least this many keys may skip its index snapshot (``snapshot_for_put``)."""
 
@@ -1554,4 +1559,17 @@ class BlockLifecycle:
             self._evict_many_locked(mine.tolist())
         finally:
             self.lock.release()
+        await self._deliver_returns(timeout)
         await self.alloc.close(self.lock, timeout=timeout)
+
+    async def _deliver_returns(self, timeout: float) -> None:
+        """Before the allocator closes: retry, for up to ``RETURN_WAIT_S`` (or ``timeout``),
+        the returns of other nodes' slots that did not fit their owners' rings while the
+        owners' maintenance drains them (every few heartbeats). Without the wait a consumer of
+        many transfer-only blocks (480 on a 128-entry ring) dropped them at its close, and
+        their owner could not release those chunks at its own (fsck: a leak awaiting
+        reclaim). A return whose owner does not drain in time stays lost, as for a node that
+        dies (``region/alloc.py``, "Death")."""
+        deadline = time.monotonic() + min(RETURN_WAIT_S, timeout)
+        while self.alloc.deliver_pending() and time.monotonic() < deadline:
+            await asyncio.sleep(RETURN_RETRY_S)
