@@ -90,6 +90,7 @@ class ParallelReads:
         are good, else None (the caller's step-by-step read decides; module docstring)."""
         st = self.store
         b = st.blocks
+        b.preclaimer.read_started()            # as ``prepare_read``: reads are not idle time
         n = len(keys)
         lay = st.layout
         tmpl, pos_step = kvplan._plan_template(lay, layer, n)
