@@ -235,3 +235,16 @@ async def test_a_read_reuses_the_words_of_the_same_keys_only(region_path: str) -
         keys[:] = x
         got = await a.get_kv(keys, out=np_out(keys))
         assert all(block_matches(x, got))
+
+
+async def test_a_wait_that_times_out_names_every_missing_block(region_path: str) -> None:
+    """The parallel read waits for the last key only; when that wait times out, the
+    step-by-step read looks at every key and says how many did not come (not "1 of 1")."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=2)) as a:
+        keys = _keys(a, 0, 4 * N)
+        bt = TINY.block_tokens
+        kv = kv_for_keys(keys, as_numpy=True)
+        await a.put_kv(keys[:N], np.ascontiguousarray(kv[0][:, :N * bt]), layer=0)
+        with pytest.raises(E.TransferTimeout, match=f"{3 * N} of {4 * N} blocks"):
+            await a.get_kv(keys, layer=0, out=np_out(keys, layer=0), timeout=0.2)
+        await a._store.blocks.abandon(keys[:N])

@@ -48,6 +48,7 @@ import numpy as np
 import tract_kernels as K
 
 from .. import arrays
+from ..errors import TransferTimeout
 from ..region import gangcopy as G
 from . import plan as kvplan
 from .cpucopy import LOOP_SHARE_MAX_BYTES, NT_READ_BYTES, threads_for
@@ -100,7 +101,10 @@ class ParallelReads:
             return None
         if timeout is not None and timeout > 0:
             last = words[n - 1:]
-            await b.wait_ready(last, b.snapshot(last), layer, timeout)
+            try:
+                await b.wait_ready(last, b.snapshot(last), layer, timeout)
+            except TransferTimeout:      # the step-by-step read looks at all of them and
+                return None              # says how many did not come
             gang = st.copier.idle_gang()          # the wait let other tasks run
             if gang is None:
                 return None
