@@ -72,13 +72,19 @@ class ParallelReads:
         """Test seam: two uint64 words; while set, every worker's group stores 1 in the second
         after its snapshot and waits while the first is not 0 (``gangcopy.get_checked``)."""
 
-    def takes(self, n: int, nbytes: int) -> bool:
-        """A CPU read of ``n`` blocks and ``nbytes`` that this path may take: the hardware
-        backend, at least ``PARALLEL_MIN_BLOCKS`` blocks, at least two threads by
-        ``threads_for``, no read-ahead pair configured, no test seam between the snapshot and
-        the copy."""
+    def _bytes(self, n: int, layer: int | None) -> int:
+        """Bytes a read of ``n`` blocks (one layer, or all for None) moves."""
+        lay = self.store.layout
+        return n * lay.layer_bytes * (lay.num_layers if layer is None else 1)
+
+    def takes(self, n: int, layer: int | None) -> bool:
+        """A CPU read of ``n`` blocks (``layer``, or every layer for None) that this path may
+        take: the hardware backend, at least ``PARALLEL_MIN_BLOCKS`` blocks, at least two
+        threads by ``threads_for``, no read-ahead pair configured, no test seam between the
+        snapshot and the copy."""
         st = self.store
         c = st.copier
+        nbytes = self._bytes(n, layer)
         return (self.enabled and n >= PARALLEL_MIN_BLOCKS and not c.read_ahead
                 and st.region.mem[K.MEM_BACKEND] == K.BACKEND_HW
                 and st.blocks.pause_after_snapshot is None
@@ -95,7 +101,7 @@ class ParallelReads:
         n = len(keys)
         lay = st.layout
         tmpl, pos_step = kvplan._plan_template(lay, layer, n)
-        nbytes = n * tmpl.shape[0] * lay.half_layer_bytes
+        nbytes = self._bytes(n, layer)
         gang = st.copier.idle_gang()
         if gang is None:
             return None

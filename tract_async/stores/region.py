@@ -373,8 +373,7 @@ class RegionStore:
                     await b.consume(keys, words, snap.copy(), layer)
                 return out
         with b.preclaimer.reading():           # no evicting ahead meanwhile (PreClaimer.busy)
-            if self.parallel.takes(n, n * self.layout.layer_bytes *
-                                   (self.layout.num_layers if layer is None else 1)):
+            if self.parallel.takes(n, layer):
                 words = b.read_words(keys)
                 t_wait = time.monotonic()
                 snap = await self.parallel.get(keys, words, out, layer, timeout)
