@@ -108,6 +108,8 @@ async def _warm_kernels(region_dir: str) -> None:
     finally:
         if os.path.exists(path):
             os.unlink(path)
+        from tract_async.region import cpumarks
+        cpumarks.remove(path, None)
 
 
 async def _main(args: argparse.Namespace, modes: list[str]) -> int:

@@ -194,6 +194,8 @@ def warm_up(*, backends: tuple[str, ...] = ("hw", "sim"), verbose: bool = False)
         finally:
             if os.path.exists(path):
                 os.unlink(path)
+            from tract_async.region import cpumarks
+            cpumarks.remove(path, None)
         if verbose:
             print(f"warm-up ({backend}): {time.perf_counter() - t0:.1f} s", flush=True)
     return time.perf_counter() - t0

@@ -11,18 +11,20 @@ import asyncio
 import os
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import tract_async as tract
+from tract_async.keys import keys_to_words
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-METHODS = ["auto", "dma", "dma2d", "zerocopy"]
+METHODS = ["auto", "direct", "dma", "dma2d", "zerocopy"]
 
 
 def layout(dtype=torch.bfloat16, *, L=4, T=16, H=8, D=128):
@@ -85,7 +87,8 @@ def test_contiguous_round_trip_all_layers_and_by_layer(region_path, dtype, metho
             dev = next(iter(st["devices"].values()))
             assert dev["transfers"] > 0
             if method != "auto":
-                avail = {"dma": True, "dma2d": dev["dma2d"], "zerocopy": dev["zerocopy"]}[method]
+                avail = {"dma": True, "dma2d": dev["dma2d"], "zerocopy": dev["zerocopy"],
+                         "direct": dev["dma2d"]}[method]
                 if avail:
                     assert dev["by_method"].get(method, 0) > 0, dev
     asyncio.run(main())
@@ -398,4 +401,84 @@ def test_large_put_is_exact_and_all_or_nothing(region_path, method):
                 await eng.put_kv(keys2, kv2)
             assert eng.lookup(keys2) == 0
             assert eng.stats()["cuda"]["outstanding"] == 0
+    asyncio.run(main())
+
+
+def test_a_layer_is_published_while_the_producers_loop_is_blocked(region_path):
+    """The put's DMA waits behind a long kernel; the producer's loop thread then blocks in a
+    CUDA synchronize (as sampling does). The layer bits are out before that thread returns:
+    the poller's early publish, not the loop, stored them; the loop's bookkeeping runs later."""
+    lay = layout(torch.bfloat16)
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
+            n = 16                                      # a FillBatch
+            keys = eng.block_keys(tokens(n, lay, 31))
+            kv = rand_kv(lay, n, 31).cuda()
+            await eng.put_kv(keys, kv[0], layer=0)
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(100_000_000)
+            fut = await eng.start_put_kv(keys, kv[1], layer=1, ready=s)
+            torch.cuda.synchronize()                    # the loop's thread blocks here
+            deadline = time.monotonic() + 2.0
+            while not fut.early_done and time.monotonic() < deadline:
+                time.sleep(0.001)                       # still not yielding to the loop
+            assert fut.early_done and not fut.done()
+            words = keys_to_words(keys)
+            bits = eng._store.blocks.index.snapshot(words)[:, 5]
+            assert all(int(x) & 0b11 == 0b11 for x in bits)
+            assert await fut == n
+            for i in range(2, lay.num_layers):
+                await eng.put_kv(keys, kv[i], layer=i)
+            assert same_bits(await eng.get_kv(keys, device="cuda"), kv)
+            assert eng._store.blocks.stats.early_publishes >= 1
+    asyncio.run(main())
+
+
+def test_gpu_reads_invalidate_only_what_this_hosts_cpu_read(region_path):
+    lay = layout(torch.bfloat16)
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
+            n = 12
+            keys = eng.block_keys(tokens(n, lay, 32))
+            kv = rand_kv(lay, n, 32)
+            await eng.put_kv(keys, kv.cuda())
+            marks = eng._store.blocks.cpu_marks
+            marks.marks[:] = 0                          # a settled record
+            inv = marks.invalidated
+            assert same_bits(await eng.get_kv(keys, device="cuda"), kv)
+            assert marks.invalidated == inv             # nothing this host's CPU read
+            assert same_bits(await eng.get_kv(keys[:5]), kv[:, :, :5 * lay.block_tokens])
+            assert same_bits(await eng.get_kv(keys, layer=2, device="cuda"), kv[2])
+            assert marks.invalidated == inv + 5         # the five the CPU read, that layer
+            assert same_bits(await eng.get_kv(keys, layer=2, device="cuda"), kv[2])
+            assert marks.invalidated == inv + 5
+    asyncio.run(main())
+
+
+def test_direct_copies_across_two_requests_blocks(region_path):
+    """A read whose keys interleave two requests' blocks (two runs of payload offsets, in
+    alternation): more 2-D copies, the same bytes; a layer put into such a list is exact too."""
+    lay = layout(torch.float16)
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
+            eng.cuda_setup(method="direct")
+            n = 10
+            ka = eng.block_keys(tokens(n, lay, 33))
+            kb = eng.block_keys(tokens(n, lay, 34))
+            kva, kvb = rand_kv(lay, n, 33), rand_kv(lay, n, 34)
+            await eng.put_kv(ka, kva.cuda())
+            for i in range(lay.num_layers):
+                await eng.put_kv(kb, kvb[i].cuda(), layer=i)
+            T = lay.block_tokens
+            mixed = [k for pair in zip(ka, kb) for k in pair]
+            want = torch.cat([torch.cat([kva[:, :, j * T:(j + 1) * T], kvb[:, :, j * T:(j + 1) * T]],
+                                        dim=2) for j in range(n)], dim=2)
+            assert same_bits(await eng.get_kv(mixed, device="cuda"), want)
+            assert same_bits(await eng.get_kv(mixed, layer=3, device="cuda"), want[3])
+            dev = next(iter(eng.stats()["cuda"]["devices"].values()))
+            assert dev["by_method"].get("direct", 0) >= 2 + lay.num_layers, dev
     asyncio.run(main())

@@ -1,6 +1,10 @@
 """Executing a RowPlan between device tensors and the registered region.
 
-Three ways to move a plan, chosen per transfer (``method="auto"``) or forced:
+A contiguous KV tensor whose blocks sit at evenly spaced payload offsets (the usual case: a
+request's blocks are reserved together) takes neither staging nor plan: ``direct`` is one 2-D
+copy per K/V plane per run of blocks (``cuda/direct.py``; ``put_direct``/``get_direct``).
+
+Otherwise three ways to move a plan, chosen per transfer (``method="auto"``) or forced:
 
 * ``dma``: gather the rows into a contiguous device staging buffer in region order (one strided
   copy when the plan is affine, else ``index_select``/``index_copy_``; skipped when the source
@@ -37,7 +41,7 @@ import numpy as np
 from . import tables
 from .hostreg import HostRegistration, cudart_lib, memcpy2d_async
 
-METHODS = ("auto", "dma", "dma2d", "zerocopy")
+METHODS = ("auto", "direct", "dma", "dma2d", "zerocopy")
 ENV_METHOD = "TRACT_CUDA_COPY"
 """Force a method for every transfer (``dma``, ``dma2d``, ``zerocopy``); default ``auto``."""
 
@@ -76,7 +80,7 @@ def rows_view(t: Any, row_bytes: int) -> Any:
 def choose(method: str, runs: tables.Runs, row_bytes: int, *, have_2d: bool,
            have_triton: bool) -> str:
     """The method ``auto`` picks for these runs (see the module docstring)."""
-    if method != "auto":
+    if method not in ("auto", "direct"):     # ("direct" not possible here: as auto)
         return method
     total = int(runs.nbytes.sum()) if len(runs) else 0
     if len(runs) <= 4 or total // max(1, len(runs)) >= LARGE_RUN_BYTES:
@@ -107,6 +111,8 @@ class Copier:
             self.put_dma = torch.cuda.Stream(self.device)
             self.get_dma = torch.cuda.Stream(self.device)
             self.get_xform = torch.cuda.Stream(self.device, priority=-1)
+        self._put_dma_h = int(self.put_dma.cuda_stream)
+        self._get_dma_h = int(self.get_dma.cuda_stream)
         self.region_u8 = reg.tensor
         self.region_ptr = reg.ptr
         self.have_2d = reg.registered and cudart_lib() is not None
@@ -217,6 +223,40 @@ class Copier:
                 else:
                     dev_t.copy_(reg_t, non_blocking=True)
                 self.counters.dma_calls += 1
+
+    # -- direct: contiguous tensors, 2-D copies (cuda/direct.py) -------------------------------
+    def wants_direct(self, method: str | None) -> bool:
+        """Whether a contiguous tensor's transfer may take the direct 2-D copies: the method is
+        ``auto`` or ``direct`` and 2-D copies are reachable."""
+        m = method or self.method
+        return self.have_2d and (m == "auto" or m == "direct")
+
+    def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:
+        """Enqueue ``dc`` (``direct.plan``) from ``tensor`` into the region after ``ready`` on
+        the put stream. Returns (final event, keep)."""
+        if tensor.device != self.device:
+            self._check_sources((tensor,), "kv")
+        _wait(self.put_dma, self.producer_event(ready))
+        from . import direct
+        self.counters.dma2d_calls += direct.issue(dc, self._put_dma_h, to_region=True)
+        self._count("direct", dc.nbytes)
+        return self._event(self.put_dma), (tensor,)
+
+    def get_direct(self, dc: Any, tensor: Any, after: Any) -> tuple[Any, tuple[Any, ...]]:
+        """Enqueue ``dc`` from the region into ``tensor`` after ``after`` on the get stream."""
+        if tensor.device != self.device:
+            self._check_sources((tensor,), "out")
+        _wait(self.get_dma, self.producer_event(after))
+        from . import direct
+        self.counters.dma2d_calls += direct.issue(dc, self._get_dma_h, to_region=False)
+        self._count("direct", dc.nbytes)
+        return self._event(self.get_dma), (tensor,)
+
+    def _count(self, method: str, nbytes: int) -> None:
+        c = self.counters
+        c.transfers += 1
+        c.bytes += nbytes
+        c.by_method[method] = c.by_method.get(method, 0) + 1
 
     # -- put: device -> region ----------------------------------------------------------------
     def put(self, plan: tables.RowPlan, tensors: Sequence[Any], *, planes: int, ready: Any = None,

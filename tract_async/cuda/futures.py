@@ -10,6 +10,10 @@ A transfer is enqueued on the engine's copy streams and ends with an event. Its 
   whether or not anybody awaits: that is where a put publishes its layer bits (DESIGN.md
   invariant 5: after the bytes) and a get re-validates its block versions (invariant 6: after
   the DMA). Awaiting returns the completion's result or raises its error;
+* may carry an *early* step that the poller runs on its own thread as soon as it sees the event
+  complete, before it hands the completion to the loop: a put's layer bits and doorbells
+  (``BlockLifecycle.publish_early``), so that publication follows the stream, not the
+  producer's event loop (which may be blocked in a CUDA synchronize for the whole prefill);
 * can order a consumer stream after the transfer with ``wait_stream(stream)`` (``cudaStreamWait
   Event``: no host synchronization). For a get, the data is *trusted* only once the completion
   has validated it: work ordered with ``wait_stream`` is speculative until ``await fut``
@@ -115,6 +119,8 @@ class Poller:
                     gone = set(map(id, done))
                     self._pending = [f for f in self._pending if id(f) not in gone]
                 for f in done:
+                    if f._early is not None and f._poll_error is None:
+                        f._run_early()
                     f._landed_from_poller()
                     self.resolved += 1
                 sleep = self.min_sleep_s
@@ -150,11 +156,18 @@ class StreamFuture:
 
     def __init__(self, event: EventLike, *, completion: Callable[[], Any] | None = None,
                  keep: tuple[Any, ...] = (), nbytes: int = 0, not_before_s: float = 0.0,
-                 poller_: Poller | None = None, label: str = "") -> None:
+                 poller_: Poller | None = None, label: str = "",
+                 early: Callable[[], bool] | None = None) -> None:
         self.event = event
         self.nbytes = nbytes
         self.label = label
         self._completion = completion
+        self._early = early
+        self._early_lock = threading.Lock() if early is not None else None
+        self.early_done = False
+        """``early`` ran on the poller's thread and did its part (a put's layer bits)."""
+        self.early_error: BaseException | None = None
+        self.t_early: float | None = None       # when ``early`` finished (perf_counter)
         self._keep = keep
         self._loop = asyncio.get_running_loop()
         self._landed: asyncio.Future[None] = self._loop.create_future()
@@ -207,12 +220,37 @@ class StreamFuture:
 
     def cancel(self) -> bool:
         """Stop the completion from running (a put will not publish). True if it had not run.
-        The DMA itself cannot be stopped: ``await wait_landed()`` before reusing its memory."""
+        False also when the early step already did its part (a put's layer bits are out:
+        the completion's bookkeeping then still runs). The DMA itself cannot be stopped:
+        ``await wait_landed()`` before reusing its memory."""
         if self._result.done():
             return False
-        self._cancel_requested = True
+        lock = self._early_lock
+        if lock is not None:
+            with lock:
+                if self.early_done:
+                    return False
+                self._cancel_requested = True
+        else:
+            self._cancel_requested = True
         self._result.cancel()
         return True
+
+    def _run_early(self) -> None:
+        """On the poller's thread, once the event completed: the early step, unless cancelled
+        first (``cancel`` and this exclude each other). An error leaves the whole job to the
+        completion, on the loop, which reports it."""
+        lock = self._early_lock
+        if lock is None:
+            return
+        with lock:
+            if self._cancel_requested:
+                return
+            try:
+                self.early_done = bool(self._early())  # type: ignore[misc]
+            except BaseException as e:  # noqa: BLE001 - the completion redoes it and reports
+                self.early_error = e
+        self.t_early = time.perf_counter()
 
     # -- completion ---------------------------------------------------------------------------
     def _landed_from_poller(self) -> None:

@@ -34,7 +34,8 @@ from ..gcpause import gc_paused
 from ..errors import BlockEvicted
 from ..keys import keys_to_words
 from ..region import index as ix
-from . import tables
+from ..stores.blocks import FillBatch
+from . import direct, tables
 from .copy import Copier
 from .futures import StreamFuture, poller
 from .hostreg import HostRegistration
@@ -128,11 +129,24 @@ class CudaPath:
 PlanFn = Callable[[np.ndarray, np.ndarray], tables.RowPlan]
 
 
+class ContiguousPlan:
+    """The RowPlan builder of a contiguous KV tensor (``PlanFn``), which also says so: such a
+    transfer may take the direct 2-D copies of ``cuda/direct.py`` instead of a RowPlan."""
+
+    __slots__ = ("layout", "n", "layer")
+
+    def __init__(self, layout: Any, n: int, layer: int | None) -> None:
+        self.layout = layout
+        self.n = n
+        self.layer = layer
+
+    def __call__(self, poffs: np.ndarray, positions: np.ndarray) -> tables.RowPlan:
+        return tables.from_kvplan(kvplan.plan(self.layout, poffs, positions, self.n, self.layer),
+                                  self.layout.half_layer_bytes)
+
+
 def contiguous_plan_fn(layout: Any, n: int, layer: int | None) -> PlanFn:
-    def make(poffs: np.ndarray, positions: np.ndarray) -> tables.RowPlan:
-        return tables.from_kvplan(kvplan.plan(layout, poffs, positions, n, layer),
-                                  layout.half_layer_bytes)
-    return make
+    return ContiguousPlan(layout, n, layer)
 
 
 def paged_plan_fn(layout: Any, pool: Any, block_ids: np.ndarray, layer: int | None) -> PlanFn:
@@ -183,45 +197,75 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     t0 = time.perf_counter_ns() if ph is not None else 0
     if ready is None:
         ready = _PUT_READY.get()
-    words = keys_to_words(keys)
-    todo = await b.reserve(keys, words, b.snapshot_for_put(words), timeout)
+    # a later layer of blocks this node is filling needs neither the key words, nor the index,
+    # nor the lock (the request's blocks were reserved once, by its first layer's put)
+    res = b.filling(keys) if layer is not None else None
+    if res is not None:
+        todo: list[int] | range = range(len(keys))
+    else:
+        words = keys_to_words(keys)
+        todo = await b.reserve(keys, words, b.snapshot_for_put(words), timeout)
+        if not todo:
+            b.stats.puts += 1
+            return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
+        res = b.reservations(keys, todo)
     if ph is not None:
         ph.add("reserve_incl_lock", t0)
         t0 = time.perf_counter_ns()
-    if not todo:
-        b.stats.puts += 1
-        return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
-    res = b.reservations(keys, todo)
     poffs = b.payload_offsets(res)
-    plan = make_plan(poffs, kvplan.positions(todo, len(keys)))
-    nbytes = plan.nbytes
-    planes = planes_of(store.layout, layer)
-
-    def publish() -> int:
-        # once the DMA has landed (the future's completion): the lifecycle's step 3
-        return b.publish(keys, todo, res, layer, nbytes)
-
     try:
         copier = cpath.copier(tensors[0].device)
-        if cpath.registered:
-            ev, keep, m = copier.put(plan, tensors, planes=planes, ready=ready, method=method)
-            fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
-                               not_before_s=nbytes / LINK_BYTES_PER_S, label=f"put/{m}")
-            if ph is not None:
-                ph.add("enqueue", t0)
-            return cpath.track(fut)
-        # fallback: device -> pinned buffer -> CPU copy into the region, then publish
-        ev, keep, pinned = copier.d2h_pinned(plan, tensors, planes=planes, ready=ready)
-        landed = cpath.track(StreamFuture(ev, keep=keep, nbytes=nbytes, label="put/pinned"))
-        await landed.wait_landed()
-        rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
-                         np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
-        await store.copy_in(rows, pinned.data_ptr(), nbytes)
-        value = publish()
-        return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="put/pinned"))
+        dc = None
+        if (cpath.registered and type(make_plan) is ContiguousPlan and len(todo) == len(keys)
+                and copier.wants_direct(method)):
+            dc = direct.plan(store.layout, poffs, layer, tensors[0].data_ptr(), copier.region_ptr)
+        if dc is not None:
+            nbytes = dc.nbytes
+            ev, keep = copier.put_direct(dc, tensors[0], ready)
+            m = "direct"
+        else:
+            plan = make_plan(poffs, kvplan.positions(list(todo), len(keys)))
+            nbytes = plan.nbytes
+            if not cpath.registered:
+                return await _put_pinned(store, cpath, copier, keys, todo, res, tensors, plan,
+                                         layer, ready)
+            ev, keep, m = copier.put(plan, tensors, planes=planes_of(store.layout, layer),
+                                     ready=ready, method=method)
+        fut: StreamFuture | None = None
+
+        def publish() -> int:
+            # once the DMA has landed (the future's completion, on the loop): the lifecycle's
+            # step 3, or its bookkeeping when the poller's early step stored the layer bits
+            return b.publish(keys, todo, res, layer, nbytes,
+                             region_done=fut is not None and fut.early_done)
+
+        fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
+                           not_before_s=nbytes / LINK_BYTES_PER_S, label=f"put/{m}",
+                           early=(lambda: b.publish_early(res, layer))
+                           if type(res) is FillBatch else None)
+        if ph is not None:
+            ph.add("enqueue", t0)
+        return cpath.track(fut)
     except BaseException:
         await b.abandon([keys[i] for i in todo])
         raise
+
+
+async def _put_pinned(store: Any, cpath: CudaPath, copier: Copier, keys: list[bytes],
+                      todo: list[int] | range, res: Any, tensors: Sequence[Any],
+                      plan: tables.RowPlan, layer: int | None, ready: Any) -> StreamFuture:
+    """The unregistered fallback: device -> pinned buffer -> CPU copy into the region, then
+    publish (on the loop, in order)."""
+    nbytes = plan.nbytes
+    ev, keep, pinned = copier.d2h_pinned(plan, tensors, planes=planes_of(store.layout, layer),
+                                         ready=ready)
+    landed = cpath.track(StreamFuture(ev, keep=keep, nbytes=nbytes, label="put/pinned"))
+    await landed.wait_landed()
+    rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
+                     np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
+    await store.copy_in(rows, pinned.data_ptr(), nbytes)
+    value = store.blocks.publish(keys, todo, res, layer, nbytes)
+    return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="put/pinned"))
 
 
 async def finish_put(store: Any, cpath: CudaPath, keys: list[bytes], fut: StreamFuture) -> int:
@@ -269,39 +313,65 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     n = len(keys)
     b = store.blocks
     words, snap = await b.prepare_read(keys, layer, timeout)
-    plan = make_plan(snap[:, 3].copy(), np.arange(n, dtype=np.int64))
-    nbytes = plan.nbytes
-    planes = planes_of(store.layout, layer)
     poffs = snap[:, 3].copy()
-    # drop this host's cached copies of the payload before the DMA reads it (non-coherent CXL)
     lay = store.layout
-    rel, span = (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes, lay.layer_bytes)
-    await drop_cached_payloads(store.mem, poffs, rel, span)
+    copier = cpath.copier(tensors[0].device)
+    if cpath.registered:
+        await invalidate_for_dma(b, poffs, layer)
+    dc = None
+    if cpath.registered and type(make_plan) is ContiguousPlan and copier.wants_direct(method):
+        dc = direct.plan(lay, poffs, layer, tensors[0].data_ptr(), copier.region_ptr)
 
     def validate() -> Any:
         # once the DMA has landed (the future's completion): the lifecycle's step 4
         try:
-            b.validate_read(keys, words, snap, nbytes)
+            b.validate_read(keys, words, snap, nbytes, cpu=not cpath.registered)
         except BlockEvicted:
             cpath.validation_failures += 1
             raise
         return result
 
-    copier = cpath.copier(tensors[0].device)
-    if cpath.registered:
-        ev, keep, m = copier.get(plan, tensors, planes=planes, after=after, method=method)
+    if dc is not None:
+        nbytes = dc.nbytes
+        ev, keep = copier.get_direct(dc, tensors[0], after)
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
-                           not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}")
+                           not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct")
     else:
-        import torch
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
-                         np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
-        await store.copy_out(rows, pinned.data_ptr(), nbytes)
-        ev, keep = copier.h2d_pinned(plan, tensors, pinned, planes=planes)
-        fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes, label="get/pinned")
+        plan = make_plan(poffs, np.arange(n, dtype=np.int64))
+        nbytes = plan.nbytes
+        planes = planes_of(lay, layer)
+        if cpath.registered:
+            ev, keep, m = copier.get(plan, tensors, planes=planes, after=after, method=method)
+            fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
+                               not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}")
+        else:
+            import torch
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
+                             np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
+            await store.copy_out(rows, pinned.data_ptr(), nbytes)
+            ev, keep = copier.h2d_pinned(plan, tensors, pinned, planes=planes)
+            fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
+                               label="get/pinned")
     fut.transfer_mode_info = (words, snap)  # type: ignore[attr-defined]
     return cpath.track(fut)
+
+
+async def invalidate_for_dma(b: Any, poffs: np.ndarray, layer: int | None) -> int:
+    """Before a device reads blocks ``poffs`` (``layer``, or all) by DMA: drop this host's
+    cached lines of exactly the blocks its CPUs may have cached (``region/cpumarks.py``; a DMA
+    is snooped against this host's caches, so no other line can be stale). Their marks are
+    cleared first, then the lines dropped (the order a racing CPU read needs). Returns how many
+    blocks were invalidated (usually none: a GPU-only node never reads payload with its CPU)."""
+    lay = b.layout
+    rel, span = (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes,
+                                                             lay.layer_bytes)
+    marks = b.cpu_marks
+    need = marks.needing(poffs, rel, span)
+    if need.size:
+        marks.clear(need, rel, span)
+        await drop_cached_payloads(b.mem, need, rel, span)
+    return int(need.size)
 
 
 PARALLEL_INVALIDATE_BYTES = 64 << 20

@@ -56,6 +56,7 @@ from ..errors import (RegionCorrupt, RegionExists, RegionInitializing, RegionLay
                       RegionNotFound, RegionPermissionError, RegionTooSmall, RegionTruncated,
                       RegionUntrusted,
                       RegionVersionMismatch)
+from . import cpumarks
 from . import layout as L
 from .nodes import NodeTable
 from .ofd import ofd_held_elsewhere, ofd_lock, ofd_unlock
@@ -745,6 +746,22 @@ class Region:
         self.close()
 
 
+def _uuid_hex_of(path: str) -> str | None:
+    """The generation uuid in the header of the region at ``path`` (hex), or None when it has
+    no readable region header."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(L.HEADER.itemsize)
+    except OSError:
+        return None
+    if len(raw) < L.HEADER.itemsize:
+        return None
+    hdr = np.frombuffer(raw, dtype=L.HEADER.dtype)[0]
+    if int(hdr["magic"]) != L.MAGIC:
+        return None
+    return uuid_mod.UUID(int=(int(hdr["uuid_hi"]) << 64) | int(hdr["uuid_lo"])).hex
+
+
 def remove(path: str) -> None:
     """Delete a file-backed region (a devdax device is wiped of its header instead).
 
@@ -752,6 +769,7 @@ def remove(path: str) -> None:
     """
     if not os.path.exists(path):
         raise RegionNotFound(f"{path}: no such region file or device")
+    cpumarks.remove(path, _uuid_hex_of(path))      # this host's record of cached payload
     if stat.S_ISCHR(os.stat(path).st_mode):
         fd = _open(path, os.O_RDWR)
         try:

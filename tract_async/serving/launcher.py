@@ -193,6 +193,8 @@ class Rack:
         if self.region and os.path.exists(self.region):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.region)
+            from tract_async.region import cpumarks
+            cpumarks.remove(self.region, None)
         return problems
 
     async def __aenter__(self) -> Rack:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections import deque
 from itertools import repeat
@@ -62,6 +63,7 @@ from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, N
                       RegionFull, TransferTimeout)
 from ..keys import keys_to_words
 from ..region import Region
+from ..region import cpumarks
 from ..region import index as ix
 from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_SLOT, A_SLOT_BYTES,
                             A_TOKEN, Allocation, Allocator, allocation_rows,
@@ -245,6 +247,9 @@ class StoreStats(TransferStats):
     """Parallel reads that a group sent to the step-by-step path (not ready, changed)."""
     parallel_read_groups: int = 0
     """Groups of parallel reads (the loop's own included)."""
+    early_publishes: int = 0
+    """Layer publishes stored by the CUDA poller's thread as the DMA landed (``publish_early``),
+    before the loop's bookkeeping."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
@@ -314,6 +319,11 @@ class BlockLifecycle:
         look)."""
         self.closing = False
         """Set by ``close``: the pre-claim task claims nothing after it."""
+        self._pub_lock = threading.Lock()
+        """Guards a FillBatch's layer record and ``whole`` flag against ``publish_early``
+        (another thread); see there."""
+        self._cpu_marks: cpumarks.CpuMarks | None = None
+        """``cpu_marks``, once made."""
         self.reclaims_dead: Callable[[], bool] = lambda: True
         """Whether this node's maintenance reclaims dead nodes' chunks (``maintain``): the
         Engine makes it the node that hosts the lock manager, one janitor per rack instead of
@@ -496,14 +506,15 @@ class BlockLifecycle:
             if type(v) is FillBatch:
                 seen[id(v)] = v
         for b in seen.values():
-            if not b.whole:
-                continue
-            members = list(map(Reservation, b.slots.tolist(), b.versions.tolist(),
-                               b.offsets.tolist(), b.chunks.tolist(), repeat(b.layers_lo),
-                               repeat(b.layers_hi)))
-            reserved.update(zip(b.keys, members))
-            b.members = members
-            b.whole = False
+            with self._pub_lock:          # its layers are final while ``publish_early`` waits
+                if not b.whole:
+                    continue
+                members = list(map(Reservation, b.slots.tolist(), b.versions.tolist(),
+                                   b.offsets.tolist(), b.chunks.tolist(), repeat(b.layers_lo),
+                                   repeat(b.layers_hi)))
+                reserved.update(zip(b.keys, members))
+                b.members = members
+                b.whole = False
 
     def _in_flight(self) -> list[Reservation | FillBatch]:
         """The distinct values of ``_reserved`` (a batch once, however many keys it holds)."""
@@ -866,31 +877,67 @@ class BlockLifecycle:
             return res.offsets
         return np.fromiter(map(_OFFSET_OF, res), dtype=np.int64, count=len(res))
 
-    def publish(self, keys: list[bytes], positions: list[int], res: Reserved,
-                layer: int | None, nbytes: int) -> int:
+    def publish_early(self, res: Reserved, layer: int | None) -> bool:
+        """The on-region half of ``publish`` for a whole batch -- the layer bits (READY after
+        the last layer) and the doorbells -- callable from any thread: the CUDA poller runs it
+        the moment a put's DMA has landed, so that a consumer sees the layer while this node's
+        event loop is busy or blocked (a prefill thread waiting in a CUDA synchronize, as
+        sampling does). The bookkeeping half stays on the loop (``publish`` with
+        ``region_done``). False when ``res`` is not a whole batch (any more): ``publish`` then
+        does all of it, on the loop, as before.
+
+        Safe against the loop's own changes because the batch's layer record and its ``whole``
+        flag change only under ``_pub_lock``: a split (an abandon starts with one) either
+        happens first -- then nothing is stored here -- or waits for this store, and evicts
+        afterwards. The record is the batch's layers published so far, in the order their DMAs
+        landed (the poller's order), so ``publish_layers_known`` stores the right words from
+        either thread."""
+        if type(res) is not FillBatch:
+            return False
+        lo, hi = kvplan.layer_mask(self.layout, layer)
+        with self._pub_lock:
+            if not res.whole:
+                return False
+            res.layers_lo |= lo
+            res.layers_hi |= hi
+            waiting = db.publish_known_and_look(
+                self.mem, self.geo.entries_offset, res.slots, res.layers_lo,
+                res.layers_hi, self._all_lo, self._all_hi, self._db_off, self._db_nodes)
+        if waiting:
+            self.doorbell.ring(int(waiting), threadsafe=True)
+        self.stats.early_publishes += 1
+        return True
+
+    def publish(self, keys: list[bytes], positions: list[int] | range, res: Reserved,
+                layer: int | None, nbytes: int, *, region_done: bool = False) -> int:
         """Step 3 of a put, once the bytes of ``layer`` (all layers: None) of these
         reservations are in the region: set their layer bits; a block whose every layer is in
         becomes READY and leaves this node's bookkeeping. A reservation no longer ours (the
-        put was abandoned meanwhile) is skipped. Returns how many blocks were published."""
+        put was abandoned meanwhile) is skipped. Returns how many blocks were published.
+        ``region_done``: ``publish_early`` already stored this layer's bits for the batch."""
         if CP.ARMED:
             CP.hit("put.copied")
         lo, hi = kvplan.layer_mask(self.layout, layer)
         reserved = self._reserved
         if type(res) is FillBatch:
             if res.whole:                 # nothing split it meanwhile: the arrays serve
-                res.layers_lo |= lo
-                res.layers_hi |= hi
-                # the batch's record is what its entries hold (index.publish_layers_known)
-                waiting = db.publish_known_and_look(
-                    self.mem, self.geo.entries_offset, res.slots, res.layers_lo,
-                    res.layers_hi, self._all_lo, self._all_hi, self._db_off, self._db_nodes)
-                if waiting:
-                    self.doorbell.ring(int(waiting))
+                if not region_done:
+                    with self._pub_lock:
+                        res.layers_lo |= lo
+                        res.layers_hi |= hi
+                        # the batch's record is what its entries hold (publish_layers_known)
+                        waiting = db.publish_known_and_look(
+                            self.mem, self.geo.entries_offset, res.slots, res.layers_lo,
+                            res.layers_hi, self._all_lo, self._all_hi, self._db_off,
+                            self._db_nodes)
+                    if waiting:
+                        self.doorbell.ring(int(waiting))
                 n = len(res)
                 if layer is None or (res.layers_lo == self._all_lo
                                      and res.layers_hi == self._all_hi):
                     deque(map(reserved.__delitem__, res.keys), maxlen=0)
-                    res.whole = False
+                    with self._pub_lock:
+                        res.whole = False
                     self.stats.blocks_stored += n
                 return self._published(layer, nbytes, n)
             res = res.members or []       # split meanwhile (an abandon?): key by key
@@ -1215,7 +1262,8 @@ class BlockLifecycle:
                                    np.uint64(dst), self.validate_reads, snap, ok))
         if bad < 0:
             return None
-        self.count_read(keys, ok, bad, n * self.layout.block_bytes, snap[:, 0], snap[:, 1])
+        self.count_read(keys, ok, bad, n * self.layout.block_bytes, snap[:, 0], snap[:, 1],
+                        snap[:, 3])
         self.stats.fused_gets += 1
         return snap
 
@@ -1237,22 +1285,39 @@ class BlockLifecycle:
         await self._wait_ready(words, snap, None, timeout)
 
     def validate_read(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
-                      nbytes: int) -> None:
+                      nbytes: int, *, cpu: bool = True) -> None:
         """Step 4 of a read, after the copy has completed (on a GPU: after its DMA): every
         block must still be the one snapshotted (entry and slot tag, ``PrefixIndex.revalidate``)
-        or the whole read is a miss. Counts the read and records LRU touches. Raises
-        BlockEvicted (the output is not to be trusted)."""
+        or the whole read is a miss. Counts the read and records LRU touches. ``cpu``: this
+        host's CPU copied the bytes (False for a device's DMA): its cached lines are marked
+        (``region/cpumarks.py``). Raises BlockEvicted (the output is not to be trusted)."""
         n = len(keys)
         slots, versions = snap[:, 0], snap[:, 1]
         ok = np.ones(n, dtype=np.bool_)
         bad = (self.index.revalidate(slots, versions, snap[:, 3], words, ok)
                if self.validate_reads else 0)
-        self.count_read(keys, ok, int(bad), nbytes, slots, versions)
+        self.count_read(keys, ok, int(bad), nbytes, slots, versions,
+                        snap[:, 3] if cpu else None)
+
+    @property
+    def cpu_marks(self) -> cpumarks.CpuMarks:
+        """This host's record of the payload its CPUs may cache (made on first use)."""
+        cm = self._cpu_marks
+        if cm is None:
+            r = self.region
+            cm = self._cpu_marks = cpumarks.CpuMarks(
+                cpumarks.sidecar_path(r.path, r.uuid.hex), r.size_bytes)
+        return cm
 
     def count_read(self, keys: list[bytes], ok: np.ndarray, bad: int, nbytes: int,
-                   slots: np.ndarray, versions: np.ndarray) -> None:
+                   slots: np.ndarray, versions: np.ndarray,
+                   cpu_poffs: np.ndarray | None = None) -> None:
         """After a read's revalidation (``bad`` blocks failed, ``ok`` per block): count it,
-        and either raise BlockEvicted or record the LRU touches."""
+        and either raise BlockEvicted or record the LRU touches. ``cpu_poffs``: the payload
+        offsets this host's CPU read (whole blocks are marked: ``region/cpumarks.py``), also
+        when the read failed (its lines are cached all the same); None for a DMA's read."""
+        if cpu_poffs is not None and len(cpu_poffs):
+            self.cpu_marks.mark(cpu_poffs, 0, self.layout.block_bytes)
         st, n = self.stats, len(keys)
         st.gets += 1
         if bad:

@@ -274,15 +274,24 @@ class Doorbell:
         return done
 
     # -- the producer's side -------------------------------------------------------------------
-    def ring(self, mask: int) -> None:
+    def ring(self, mask: int, *, threadsafe: bool = False) -> None:
         """Send one datagram to each node in ``mask`` (from ``publish_and_look``). A node on
-        another host has no socket of that name here: the send fails at once and is ignored."""
+        another host has no socket of that name here: the send fails at once and is ignored.
+        ``threadsafe``: called from another thread than the loop's (the CUDA poller's early
+        publish); our own waits are then checked through ``call_soon_threadsafe``."""
         if not mask:
             return
         if mask >> self.node_id & 1:        # our own waits (another engine of this process's
             mask &= ~(1 << self.node_id)    # loop, or a layer wait beside its producer)
-            if self._waits and self._loop is not None:
-                self._loop.call_soon(self.check_all)
+            loop = self._loop
+            if self._waits and loop is not None:
+                if threadsafe:
+                    try:
+                        loop.call_soon_threadsafe(self.check_all)
+                    except RuntimeError:    # the loop closed: nobody waits any more
+                        pass
+                else:
+                    loop.call_soon(self.check_all)
         tx = self._tx
         if tx is None or not mask:
             return

@@ -167,7 +167,7 @@ class ParallelReads:
         if any(results):
             b.stats.parallel_reads_redone += 1
             return None
-        b.count_read(keys, ok, 0, nbytes, snap[:, 0], snap[:, 1])
+        b.count_read(keys, ok, 0, nbytes, snap[:, 0], snap[:, 1], snap[:, 3])
         b.stats.parallel_reads += 1
         if ph is not None:
             ph.add("parallel", t0)

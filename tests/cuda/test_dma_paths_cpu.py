@@ -1,0 +1,294 @@
+"""The CPU-checkable halves of the GPU path: the direct 2-D copies' arithmetic against the
+plan the CPU copies use, the host's record of CPU-cached payload (``region/cpumarks.py``) with
+its incoherent-backend negative control, and the early layer publish from another thread
+(``BlockLifecycle.publish_early``) while the event loop is blocked.
+
+No CUDA here: what needs a device is in ``test_cuda_gpu.py``.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tract_async as tract
+import tract_kernels as K
+from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
+from tract_async.cuda import direct
+from tract_async.cuda.store import invalidate_for_dma
+from tract_async.keys import keys_to_words
+from tract_async.region import cpumarks
+from tract_async.region import index as ix
+from tract_async.region.region import remove as remove_region
+from tract_async.stores import plan as kvplan
+
+LLAMA = tract.KVLayout(num_layers=32, block_tokens=16, kv_heads=8, head_dim=128,
+                       dtype="bfloat16")
+
+
+# -- direct copies: the same bytes as the plan ------------------------------------------------
+
+def _pairs_of_copies(rows: np.ndarray, half: int) -> np.ndarray:
+    """Every (region offset, tensor offset) row of ``half`` bytes the 2-D copies move."""
+    out = []
+    for reg, rpitch, ten, tpitch, height in rows.tolist():
+        for r in range(height):
+            out.append((reg + r * rpitch, ten + r * tpitch))
+    return np.array(sorted(out), dtype=np.int64).reshape(-1, 2)
+
+
+def _pairs_of_plan(lay: tract.KVLayout, poffs: np.ndarray, layer: int | None) -> np.ndarray:
+    n = len(poffs)
+    p = kvplan.plan(lay, poffs, np.arange(n, dtype=np.int64), n, layer)
+    assert (p[:, 2] == lay.half_layer_bytes).all()
+    return np.array(sorted(map(tuple, p[:, :2].tolist())), dtype=np.int64).reshape(-1, 2)
+
+
+def _offsets(kind: str, n: int, lay: tract.KVLayout, rng: np.random.Generator) -> np.ndarray:
+    bb = lay.block_bytes
+    base = 1 << 30
+    if kind == "evenly":
+        return base + np.arange(n, dtype=np.int64) * bb
+    if kind == "wider":                           # slots larger than a block
+        return base + np.arange(n, dtype=np.int64) * (bb + 4096)
+    if kind == "two-chunks":
+        return np.concatenate([base + np.arange(n // 2) * bb,
+                               (base << 1) + np.arange(n - n // 2) * bb]).astype(np.int64)
+    if kind == "descending":
+        return base + np.arange(n, dtype=np.int64)[::-1].copy() * bb
+    slots = rng.choice(4 * n, size=n, replace=False)    # scattered: a prefix cache's blocks
+    return (base + slots * bb).astype(np.int64)
+
+
+@pytest.mark.parametrize("kind", ["evenly", "wider", "two-chunks", "descending", "scattered"])
+@pytest.mark.parametrize("n", [1, 2, 7, 33])
+@pytest.mark.parametrize("layer", [None, 0, 5, 31])
+def test_direct_copies_move_exactly_the_plans_rows(kind: str, n: int, layer: int | None) -> None:
+    rng = np.random.default_rng(n * 100 + (layer or 0))
+    poffs = _offsets(kind, n, LLAMA, rng)
+    dc = direct.plan(LLAMA, poffs, layer, tensor_ptr=0, region_ptr=0)
+    planes = 2 if layer is not None else 2 * LLAMA.num_layers
+    segs = direct.segments(poffs, LLAMA.layer_bytes if layer is not None else LLAMA.block_bytes)
+    if dc is None:
+        assert segs.shape[0] * planes > direct.MAX_CALLS
+        return
+    assert dc.nbytes == n * planes * LLAMA.half_layer_bytes
+    assert len(dc) == segs.shape[0] * planes
+    assert np.array_equal(_pairs_of_copies(dc.rows, dc.half), _pairs_of_plan(LLAMA, poffs, layer))
+    # a 2-D copy's pitch is at least its width (rows never overlap)
+    assert (dc.rows[:, 1] >= dc.half).all() and (dc.rows[:, 3] >= dc.half).all()
+
+
+def test_evenly_spaced_blocks_take_two_copies_a_layer() -> None:
+    poffs = (1 << 30) + np.arange(213, dtype=np.int64) * LLAMA.block_bytes
+    assert len(direct.plan(LLAMA, poffs, 7, tensor_ptr=0, region_ptr=0)) == 2
+    assert len(direct.plan(LLAMA, poffs, None, tensor_ptr=0, region_ptr=0)) == 64
+
+
+def test_scattered_whole_blocks_keep_the_gather_path() -> None:
+    poffs = ((1 << 30) + np.arange(64, dtype=np.int64)[::-1] * 3 * LLAMA.block_bytes).copy()
+    poffs[::2] += LLAMA.block_bytes          # no two neighbours evenly spaced with the next
+    assert direct.plan(LLAMA, np.random.default_rng(0).permutation(poffs), None,
+                       tensor_ptr=0, region_ptr=0) is None
+
+
+def test_a_stride_past_the_widest_pitch_splits_the_run() -> None:
+    poffs = np.array([0, direct.MAX_PITCH + LLAMA.block_bytes], dtype=np.int64)
+    assert direct.segments(poffs, LLAMA.layer_bytes).shape[0] == 2
+
+
+# -- the host's record of CPU-cached payload --------------------------------------------------
+
+def test_marks_granules_needing_and_clearing(tmp_path) -> None:
+    path = str(tmp_path / "r.cpumarks")
+    g = cpumarks.GRANULE_BYTES
+    cm = cpumarks.CpuMarks(path, 64 * g)
+    assert cm.marks.all(), "a new record must assume every granule may be cached"
+    cm.marks[:] = 0
+    poffs = np.array([0, 8 * g, 32 * g], dtype=np.int64)
+    assert cm.needing(poffs, 0, 4 * g).size == 0
+    cm.mark(poffs[1:2], 0, 4 * g)                          # granules 8..11
+    assert cm.needing(poffs, 0, 4 * g).tolist() == [8 * g]
+    assert cm.needing(poffs, 2 * g, g).tolist() == [8 * g]  # a layer inside the block
+    assert cm.needing(poffs, 4 * g, g).size == 0            # a layer past what was read
+    # a clear covers whole granules only: one that reaches past the range stays marked
+    cm.clear(poffs[1:2], g // 2, g)
+    assert cm.marks[8] == 1 and cm.marks[9] == 1
+    cm.clear(poffs[1:2], g, 2 * g)
+    assert cm.marks[8:12].tolist() == [1, 0, 0, 1]
+    # another process of the host maps the same record
+    other = cpumarks.CpuMarks(path, 64 * g)
+    assert other.marks[8:12].tolist() == [1, 0, 0, 1]
+    other.mark(np.array([40 * g], dtype=np.int64), 0, 1)
+    assert cm.marks[40] == 1
+    cm.close()
+    other.close()
+
+
+def test_sidecar_lives_beside_a_shm_region_and_goes_with_it(region_path) -> None:
+    assert cpumarks.sidecar_path(region_path, "ab") == region_path + ".cpumarks"
+    assert cpumarks.sidecar_path("/mnt/huge/r", "ab").endswith("tract-cpumarks-ab")
+
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+            keys = eng.block_keys(list(range(16 * 3)))
+            await eng.put_kv(keys, kv_for_keys(keys))
+            await eng.get_kv(keys, out=np_out(keys))
+            assert os.path.exists(region_path + ".cpumarks")
+    asyncio.run(main())
+    remove_region(region_path)
+    assert not os.path.exists(region_path + ".cpumarks")
+
+
+@pytest.mark.parametrize("n", [1, 16])
+def test_every_cpu_read_marks_what_it_read(region_path, n: int) -> None:
+    """The fused small get and the step-by-step get both mark (both count in ``count_read``);
+    a put does not (non-temporal stores leave no cached line)."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+            b = eng._store.blocks
+            marks = b.cpu_marks
+            marks.marks[:] = 0
+            keys = eng.block_keys(list(range(16 * n)))
+            await eng.put_kv(keys, kv_for_keys(keys))
+            snap = b.index.snapshot(keys_to_words(keys))
+            poffs = snap[:, 3].copy()
+            assert marks.needing(poffs, 0, TINY.block_bytes).size == 0
+            got = await eng.get_kv(keys, out=np_out(keys))
+            assert all(block_matches(keys, got))
+            assert sorted(marks.needing(poffs, 0, TINY.block_bytes).tolist()) == sorted(poffs.tolist())
+    asyncio.run(main())
+
+
+def _dma_read(m: K.Mem, off: int, nbytes: int) -> np.ndarray:
+    """What a device's DMA reads on this host: memory, except where this host's cache holds
+    the line (the read is snooped) -- the sim backend's read through its cache model, without
+    the CPU read's invalidation."""
+    out = np.zeros(nbytes, dtype=np.uint8)
+    K.read_bytes(K.with_skip_site(m, ix.S_IX_PAYLOAD_READ), off, out.ctypes.data, nbytes,
+                 ix.S_IX_PAYLOAD_READ)
+    return out
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+def test_a_dma_after_a_cpu_read_sees_another_hosts_rewrite_only_with_the_marks(
+        region_path, tracked: bool) -> None:
+    """Incoherent backend: this node's CPU reads a block (its lines stay cached), another host
+    rewrites the payload behind it, then a device reads it here. ``invalidate_for_dma`` drops
+    the lines the CPU read left: the DMA sees the new bytes. Negative control (``tracked``
+    False: the record forgets the CPU read): the DMA reads the stale cached lines."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim")) as eng:
+            b = eng._store.blocks
+            K.mem_state(b.mem).ctl[1] = 0       # no early evictions: a cached line stays
+            marks = b.cpu_marks
+            keys = eng.block_keys(list(range(16 * 2)))
+            await eng.put_kv(keys, kv_for_keys(keys))
+            marks.marks[:] = 0
+            got = await eng.get_kv(keys, out=np_out(keys))        # the CPU read: lines cached
+            assert all(block_matches(keys, got))
+            poffs = b.index.snapshot(keys_to_words(keys))[:, 3].copy()
+            span = TINY.block_bytes
+            # another host writes new bytes into the first block's payload (straight to memory)
+            other = K.make_mem(eng._region.buf, "sim", seed=99, evict_prob=0.0)
+            # (the engine's CPU copy may run on copy threads with their own Mems: read where
+            # the node's own Mem reads, its loop's, as the DMA model below does)
+            new = np.full(span, 0x5A, dtype=np.uint8)
+            K.write_bytes(other, int(poffs[0]), new.ctypes.data, span, ix.S_IX_PAYLOAD_READ)
+            if not tracked:
+                marks.marks[:] = 0
+            dropped = await invalidate_for_dma(b, poffs[:1], None)
+            seen = _dma_read(b.mem, int(poffs[0]), span)
+            if tracked:
+                assert dropped == 1
+                assert np.array_equal(seen, new)
+            else:
+                assert dropped == 0
+                assert not np.array_equal(seen, new), "the stale line should have been read"
+            assert marks.needing(poffs[:1], 0, span).size == 0      # cleared by the drop
+    asyncio.run(main())
+
+
+def test_a_gpu_only_block_is_read_without_invalidation(region_path) -> None:
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim")) as eng:
+            b = eng._store.blocks
+            keys = eng.block_keys(list(range(16 * 4)))
+            await eng.put_kv(keys, kv_for_keys(keys))
+            poffs = b.index.snapshot(keys_to_words(keys))[:, 3].copy()
+            first = await invalidate_for_dma(b, poffs, 2)        # a new record: all marked
+            assert first == 4
+            assert await invalidate_for_dma(b, poffs, 2) == 0    # nothing read since
+            assert await invalidate_for_dma(b, poffs, 3) == 4    # another layer: once too
+            assert await invalidate_for_dma(b, poffs, 3) == 0
+    asyncio.run(main())
+
+
+# -- the layer bits from another thread ---------------------------------------------------------
+
+def _layers_of(eng: tract.Engine, keys: list[bytes]) -> list[int]:
+    snap = eng._store.blocks.index.snapshot(keys_to_words(keys))
+    return [int(x) for x in snap[:, 5]]
+
+
+@pytest.mark.parametrize("backend", ["hw", "sim"])
+def test_early_publish_from_another_thread_while_the_loop_is_blocked(region_path,
+                                                                     backend: str) -> None:
+    """A batch's layer is published by a thread while the loop's thread sleeps (as a prefill
+    thread blocked in a CUDA synchronize): another node sees the layer before the loop runs
+    again; the loop's bookkeeping afterwards (``region_done``) and the rest of the layers make
+    the blocks READY and exact."""
+    n = 12                                           # a FillBatch (more than SMALL_READ)
+
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True, backend=backend)) as prod, \
+                tract.Engine.open(cfg(region_path, 1, backend=backend)) as cons:
+            b = prod._store.blocks
+            keys = prod.block_keys(list(range(16 * n)))
+            kv = kv_for_keys(keys)
+            await prod.put_kv(keys, kv[0].contiguous(), layer=0)
+            res = b.filling(keys)
+            assert res is not None and type(res).__name__ == "FillBatch"
+            # the bytes of layer 1, copied as the CPU path copies them, not yet published
+            poffs = b.payload_offsets(res)
+            plan = kvplan.plan(TINY, poffs, kvplan.positions(list(range(n)), n), n, 1)
+            k1 = kv[1].contiguous()
+            await prod._store.copy_in(plan, k1.data_ptr(), plan.shape[0] * TINY.half_layer_bytes)
+            done = threading.Event()
+            t = threading.Thread(target=lambda: (b.publish_early(res, 1), done.set()))
+            t.start()
+            time.sleep(0.2)                          # the loop's thread is blocked here
+            assert done.is_set()
+            assert all(x & 0b11 == 0b11 for x in _layers_of(cons, keys))
+            t.join()
+            assert b.publish(keys, range(n), res, 1, 0, region_done=True) == n
+            for i in (2, 3):
+                await prod.put_kv(keys, kv[i].contiguous(), layer=i)
+            got = await cons.get_kv(keys, out=np_out(keys), timeout=1.0)
+            assert all(block_matches(keys, got))
+            assert b.stats.early_publishes == 1
+            assert not b._reserved
+    asyncio.run(main())
+
+
+def test_early_publish_after_an_abandon_stores_nothing(region_path) -> None:
+    """An abandon splits the batch first (under the publish lock): an early publish that comes
+    later stores no bit into entries that are being evicted."""
+    n = 12
+
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True)) as prod:
+            b = prod._store.blocks
+            keys = prod.block_keys(list(range(16 * n)))
+            kv = kv_for_keys(keys)
+            await prod.put_kv(keys, kv[0].contiguous(), layer=0)
+            res = b.filling(keys)
+            await b.abandon(keys)
+            assert b.publish_early(res, 1) is False
+            assert prod.lookup(keys) == 0
+            assert all(x == -1 for x in b.index.snapshot(keys_to_words(keys))[:, 0].tolist())
+    asyncio.run(main())
