@@ -107,6 +107,7 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 # -- steps -------------------------------------------------------------------------------------
 # STEPS (space-separated) picks steps by name; the default is the GPU set below. Named steps:
 #   warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests
+#   gpu_layers (bench/gpu_layers.py: issue 35's acceptance run, ~2-4 min)
 #   putget_cpu (bench/putget.py on the host's cores, NIXL in the same run)
 #   serve_gpu (bench/serve_gpu.py, three modes)  serve_load (bench/serve_load.py --size h200)
 #   doorbell_tests (tests/engine/test_doorbell.py: same-host wake-ups on these cores)
@@ -126,6 +127,8 @@ want doorbell_tests && step doorbell_tests 120 $PY -m pytest -q -p no:cacheprovi
 want putget_cpu && step putget_cpu "${PUTGET_S:-240}" $PY bench/putget.py --deadline-s "${PUTGET_S:-240}"
 want gpu_putget && step gpu_putget 130 $PY bench/gpu_putget.py --budget-s 95
 want gpu_pipeline && step gpu_pipeline 170 $PY bench/gpu_pipeline.py --budget-s 120
+# issue 35's acceptance run (layer ops, whole prompt, pipelined prefill, two-process handoff)
+want gpu_layers && step gpu_layers 300 $PY bench/gpu_layers.py --budget-s 200
 # diagnostic: the same short prefills with a 200 µs GIL switch interval (see --help)
 want gpu_pipeline_si && step gpu_pipeline_si 100 $PY bench/gpu_pipeline.py --budget-s 60 \
   --tokens 1024 2048 --timeline-tokens 0 --switch-interval-us 200 --name gpu_pipeline_si
