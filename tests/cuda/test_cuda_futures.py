@@ -231,3 +231,62 @@ def test_query_error_is_reported_through_the_future():
             await fut
 
     asyncio.run(main())
+
+
+class CountingEvent:
+    """Completes at its ``n``-th query (the thread that queries sees it first)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries >= self.n
+
+    def synchronize(self) -> None:
+        self.queries = max(self.queries, self.n)
+
+
+def test_an_awaiter_spins_on_a_transfer_about_to_land_and_completes_on_its_thread():
+    """With a spin budget, ``await`` queries the event on the loop's thread and runs the
+    completion there as soon as it lands (no poller round, no wake-up of the loop); the
+    poller's later sighting changes nothing (exactly once). A transfer expected later than
+    half the budget is left to the poller."""
+    calls = []
+
+    async def main():
+        p = Poller(min_sleep_s=0.05, max_sleep_s=0.05)      # a slow poller: the spin wins
+        ev = CountingEvent(200)
+        fut = StreamFuture(ev, completion=lambda: calls.append(threading.get_ident()) or 7,
+                           poller_=p, spin_ns=50_000_000)
+        assert await fut == 7
+        assert calls == [threading.get_ident()]
+        assert ev.queries >= 200
+        late = StreamFuture(FakeEvent(), completion=lambda: 0, poller_=p, spin_ns=1_000_000,
+                            not_before_s=10.0)
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02):
+                await late
+        assert time.perf_counter() - t0 < 1.0
+        late.event.fire()
+        await asyncio.sleep(0.1)
+        return fut
+
+    fut = asyncio.run(main())
+    assert calls and len(calls) == 1
+    assert fut.t_completed is not None
+
+
+def test_a_spin_that_runs_out_leaves_the_completion_to_the_poller():
+    async def main():
+        p = Poller()
+        ev = FakeEvent()
+        fut = StreamFuture(ev, completion=lambda: 5, poller_=p, spin_ns=2_000_000)
+        th = fire_later(ev, 0.05)
+        t0 = time.perf_counter()
+        assert await fut == 5                 # the spin gave up after 2 ms; the poller ended it
+        assert time.perf_counter() - t0 >= 0.04
+        th.join()
+    asyncio.run(main())

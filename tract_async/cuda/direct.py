@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from .hostreg import memcpy2d_async
+from .hostreg import CUDA_MEMCPY_DEFAULT, cudart_lib, memcpy2d_async
 
 MAX_PITCH = 1 << 30
 """The widest stride a run's 2-D copy takes (the driver refuses pitches past ~2 GiB)."""
@@ -134,11 +134,22 @@ def plan(layout: Any, poffs: np.ndarray, layer: int | None, tensor_ptr: int,
 
 def issue(dc: DirectCopy, stream_handle: int, *, to_region: bool) -> int:
     """Enqueue the copies on the stream (the caller orders the stream first). Returns how many
-    driver calls were made."""
+    driver calls were made. Raises RuntimeError if one fails (nothing after it is enqueued)."""
+    lib = cudart_lib()
+    if lib is None:
+        raise RuntimeError("libcudart not found through ctypes: no 2-D copies")
+    f = lib.cudaMemcpy2DAsync         # argtypes set by cudart_lib: plain ints go straight in
     half = dc.half
     for reg, rpitch, ten, tpitch, height in dc.rows.tolist():
         if to_region:
-            memcpy2d_async(reg, rpitch, ten, tpitch, half, height, stream_handle)
+            err = f(reg, rpitch, ten, tpitch, half, height, CUDA_MEMCPY_DEFAULT, stream_handle)
         else:
-            memcpy2d_async(ten, tpitch, reg, rpitch, half, height, stream_handle)
+            err = f(ten, tpitch, reg, rpitch, half, height, CUDA_MEMCPY_DEFAULT, stream_handle)
+        if err:
+            # the same call through the checked wrapper raises with the arguments in the text
+            if to_region:
+                memcpy2d_async(reg, rpitch, ten, tpitch, half, height, stream_handle)
+            else:
+                memcpy2d_async(ten, tpitch, reg, rpitch, half, height, stream_handle)
+            raise RuntimeError(f"cudaMemcpy2DAsync failed with cudaError {err}")
     return len(dc)

@@ -242,7 +242,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
                            not_before_s=nbytes / LINK_BYTES_PER_S, label=f"put/{m}",
                            early=(lambda: b.publish_early(res, layer))
-                           if type(res) is FillBatch else None)
+                           if type(res) is FillBatch else None, spin_ns=b.spin_ns)
         if ph is not None:
             ph.add("enqueue", t0)
         return cpath.track(fut)
@@ -335,7 +335,8 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         nbytes = dc.nbytes
         ev, keep = copier.get_direct(dc, tensors[0], after)
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
-                           not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct")
+                           not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
+                           spin_ns=b.spin_ns)
     else:
         plan = make_plan(poffs, np.arange(n, dtype=np.int64))
         nbytes = plan.nbytes
@@ -343,7 +344,8 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         if cpath.registered:
             ev, keep, m = copier.get(plan, tensors, planes=planes, after=after, method=method)
             fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
-                               not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}")
+                               not_before_s=nbytes / LINK_BYTES_PER_S, label=f"get/{m}",
+                               spin_ns=b.spin_ns)
         else:
             import torch
             pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
