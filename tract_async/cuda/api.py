@@ -132,9 +132,12 @@ class CudaOps:
             if dev.type != "cuda":
                 raise TensorMismatch(f"start_get_kv reads into CUDA tensors, got device={device}")
             copier = cp.copier(dev)
-            # allocated on the copy stream (no wait for the caller's queued work), and marked
-            # as used by the caller's stream so that freeing it later is ordered after its use
-            with torch.cuda.stream(copier.get_xform):
+            # allocated on the DMA stream, which writes it first (the direct copies write it
+            # there; the gather path's scatter stream waits for that stream before it writes):
+            # no wait for the caller's queued work, and no write racing an earlier user of the
+            # memory on another stream. Marked as used by the caller's stream so that freeing
+            # it later is ordered after its use
+            with torch.cuda.stream(copier.get_dma):
                 out = torch.empty(self._eng.layout.kv_shape(len(ks), layer),
                                   dtype=self._eng.layout.dtype, device=copier.device)
             out.record_stream(torch.cuda.current_stream(copier.device))
