@@ -165,6 +165,7 @@ class StreamFuture:
         self._completion = completion
         self._early = early
         self._early_lock = threading.Lock() if early is not None else None
+        self._landed_flag = False
         self.early_done = False
         """``early`` ran on the poller's thread and did its part (a put's layer bits)."""
         self.early_error: BaseException | None = None
@@ -271,11 +272,11 @@ class StreamFuture:
         first (``cancel`` and this exclude each other). An error leaves the whole job to the
         completion, on the loop, which reports it."""
         lock = self._early_lock
-        if lock is None or self._landed.done():
-            return      # (the loop's spin saw it land first and ran the whole completion)
+        if lock is None:
+            return
         with lock:
-            if self._cancel_requested:
-                return
+            if self._cancel_requested or self._landed_flag:
+                return  # cancelled, or the loop saw it land first and ran the whole completion
             try:
                 self.early_done = bool(self._early())  # type: ignore[misc]
             except BaseException as e:  # noqa: BLE001 - the completion redoes it and reports
@@ -293,6 +294,13 @@ class StreamFuture:
     def _on_landed(self) -> None:
         if self._landed.done():
             return
+        lock = self._early_lock
+        if lock is not None:
+            # an early step still running finishes first, and none starts after this: once
+            # ``_landed`` is set nothing of this transfer touches the region (drain() relies on
+            # it before the region is unmapped)
+            with lock:
+                self._landed_flag = True
         self._landed.set_result(None)
         self._keep = ()
         if self._result.done():
