@@ -1,10 +1,11 @@
-"""What a region created by the engine holds: the lock and allocator sections, then the prefix
-index, then the chunk area (the rest). One function, used by ``Engine`` and ``tract region init``
-so that both create the same thing."""
+"""What a region created by the engine holds: the lock and allocator sections, the doorbells,
+the namespace records, then the prefix index, then the chunk area (the rest). One function,
+used by ``Engine`` and ``tract region init`` so that both create the same thing."""
 from __future__ import annotations
 
 from .region import SectionSpec
 from .region import index as ix
+from .region import namespaces as ns
 from .region.chunks import sections_for
 from .stores import doorbell
 
@@ -30,7 +31,8 @@ def region_sections(*, size_bytes: int, max_nodes: int, chunk_bytes: int = 2 << 
     cap = index_capacity or max(64, min(cap, most))
     index = SectionSpec(name="index", nbytes=ix.section_bytes(cap))
     bells = SectionSpec(name=doorbell.SECTION, nbytes=doorbell.section_bytes(max_nodes))
-    return secs[:-1] + [bells, index, secs[-1]]
+    names = SectionSpec(name=ns.SECTION, nbytes=ns.section_bytes())
+    return secs[:-1] + [bells, names, index, secs[-1]]
 
 
 def initialize(region) -> None:  # noqa: ANN001

@@ -179,3 +179,8 @@ class TensorMismatch(EngineError, ValueError):
 
 class KeyMismatch(EngineError, ValueError):
     """Keys are malformed (not 32-byte block keys) or do not match the tensor."""
+
+
+class NamespaceTableFull(RegionFull):
+    """Every namespace record of the region is taken (``region/namespaces.py``): a region
+    shared by that many (namespace, rank) pairs refuses the next one."""
