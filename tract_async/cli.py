@@ -63,6 +63,11 @@ def inspect_text(path: str, *, backend: str | None = None) -> str:
                      f"{fmt_bytes(h['rootdir_bytes']):>12}")
         for e in r.root.entries():
             lines.append(f"  {e.name:<24} {e.offset_bytes:>14} {fmt_bytes(e.nbytes):>12}")
+        from .region.namespaces import NamespaceTable
+        lines.append("namespaces (the KV layout each one's blocks have):")
+        for rec in NamespaceTable.of(r).records():
+            lines.append(f"  {rec.tag:<3} {rec.layout.describe()}; recorded by node "
+                         f"{rec.recorded_by}")
         from .fsck import usage_lines  # lock, allocator and index state
         lines.extend(usage_lines(r))
     return "\n".join(lines)
