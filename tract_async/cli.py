@@ -18,7 +18,9 @@ def cmd_region_init(args: argparse.Namespace) -> int:
     from .errors import RegionExists
     from .region import Region, default_path
     path = args.path or default_path(args.name)
-    from .engine_layout import initialize, region_sections
+    from .engine_layout import check_create_size, initialize, region_sections
+    # a region without room for one chunk is created fine and every engine then refuses it
+    check_create_size(path=path, region_bytes=args.size, max_nodes=args.max_nodes)
     # the same sections, formatted the same way, as Engine.open(create=True) makes (the index
     # header included: an unformatted index is a region no engine can attach)
     sections = region_sections(size_bytes=args.size, max_nodes=args.max_nodes)

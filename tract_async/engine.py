@@ -165,7 +165,8 @@ class Engine:
 
     async def _start_region(self) -> None:
         cfg = self.cfg
-        from .engine_layout import initialize, region_sections
+        from .engine_layout import (check_create_size, check_holds_block, initialize,
+                                    region_sections)
         from .region import Region
         from .region.alloc import Allocator
         from .region.index import PrefixIndex
@@ -180,6 +181,10 @@ class Engine:
         opened: list[Any] = []
         try:
             if cfg.create:
+                check_create_size(path=cfg.region, region_bytes=cfg.region_bytes,
+                                  max_nodes=cfg.max_nodes, chunk_bytes=cfg.chunk_bytes,
+                                  block_bytes=cfg.layout.block_bytes,
+                                  index_capacity=cfg.index_capacity)
                 secs = region_sections(size_bytes=cfg.region_bytes, max_nodes=cfg.max_nodes,
                                        chunk_bytes=cfg.chunk_bytes,
                                        block_bytes=cfg.layout.block_bytes,
@@ -204,6 +209,7 @@ class Engine:
             else:
                 self._region = await self._attach_region(sim_seed)
             opened.append(self._region)
+            check_holds_block(self._region, cfg.layout.block_bytes)
             # the layout is part of the region's contract: refused before joining when this
             # namespace is recorded with another one (stores/layouts.py)
             self._layouts = LayoutGuard(self._region, cfg)

@@ -59,7 +59,9 @@ class RegionInUse(RegionError):
 
 
 class RegionTooSmall(RegionError):
-    """The requested size cannot hold the fixed sections for the requested max_nodes."""
+    """The requested size cannot hold the fixed sections for the requested max_nodes, or a
+    region cannot hold one block of the engine's layout; the message names the smallest
+    ``region_bytes`` that would."""
 
 
 class RegionFull(TractError):
