@@ -81,9 +81,17 @@ def cmd_region_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_region_rm(args: argparse.Namespace) -> int:
+    from .errors import RegionError, RegionNotFound, RegionPermissionError
     from .region import Region, remove
     if not args.force:
-        with Region.attach(args.path, readonly=True) as r:
+        try:
+            r = Region.attach(args.path, readonly=True)
+        except (RegionNotFound, RegionPermissionError):
+            raise
+        except RegionError as e:   # not a region this build reads: say how to remove it anyway
+            raise type(e)(f"{e}; not removed: `tract region rm --force {args.path}` removes "
+                          f"it anyway") from None
+        with r:
             live = r.nodes.live_ids()
         if live:
             print(f"refusing to remove {args.path}: nodes {live} are live (use --force)",
