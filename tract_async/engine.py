@@ -453,7 +453,8 @@ class Engine:
     def block_keys(self, token_ids: Sequence[int] | Any, *,
                    extra_keys: Sequence[Any] | None = None) -> list[BlockKey]:
         """One key per full block of ``token_ids`` (ints, a torch tensor or a numpy array),
-        equal on every node (see ``keys``)."""
+        equal on every node (see ``keys``). A trailing partial block has no key, so a prompt
+        shorter than ``layout.block_tokens`` has none: ``[]``, and nothing to put or get."""
         if arrays.is_array(token_ids):
             token_ids = token_ids.reshape(-1).tolist()
         return self.keys.chain(token_ids, self.layout.block_tokens, extra_keys=extra_keys)
