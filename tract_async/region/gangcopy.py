@@ -30,10 +30,9 @@ the worker writes only the result word), ``GA_*``: a whole checked read of a gro
 (``get_checked``: snapshot, checks, copy, revalidation; ``stores/parallel.py``) -- index
 geometry (entries offset, mask, max probe, lanes), payload bounds (chunks' start and end, block
 bytes), output bytes per block position, the reader's namespace tag, the slot-tag geometry's
-address and length, the key
-words' address and count, the plan template's address and rows, the snapshot rows' and ok
-flags' addresses, validate / whole / layer word / layer bit / non-temporal output, the result,
-and a test seam's address (``hold``).
+address and length, the key words' address and count, the plan template's address and rows,
+the snapshot rows' and ok flags' addresses, validate / whole / layer word / layer bit /
+non-temporal output, the result, and a test seam's address (``hold``).
 
 Hand-off: the dispatcher writes a row, bumps ``seq``, then ``write()``s 1 to that worker's
 eventfd. A worker that finished a job within the last ``spin_ns`` is still polling ``seq`` (with
