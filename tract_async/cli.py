@@ -18,7 +18,9 @@ def cmd_region_init(args: argparse.Namespace) -> int:
     from .errors import RegionExists
     from .region import Region, default_path
     path = args.path or default_path(args.name)
-    from .engine_layout import initialize, region_sections
+    from .engine_layout import check_create_size, initialize, region_sections
+    # a region without room for one chunk is created fine and every engine then refuses it
+    check_create_size(path=path, region_bytes=args.size, max_nodes=args.max_nodes)
     # the same sections, formatted the same way, as Engine.open(create=True) makes (the index
     # header included: an unformatted index is a region no engine can attach)
     sections = region_sections(size_bytes=args.size, max_nodes=args.max_nodes)
@@ -63,6 +65,11 @@ def inspect_text(path: str, *, backend: str | None = None) -> str:
                      f"{fmt_bytes(h['rootdir_bytes']):>12}")
         for e in r.root.entries():
             lines.append(f"  {e.name:<24} {e.offset_bytes:>14} {fmt_bytes(e.nbytes):>12}")
+        from .region.namespaces import NamespaceTable
+        lines.append("namespaces (the KV layout each one's blocks have):")
+        for rec in NamespaceTable.of(r).records():
+            lines.append(f"  {rec.tag:<3} {rec.layout.describe()}; recorded by node "
+                         f"{rec.recorded_by}")
         from .fsck import usage_lines  # lock, allocator and index state
         lines.extend(usage_lines(r))
     return "\n".join(lines)
@@ -74,9 +81,17 @@ def cmd_region_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_region_rm(args: argparse.Namespace) -> int:
+    from .errors import RegionError, RegionNotFound, RegionPermissionError
     from .region import Region, remove
     if not args.force:
-        with Region.attach(args.path, readonly=True) as r:
+        try:
+            r = Region.attach(args.path, readonly=True)
+        except (RegionNotFound, RegionPermissionError):
+            raise
+        except RegionError as e:   # not a region this build reads: say how to remove it anyway
+            raise type(e)(f"{e}; not removed: `tract region rm --force {args.path}` removes "
+                          f"it anyway") from None
+        with r:
             live = r.nodes.live_ids()
         if live:
             print(f"refusing to remove {args.path}: nodes {live} are live (use --force)",

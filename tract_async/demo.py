@@ -9,7 +9,8 @@ per mode, whether every mode produced the same tokens, and writes a TTFT CDF plo
 
 Cleanup: a Ctrl-C or SIGTERM cancels the run; the services are stopped (SIGTERM, then SIGKILL
 after a deadline) and the region file removed on every exit path; the services also get SIGTERM
-from the kernel if this process dies without cleaning up.
+from the kernel if this process dies without cleaning up. The exit status then says which
+signal stopped it, as a shell would: 130 for SIGINT, 143 for SIGTERM.
 """
 from __future__ import annotations
 
@@ -59,18 +60,28 @@ def run_demo(args: argparse.Namespace) -> int:
     if bad or not modes:
         print(f"tract demo: unknown mode(s) {bad}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    seen: list[int] = []
     try:
-        return tract.run(_main(args, modes))
+        return tract.run(_main(args, modes, seen))
     except (KeyboardInterrupt, asyncio.CancelledError):   # SIGINT/SIGTERM: cleaned up already
-        return 130
+        return stopped_status(seen)
 
 
-def _install_cancel_on_signals() -> tuple[asyncio.Event, list[int]]:
-    """SIGINT/SIGTERM cancel the running demo task (once; cleanup then runs to the end)."""
+def stopped_status(seen: list[int]) -> int:
+    """The exit status of a demo stopped by the signals in ``seen`` (the first one counts):
+    128 + its number, as a shell reports a process that signal ended -- 130 for SIGINT (also
+    a Ctrl-C that reached Python as KeyboardInterrupt before any handler saw it), 143 for
+    SIGTERM."""
+    return 128 + (seen[0] if seen else int(signal.SIGINT))
+
+
+def _install_cancel_on_signals(seen: list[int] | None = None) -> tuple[asyncio.Event, list[int]]:
+    """SIGINT/SIGTERM cancel the running demo task (once; cleanup then runs to the end). The
+    signals received are appended to ``seen`` (a new list if None), which is returned."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     fired = asyncio.Event()
-    seen: list[int] = []
+    seen = [] if seen is None else seen
 
     def on_signal(signum: int) -> None:
         seen.append(signum)
@@ -112,11 +123,11 @@ async def _warm_kernels(region_dir: str) -> None:
         cpumarks.remove(path, None)
 
 
-async def _main(args: argparse.Namespace, modes: list[str]) -> int:
+async def _main(args: argparse.Namespace, modes: list[str], seen: list[int]) -> int:
     from .serving.launcher import Rack
     from .serving.workload import (ChatWorkload, format_table, layer_timeline, plot_cdf,
                                    run_chat_workload, summarize)
-    _install_cancel_on_signals()
+    _install_cancel_on_signals(seen)
     t_start = time.perf_counter()
     out_dir = os.path.abspath(args.out_dir)
     os.makedirs(out_dir, exist_ok=True)

@@ -76,6 +76,7 @@ class Engine:
         self._created = False       # this engine created the region (remove_on_close applies)
         self._handle: Any = None
         self._lock: Any = None
+        self._layouts: Any = None   # LayoutGuard: this namespace's record in the region
         self._manager: Any = None
         self._manager_thread: Any = None
         self._tg: asyncio.TaskGroup | None = None
@@ -164,10 +165,12 @@ class Engine:
 
     async def _start_region(self) -> None:
         cfg = self.cfg
-        from .engine_layout import initialize, region_sections
+        from .engine_layout import (check_create_size, check_holds_block, initialize,
+                                    region_sections)
         from .region import Region
         from .region.alloc import Allocator
         from .region.index import PrefixIndex
+        from .stores.layouts import LayoutGuard
         from .stores.region import RegionStore
         from .sync.lock import GlobalLock
         from .sync.manager import LockManager, ManagerPolicy
@@ -178,6 +181,10 @@ class Engine:
         opened: list[Any] = []
         try:
             if cfg.create:
+                check_create_size(path=cfg.region, region_bytes=cfg.region_bytes,
+                                  max_nodes=cfg.max_nodes, chunk_bytes=cfg.chunk_bytes,
+                                  block_bytes=cfg.layout.block_bytes,
+                                  index_capacity=cfg.index_capacity)
                 secs = region_sections(size_bytes=cfg.region_bytes, max_nodes=cfg.max_nodes,
                                        chunk_bytes=cfg.chunk_bytes,
                                        block_bytes=cfg.layout.block_bytes,
@@ -202,6 +209,11 @@ class Engine:
             else:
                 self._region = await self._attach_region(sim_seed)
             opened.append(self._region)
+            check_holds_block(self._region, cfg.layout.block_bytes)
+            # the layout is part of the region's contract: refused before joining when this
+            # namespace is recorded with another one (stores/layouts.py)
+            self._layouts = LayoutGuard(self._region, cfg)
+            self._layouts.check_open()
             self._handle = self._region.nodes.join(cfg.node_id, timeout_s=cfg.liveness_timeout_s)
             self._lock = GlobalLock(self._region, self._handle)
             # the manager's poll sleeps are capped at 100 us while it is busy (a grant then waits
@@ -270,11 +282,17 @@ class Engine:
 
         With a cold Numba cache the first lock round trip compiles the waiter's and the
         manager's kernels (seconds); doing it here, with a generous deadline, keeps that out of
-        the first put's lock timeout. With a warm cache it costs one round trip.
+        the first put's lock timeout. With a warm cache it costs one round trip. Holding it,
+        this engine's namespace is recorded (``stores/layouts.py``), before any put.
+        Raises LayoutMismatch, NamespaceTableFull.
         """
         self._store.index.lookup(np.zeros((0, 4), dtype=np.uint64))
         await self._lock.acquire(timeout=max(60.0, 8 * self.cfg.liveness_timeout_s))
-        self._lock.release()
+        try:
+            self._layouts.record_locked()
+        finally:
+            self._lock.release()
+        self._store.blocks.use_layouts(self._layouts)
 
     def _heartbeat_thread(self) -> None:
         """Beat from a thread, not a task, and from jitted code that holds no GIL
@@ -435,7 +453,8 @@ class Engine:
     def block_keys(self, token_ids: Sequence[int] | Any, *,
                    extra_keys: Sequence[Any] | None = None) -> list[BlockKey]:
         """One key per full block of ``token_ids`` (ints, a torch tensor or a numpy array),
-        equal on every node (see ``keys``)."""
+        equal on every node (see ``keys``). A trailing partial block has no key, so a prompt
+        shorter than ``layout.block_tokens`` has none: ``[]``, and nothing to put or get."""
         if arrays.is_array(token_ids):
             token_ids = token_ids.reshape(-1).tolist()
         return self.keys.chain(token_ids, self.layout.block_tokens, extra_keys=extra_keys)
@@ -483,7 +502,9 @@ class Engine:
 
         With ``timeout`` it waits that long for blocks (or the layer) still being produced.
         Raises BlockNotFound, LayerNotReady (no timeout), TransferTimeout, BlockEvicted (the
-        block changed during the read: a miss), TensorMismatch, KeyMismatch, EngineClosed.
+        block changed during the read: a miss), LayoutMismatch (a block stored by a namespace
+        of another layout: its key came from elsewhere), TensorMismatch, KeyMismatch,
+        EngineClosed.
         """
         self._check_open()
         if (layer is None and out is not None and device is None and self._small is not None

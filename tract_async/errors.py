@@ -59,7 +59,9 @@ class RegionInUse(RegionError):
 
 
 class RegionTooSmall(RegionError):
-    """The requested size cannot hold the fixed sections for the requested max_nodes."""
+    """The requested size cannot hold the fixed sections for the requested max_nodes, or a
+    region cannot hold one block of the engine's layout; the message names the smallest
+    ``region_bytes`` that would."""
 
 
 class RegionFull(TractError):
@@ -179,3 +181,16 @@ class TensorMismatch(EngineError, ValueError):
 
 class KeyMismatch(EngineError, ValueError):
     """Keys are malformed (not 32-byte block keys) or do not match the tensor."""
+
+
+class LayoutMismatch(EngineError):
+    """A KV layout differs from the one the region recorded: an engine opened with another
+    layout than its namespace's (``Engine.open``), or a get of a block that was stored under a
+    namespace of another layout (its bytes would not mean what this engine's layout says).
+    The message names both layouts. (Not ``RegionLayoutMismatch``: that one is about the
+    region's own struct layout, this build against the region's.)"""
+
+
+class NamespaceTableFull(RegionFull):
+    """Every namespace record of the region is taken (``region/namespaces.py``): a region
+    shared by that many (namespace, rank) pairs refuses the next one."""

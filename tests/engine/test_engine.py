@@ -688,3 +688,33 @@ async def test_small_whole_block_transfers_take_one_kernel_call(region_path: str
     finally:
         await b.close()
         await a.close()
+
+
+async def test_a_prompt_shorter_than_a_block_has_no_keys_and_the_error_says_so(
+        region_path: str) -> None:
+    """block_keys keys full blocks only: a prompt shorter than a block gets none, and a put or
+    get of its KV says so instead of "expected (...) for 0 blocks"; a trailing partial block
+    is named too."""
+    T = TINY.block_tokens
+
+    def kv_of(tokens: int, layer: int | None = None) -> np.ndarray:
+        shape = list(TINY.kv_shape(1, layer))
+        shape[2 if layer is None else 1] = tokens
+        return np.zeros(shape, dtype=np.float32)
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as a:
+        keys = a.block_keys(range(T - 6))
+        assert keys == []
+        short = f"shorter than one block of {T} tokens \\({T - 6} here\\)"
+        with pytest.raises(E.TensorMismatch, match=short):
+            await a.put_kv(keys, kv_of(T - 6))
+        with pytest.raises(E.TensorMismatch, match=short):
+            await a.put_kv(keys, kv_of(T - 6, 0), layer=0)
+        with pytest.raises(E.TensorMismatch, match=short):
+            await a.get_kv(keys, out=kv_of(T - 6))
+        keys = a.block_keys(range(2 * T + 5))
+        with pytest.raises(E.TensorMismatch, match=f"2 full blocks and 5 more.*first {2 * T} "):
+            await a.put_kv(keys, kv_of(2 * T + 5))
+        with pytest.raises(E.TensorMismatch, match="expected") as got:
+            await a.put_kv(keys, kv_of(T))          # fewer tokens than keys: no hint
+        assert "block_keys" not in str(got.value)
+        assert await a.put_kv(keys, kv_of(2 * T)) == 2

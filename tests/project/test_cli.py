@@ -90,3 +90,27 @@ def test_cli_and_demo_do_not_import_each_other() -> None:
     tree = ast.parse(open(demo.__file__).read())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "cli" not in imported and "tract_async.cli" not in imported
+
+
+def test_rm_of_a_file_that_is_no_region_says_how_to_remove_it(region_path: str,
+                                                              capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    with open(region_path, "wb") as f:
+        f.write(b"not a region " * 1000)
+    assert main(["region", "rm", region_path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tract: RegionCorrupt:") and err.count("\n") == 1
+    assert f"`tract region rm --force {region_path}` removes it anyway" in err
+    assert os.path.exists(region_path)
+    assert main(["region", "rm", "--force", region_path]) == 0
+    assert not os.path.exists(region_path)
+
+
+def test_init_refuses_a_size_without_room_for_one_chunk(region_path: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from tract_async.engine_layout import min_region_bytes
+    least = min_region_bytes(max_nodes=8)
+    assert main(["region", "init", region_path, "--size", "1M"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tract: RegionTooSmall:") and f"region_bytes={least} " in err
+    assert not os.path.exists(region_path)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tract_async.cli import build_parser
 
 
@@ -79,3 +81,24 @@ def test_the_demo_gets_only_its_own_options(monkeypatch):
     record = {k: v for k, v in vars(seen[0]).items() if k != "func"}
     assert record["turns"] == 2 and not [k for k in record if k.startswith("_")]
     json.dumps(record)
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_the_exit_status_names_the_signal_that_stopped_the_demo(monkeypatch, sig, status):
+    """SIGTERM is not a Ctrl-C: the demo, cancelled and cleaned up by its handler, exits with
+    128 + the signal's number, as a shell reports it (the run itself is replaced by one that
+    signals itself once its handlers are in place)."""
+    import asyncio
+    import tract_async.demo as demo
+    import tract_async.extras as extras
+    monkeypatch.setattr(extras, "check_installed", lambda *a, **k: None)
+
+    async def signalled(args, modes, seen):  # noqa: ANN001, ANN202
+        demo._install_cancel_on_signals(seen)
+        os.kill(os.getpid(), sig)
+        await asyncio.sleep(30)
+        return 0
+    monkeypatch.setattr(demo, "_main", signalled)
+    args = build_parser().parse_args(["demo", "--modes", "http"])
+    assert demo.run_demo(args) == status
+    assert demo.stopped_status([]) == 130

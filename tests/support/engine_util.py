@@ -21,7 +21,8 @@ TINY = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=32, dt
 def cfg(path: str, node_id: int, *, create: bool = False, backend: str = "hw",
         layout: tract.KVLayout = TINY, region_bytes: int = 32 << 20, **kw) -> tract.EngineConfig:
     return tract.EngineConfig(layout=layout, region=path, region_bytes=region_bytes, create=create,
-                              node_id=node_id, max_nodes=kw.pop("max_nodes", 8), namespace="tiny",
+                              node_id=node_id, max_nodes=kw.pop("max_nodes", 8),
+                              namespace=kw.pop("namespace", "tiny"),
                               mem_backend=backend, heartbeat_interval_s=0.05,
                               liveness_timeout_s=kw.pop("liveness_timeout_s", 1.0),
                               chunk_bytes=kw.pop("chunk_bytes", 1 << 20), **kw)

@@ -146,6 +146,30 @@ def put_then_hang(path: str, backend: str, node_id: int, token_ids: list[int], c
     tract.run(main())
 
 
+def layout_worker(path: str, backend: str, node_id: int, layout: tract.KVLayout, namespace: str,
+                  token_ids: list[int], q_out, q_in) -> None:  # noqa: ANN001
+    """Opens an engine of ``layout`` in ``namespace`` and stores the blocks of ``token_ids``
+    (reports ``("stored", n, its namespace tag)``), or reports ``("refused", error type,
+    message)``; stays open until told "bye" (a node's blocks leave with it)."""
+    dumpable()
+
+    async def main() -> None:
+        try:
+            eng = await tract.Engine.open(cfg(path, node_id, backend=backend, layout=layout,
+                                              namespace=namespace))
+        except E.TractError as e:
+            q_out.put(("refused", type(e).__name__, str(e)))
+            return
+        try:
+            keys = eng.block_keys(token_ids)
+            n = await eng.put_kv(keys, kv_for_keys(keys, layout, as_numpy=True))
+            q_out.put(("stored", n, eng._store.blocks.ns_tag))
+            await asyncio.get_running_loop().run_in_executor(None, q_in.get, True, 120)
+        finally:
+            await eng.close()
+    tract.run(main())
+
+
 def reader_worker(path: str, backend: str, node_id: int, universe: int, seed: int, q_out,
                   stop, stale) -> None:  # noqa: ANN001
     """Gets random prompts of the disagreement stress until ``stop``; counts wrong bytes, and

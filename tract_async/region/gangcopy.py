@@ -29,10 +29,10 @@ Argument words of a KIND_GET_CHECKED job (a private int64 array, alive until the
 the worker writes only the result word), ``GA_*``: a whole checked read of a group of keys
 (``get_checked``: snapshot, checks, copy, revalidation; ``stores/parallel.py``) -- index
 geometry (entries offset, mask, max probe, lanes), payload bounds (chunks' start and end, block
-bytes), output bytes per block position, the slot-tag geometry's address and length, the key
-words' address and count, the plan template's address and rows, the snapshot rows' and ok
-flags' addresses, validate / whole / layer word / layer bit / non-temporal output, the result,
-and a test seam's address (``hold``).
+bytes), output bytes per block position, the reader's namespace tag, the slot-tag geometry's
+address and length, the key words' address and count, the plan template's address and rows,
+the snapshot rows' and ok flags' addresses, validate / whole / layer word / layer bit /
+non-temporal output, the result, and a test seam's address (``hold``).
 
 Hand-off: the dispatcher writes a row, bumps ``seq``, then ``write()``s 1 to that worker's
 eventfd. A worker that finished a job within the last ``spin_ns`` is still polling ``seq`` (with
@@ -63,6 +63,7 @@ from tract_kernels.intrinsics import (aload64, astore64, bool_ptr, fd_read, fd_w
                                       int64_ptr, monotonic_ns, sched_yield, uint64_ptr)
 
 from . import index as ix
+from . import layout as L
 
 JOB_WORDS = 32
 J_KIND, J_PLAN_ADDR, J_NROWS, J_BASE, J_MEM, J_DONE, J_FAILED, J_SEQ = 0, 1, 2, 3, 4, 14, 15, 16
@@ -72,23 +73,38 @@ KIND_GET_CHECKED = 4
 
 # the arguments of a KIND_GET_CHECKED job (int64[GA_WORDS], its address in word J_ARGS)
 (GA_EOFF, GA_MASK, GA_MAX_PROBE, GA_LANES, GA_CHUNKS_LO, GA_CHUNKS_END, GA_BLOCK_BYTES,
- GA_POS_STEP, GA_TGEO, GA_TGEO_LEN, GA_KEYS, GA_NKEYS, GA_TMPL, GA_TMPL_ROWS, GA_SNAP, GA_OK,
- GA_VALIDATE, GA_WHOLE, GA_WORD, GA_BIT, GA_NT, GA_RESULT, GA_HOLD, GA_WORDS) = range(24)
+ GA_POS_STEP, GA_NS_TAG, GA_TGEO, GA_TGEO_LEN, GA_KEYS, GA_NKEYS, GA_TMPL, GA_TMPL_ROWS, GA_SNAP,
+ GA_OK, GA_VALIDATE, GA_WHOLE, GA_WORD, GA_BIT, GA_NT, GA_RESULT, GA_HOLD, GA_WORDS) = range(25)
+GA_FIXED = GA_TGEO
+"""The first ``GA_FIXED`` argument words are the same for every group of a read (its geometry,
+bounds and namespace tag): ``get_checked``'s parameters of the same names, in order."""
 
 NOT_READY = -1
 """``get_checked``: some key absent, or without what the read needs (``snap`` says which)."""
 BAD_BOUNDS = -2
-"""``get_checked``: some snapshot's payload bounds do not fit (changed during the read)."""
+"""``get_checked``: some snapshot's payload bounds do not fit (changed during the read), or
+some block was stored under another namespace than the reader's (``region/namespaces.py``):
+either way the step-by-step read looks again and says which."""
+
+
+@njit(cache=True, nogil=True, inline="always")
+def foreign_ns(flags, ns_tag):
+    """Whether an entry whose ``flags`` word is ``flags`` was stored under a namespace other
+    than ``ns_tag`` (a tag of 0 on either side is not checked: ``region/namespaces.py``)."""
+    t = (np.int64(flags) >> L.INDEX_FLAG_NS_SHIFT) & L.INDEX_FLAG_NS_MASK
+    return ns_tag != 0 and t != 0 and t != ns_tag
 
 
 @njit(cache=True, nogil=True)
 def get_checked(m, eoff, mask, max_probe, lanes, chunks_lo, chunks_end, block_bytes, pos_step,
-                tgeo, keys, tmpl, dst_base, validate, whole, word, bit, nt, snap, ok, hold=0):
+                ns_tag, tgeo, keys, tmpl, dst_base, validate, whole, word, bit, nt, snap, ok,
+                hold=0):
     """The whole read of ``keys`` into private memory at ``dst_base``, the steps of the
     lock-free read (``region/index.py``) in one call, for one group of a parallel read
     (``stores/parallel.py``): ``snapshot_batch``; every key present and READY (``whole``) or
     with the layer bit ``bit`` of word ``word``, and payload bounds of one block inside the
-    chunks -- else NOT_READY / BAD_BOUNDS with nothing copied; ``read_rows`` by ``tmpl``
+    chunks, stored under the namespace tag ``ns_tag`` (or untagged; ``ns_tag`` 0: any) --
+    else NOT_READY / BAD_BOUNDS with nothing copied; ``read_rows`` by ``tmpl``
     (one block's rows at payload offset 0 and position 0, ``pos_step`` bytes of output a
     block); ``revalidate_batch`` unless ``validate`` is off. Returns NOT_READY, BAD_BOUNDS,
     or the number of blocks that failed revalidation (0: the output is good; ``ok`` per
@@ -110,7 +126,7 @@ def get_checked(m, eoff, mask, max_probe, lanes, chunks_lo, chunks_end, block_by
     for i in range(n):
         # ``> end - bb``, not ``+ bb > end``: a damaged offset near 2**63 would wrap the sum
         if snap[i, 4] != block_bytes or snap[i, 3] < chunks_lo \
-                or snap[i, 3] > chunks_end - block_bytes:
+                or snap[i, 3] > chunks_end - block_bytes or foreign_ns(snap[i, 7], ns_tag):
             return np.int64(BAD_BOUNDS)
     poffs = np.empty(n, dtype=np.int64)
     slots = np.empty(n, dtype=np.int64)
@@ -143,7 +159,8 @@ def _run_get_checked(m, args, dst_base):
     ok = carray(bool_ptr(args[GA_OK]), (n,))
     return get_checked(m, args[GA_EOFF], args[GA_MASK], args[GA_MAX_PROBE], args[GA_LANES],
                        args[GA_CHUNKS_LO], args[GA_CHUNKS_END], args[GA_BLOCK_BYTES],
-                       args[GA_POS_STEP], tgeo, keys, tmpl, dst_base, args[GA_VALIDATE] != 0,
+                       args[GA_POS_STEP], args[GA_NS_TAG], tgeo, keys, tmpl, dst_base,
+                       args[GA_VALIDATE] != 0,
                        args[GA_WHOLE] != 0, args[GA_WORD], args[GA_BIT], args[GA_NT] != 0,
                        snap, ok, args[GA_HOLD])
 

@@ -20,6 +20,11 @@ Format version history (increment whenever any table below changes meaning or si
   3  prefix index (index header and two-line entries); see the tables marked "index".
   4  slot tags ("alloc.tags", SLOT_TAG): every payload slot records which index reservation
      (entry slot, version) it holds, so a read can prove the slot still holds its block.
+  5  the lock grant line's check word.
+  6  doorbell lines ("sync.doorbells", DOORBELL).
+  7  index lanes (INDEX_LANE; entry s belongs to lane s % lanes).
+  8  namespace records ("namespaces", NAMESPACE): each namespace's KV layout, and the index
+     entry's ``flags`` bits 32..47 name the record its producer stored it under.
 
 The layout signature (``layout_signature()``) hashes every struct's field names, offsets, types,
 itemsize and alignment together with the cache-line size; attach refuses a region whose
@@ -38,7 +43,7 @@ PAGE_BYTES = 4096
 MAGIC = int.from_bytes(b"TRACTRG\x01", "little")
 """First word of every region: ASCII 'TRACTRG' plus 0x01."""
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 
 HEADER_RESERVED_BYTES = PAGE_BYTES
 """The header occupies the first page; the node table starts on the next page."""
@@ -492,7 +497,8 @@ STRUCTS += [DOORBELL]
 # |  88 |    8 | u64  | alloc_token    | owner                |  allocation fencing token
 # |  96 |    8 | u64  | last_access_ns | owner / lock holder  |  approximate LRU clock
 # | 104 |    8 | u64  | producer       | owner                |  node id of the producer
-# | 112 |    8 | u64  | flags          | owner                |  bit 0: transfer-only
+# | 112 |    8 | u64  | flags          | owner                |  bit 0: transfer-only; bits 32..47:
+# |     |      |      |                |                      |  namespace tag (NAMESPACE slot + 1)
 # | 120 |    8 | u64  | deadline_ns    | owner                |  transfer-only expiry
 # ===========================================================================================
 _INDEX_HEADER_DTYPE = np.dtype([("magic", "<u8"), ("capacity", "<u8"), ("max_probe", "<u8"),
@@ -534,6 +540,63 @@ IX_EMPTY, IX_RESERVED, IX_READY, IX_TOMBSTONE = 0, 1, 2, 3
 INDEX_MAGIC = int.from_bytes(b"TRACTIX\x02", "little")
 
 STRUCTS += [INDEX_HEADER, INDEX_LANE, INDEX_ENTRY]
+INDEX_FLAG_NS_SHIFT = 32
+"""Bits 32..47 of an index entry's ``flags``: the namespace tag (record slot + 1, 0: none) its
+producer stored it under (``region/namespaces.py``)."""
+INDEX_FLAG_NS_MASK = 0xFFFF
+
+
+# ===========================================================================================
+# Section "namespaces" (tract_async/region/namespaces.py): ``NAMESPACE_SLOTS`` records of two
+# lines, the KV layout of every namespace that ever stored a block here. A record is written
+# once, by a global-lock holder, when its namespace first opens an engine on the region, and
+# never again (entries may name it long after its engines left). Publish order: every field of
+# both lines (cached stores), flush both lines, fence, then ``state = READY`` (store, flush).
+# Readers take no lock: invalidate both lines, read, use the record only when READY.
+# Line 0 says *who*, line 1 *what layout*.
+# | off | size | type | field        | writer      |
+# |-----|------|------|--------------|-------------|
+# |   0 |    8 | u64  | ns_id        | lock holder |  hash of (namespace, rank, world_size), never 0
+# |   8 |    4 | u32  | rank         | lock holder |
+# |  12 |    4 | u32  | world_size   | lock holder |
+# |  16 |   32 | S32  | name         | lock holder |  the namespace, UTF-8, cut to 32 bytes (messages)
+# |  48 |    8 | u64  | recorded_by  | lock holder |  node id that wrote the record
+# |  56 |    8 | u64  | state        | lock holder |  0 EMPTY, 1 READY: stored last
+# |  64 |    4 | u32  | num_layers   | lock holder |
+# |  68 |    4 | u32  | block_tokens | lock holder |
+# |  72 |    4 | u32  | kv_heads     | lock holder |
+# |  76 |    4 | u32  | head_dim     | lock holder |
+# |  80 |    8 | u64  | block_bytes  | lock holder |
+# |  88 |   16 | S16  | dtype        | lock holder |  the dtype's name ("bfloat16"), NUL padded
+# | 104 |    8 | i64  | recorded_ns  | lock holder |  CLOCK_REALTIME of the record
+# | 112 |   16 | V16  | pad          | nobody      |
+# ===========================================================================================
+_NS_FIELDS = (("ns_id", "<u8"), ("rank", "<u4"), ("world_size", "<u4"), ("name", "|S32"),
+              ("recorded_by", "<u8"), ("state", "<u8"), ("num_layers", "<u4"),
+              ("block_tokens", "<u4"), ("kv_heads", "<u4"), ("head_dim", "<u4"),
+              ("block_bytes", "<u8"), ("dtype", "|S16"), ("recorded_ns", "<i8"), ("pad", "|V16"))
+
+
+def _packed_fields(spec: tuple[tuple[str, str], ...], writer: str) -> tuple[Field, ...]:
+    out, off = [], 0
+    for name, t in spec:
+        size = np.dtype(t).itemsize
+        out.append(Field(offset=off, size=size, type=t, name=name,
+                         writer="nobody" if name == "pad" else writer))
+        off += size
+    return tuple(out)
+
+
+NAMESPACE = Struct(name="namespace", fields=_packed_fields(_NS_FIELDS, "lock holder"),
+                   dtype=np.dtype(list(_NS_FIELDS)), itemsize=128)
+NAMESPACE_SLOTS = 255
+"""Records in a region: tags 1..255 fit the entry's tag bits with room to spare, and 255
+(model, rank) pairs -- 31 models of 8 ranks each -- is more than one region is shared by; the
+section is 32 KiB."""
+NAMESPACE_NAME_BYTES = 32
+NAMESPACE_DTYPE_BYTES = 16
+NS_EMPTY, NS_READY = 0, 1
+STRUCTS += [NAMESPACE]
 
 
 def layout_signature() -> int:

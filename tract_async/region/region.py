@@ -313,11 +313,44 @@ def being_created(path: str) -> bool:
         os.close(fd)
 
 
+DEFAULT_ROOT_SLOTS = 64
+"""Root-directory slots of a created region unless asked otherwise: the engine's sections take
+a dozen."""
+
+
 def fixed_bytes(max_nodes: int, root_slots: int) -> int:
     """Bytes taken by the header, node table and root directory (before any section)."""
     node_bytes = L.align_up(max_nodes * L.NODE.itemsize, L.PAGE_BYTES)
     root_bytes = L.align_up(root_slots * L.ROOT_ENTRY.itemsize, L.PAGE_BYTES)
     return L.HEADER_RESERVED_BYTES + node_bytes + root_bytes
+
+
+def place_sections(sections: Sequence[SectionSpec], size_bytes: int, *, max_nodes: int,
+                   root_slots: int) -> list[Section] | None:
+    """Where ``create`` lays ``sections`` out in a region of ``size_bytes``: one after another
+    from the end of the fixed area, each at its alignment, a section of ``nbytes=-1`` taking
+    the rest. None when they do not all fit."""
+    offset = fixed_bytes(max_nodes, root_slots)
+    if offset > size_bytes or len(sections) > root_slots:
+        return None
+    placed: list[Section] = []
+    for spec in sections:
+        offset = L.align_up(offset, spec.align_bytes)
+        nbytes = spec.nbytes if spec.nbytes >= 0 else size_bytes - offset
+        if nbytes < 0 or offset + nbytes > size_bytes:
+            return None
+        placed.append(Section(name=spec.name, offset_bytes=offset, nbytes=nbytes, kind=spec.kind))
+        offset += nbytes
+    return placed
+
+
+def min_size_bytes(sections: Sequence[SectionSpec], *, max_nodes: int, root_slots: int) -> int:
+    """The smallest region (whole pages) that holds the fixed area and ``sections`` as given,
+    a section of ``nbytes=-1`` left empty."""
+    offset = fixed_bytes(max_nodes, root_slots)
+    for spec in sections:
+        offset = L.align_up(offset, spec.align_bytes) + max(0, spec.nbytes)
+    return L.align_up(offset, L.PAGE_BYTES)
 
 
 class Region:
@@ -429,7 +462,8 @@ class Region:
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str, size_bytes: int, *, max_nodes: int = 8, root_slots: int = 64,
+    def create(cls, path: str, size_bytes: int, *, max_nodes: int = 8,
+               root_slots: int = DEFAULT_ROOT_SLOTS,
                sections: Sequence[SectionSpec] = (), backend: str | None = None,
                overwrite: bool = False, prefault: bool = True, mode: int = DEFAULT_MODE,
                sim_seed: int = 0, sim_evict_prob: float = 1 / 64,
@@ -493,16 +527,8 @@ class Region:
                                   capacity_bytes=size_bytes, align_bytes=align)
         need = fixed_bytes(max_nodes, root_slots)
         data_offset = need
-        placed: list[Section] = []
-        offset = data_offset
-        for spec in sections:
-            offset = L.align_up(offset, spec.align_bytes)
-            nbytes = spec.nbytes if spec.nbytes >= 0 else size_bytes - offset
-            if nbytes < 0 or offset + nbytes > size_bytes:
-                break
-            placed.append(Section(name=spec.name, offset_bytes=offset, nbytes=nbytes, kind=spec.kind))
-            offset += nbytes
-        if need > size_bytes or len(placed) != len(sections) or len(sections) > root_slots:
+        got = place_sections(sections, size_bytes, max_nodes=max_nodes, root_slots=root_slots)
+        if got is None:
             if not is_dax:
                 os.close(fd)
                 if not overwrite:
@@ -510,10 +536,17 @@ class Region:
             else:
                 os.close(fd)
             asked = ", ".join(f"{s.name}={s.nbytes}" for s in sections) or "none"
+            if len(sections) > root_slots:
+                raise RegionTooSmall(f"{path}: {len(sections)} sections do not fit "
+                                     f"{root_slots} root slots; pass root_slots >= "
+                                     f"{len(sections)}")
+            least = min_size_bytes(sections, max_nodes=max_nodes, root_slots=root_slots)
             raise RegionTooSmall(
                 f"{path}: {size_bytes} bytes cannot hold the header, a node table for "
                 f"max_nodes={max_nodes}, {root_slots} root slots ({need} bytes together) and the "
-                f"sections ({asked}); use a larger size or fewer nodes")
+                f"sections ({asked}); they need at least {least} bytes: use a size of at least "
+                f"that, or fewer nodes")
+        placed = got
         try:
             if not is_dax:
                 os.ftruncate(fd, 0) if overwrite else None

@@ -65,6 +65,7 @@ from ..keys import keys_to_words
 from ..region import Region
 from ..region import cpumarks
 from ..region import index as ix
+from ..region.namespaces import ns_flags
 from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_SLOT, A_SLOT_BYTES,
                             A_TOKEN, Allocation, Allocator, allocation_rows,
                             allocations_of_rows)
@@ -74,6 +75,7 @@ from . import doorbell as db
 from . import fused
 from . import plan as kvplan
 from . import waits
+from .layouts import LayoutGuard
 from .preclaim import PreClaimer
 from .stats import TransferStats
 
@@ -328,10 +330,26 @@ class BlockLifecycle:
         """Whether this node's maintenance reclaims dead nodes' chunks (``maintain``): the
         Engine makes it the node that hosts the lock manager, one janitor per rack instead of
         every node taking the lock for the same reclaim."""
+        self.ns_tag = 0
+        """This node's namespace tag (``stores/layouts.py``), carried in the ``flags`` of the
+        entries it reserves; 0 until the Engine records its namespace (``use_layouts``)."""
+        self.layouts: LayoutGuard | None = None
+        """The read-side check of the blocks' namespaces; None: not checked (no Engine)."""
+        self._entry_flags = ix.FLAG_TRANSFER if cfg.mode == "transfer" else 0
+        """The ``flags`` word of the entries this node reserves."""
         self._fp = self._fused_params()
         self._fres = np.zeros((fused.FUSED_MAX_BLOCKS, 3), dtype=np.int64)
         self._fsnap = np.zeros((fused.FUSED_MAX_BLOCKS, 8), dtype=np.int64)
         self._fok = np.zeros(fused.FUSED_MAX_BLOCKS, dtype=np.bool_)
+
+    def use_layouts(self, guard: LayoutGuard) -> None:
+        """From now on reserve entries under ``guard``'s namespace tag and check the namespace
+        of every block a read finds (``stores/layouts.py``). Before the first put."""
+        self.layouts = guard
+        self.ns_tag = guard.tag
+        self._entry_flags = (self._entry_flags & ix.FLAG_TRANSFER) | ns_flags(guard.tag)
+        self._fp[fused.P_FLAGS] = self._entry_flags
+        self._fp[fused.P_NS_TAG] = guard.tag
 
     def _fused_params(self) -> np.ndarray:
         """The constant arguments of the fused kernels (``fused.P_*``) for this node."""
@@ -344,8 +362,8 @@ class BlockLifecycle:
         p[fused.P_LANES] = g.lanes
         p[fused.P_LANE] = self.lane
         p[fused.P_PRODUCER] = self.node_id
-        transfer = self.cfg.mode == "transfer"
-        p[fused.P_FLAGS] = ix.FLAG_TRANSFER if transfer else 0
+        p[fused.P_FLAGS] = self._entry_flags
+        p[fused.P_NS_TAG] = self.ns_tag
         p[fused.P_ALL_LO] = np.uint64(self._all_lo).astype(np.int64)
         p[fused.P_ALL_HI] = np.uint64(self._all_hi).astype(np.int64)
         p[fused.P_DBOFF] = self._db_off
@@ -749,7 +767,7 @@ class BlockLifecycle:
         try:
             now = time.time_ns()
             transfer = self.cfg.mode == "transfer"
-            flags = ix.FLAG_TRANSFER if transfer else 0
+            flags = self._entry_flags
             deadline = now + int(self.cfg.transfer_deadline_s * 1e9) if transfer else 0
             producer = self.node_id  # the epoch lives in the node table; the id suffices here
             res = np.zeros((len(positions), 3), dtype=np.int64)
@@ -1213,7 +1231,8 @@ class BlockLifecycle:
         ``timeout`` for blocks or the layer), check state and payload bounds. Returns the key
         words and the snapshot (rows: slot, version, state, payload offset, nbytes, layer bits,
         flags), which ``validate_read`` takes after the copy. Raises BlockNotFound,
-        LayerNotReady, TransferTimeout, BlockEvicted."""
+        LayerNotReady, TransferTimeout, BlockEvicted, LayoutMismatch (a block of a namespace
+        of another layout: ``stores/layouts.py``)."""
         self.preclaimer.read_started()
         words = self.read_words(keys)
         if timeout is not None and timeout > 0:
@@ -1234,6 +1253,8 @@ class BlockLifecycle:
                 avail = all(r[0] >= 0 and (r[2] == ix.READY or (r[col] >> bit) & 1)
                             for r in rows)
             if avail:
+                if self.layouts is not None:       # before the bounds: another layout's block
+                    self.layouts.check_rows(keys, rows)         # has other bounds too
                 for i, r in enumerate(rows):
                     if r[4] != bb or r[3] < lo or r[3] + r[4] > end:
                         self.stats.validation_failures += 1
@@ -1242,6 +1263,8 @@ class BlockLifecycle:
                                            f"layout: changed during the read; treat as a miss")
                 return words, snap
         self._check_available(keys, snap, layer)
+        if self.layouts is not None:
+            self.layouts.check_snapshot(keys, snap)
         bad = np.flatnonzero((snap[:, 4] != self.layout.block_bytes) | (snap[:, 3] < g.chunks_offset)
                              | (snap[:, 3] > end - self.layout.block_bytes))  # no wrap
         if bad.size:

@@ -24,8 +24,8 @@ protocol is new here, only the Python between the steps is gone.
 ``get_blocks`` (any node, lock-free: index.py's seqlock read):
 
 1. ``snapshot_batch``; any key absent or not READY, or with payload bounds outside the chunks
-   or not one block: stop (status -1 / -2) with the snapshot, for the step-by-step path to wait
-   on or to raise from;
+   or not one block, or stored under another namespace: stop (status -1 / -2) with the
+   snapshot, for the step-by-step path to wait on or to raise from;
 2. ``read_rows`` (invalidate every line, ``mfence``, copy);
 3. ``revalidate_batch`` (entry, version, payload and slot tag still the snapshot's), unless the
    caller switched validation off (the torn-read stress's negative control).
@@ -77,7 +77,7 @@ P_MAX_PROBE = 3
 P_LANES = 4
 P_LANE = 5
 P_PRODUCER = 6
-P_FLAGS = 7         # FLAG_TRANSFER or 0
+P_FLAGS = 7         # FLAG_TRANSFER or 0, and the namespace tag's bits
 P_ALL_LO = 8        # every layer's bits (two's complement of the uint64)
 P_ALL_HI = 9
 P_DBOFF = 10        # the doorbell section, -1 without one
@@ -88,7 +88,8 @@ P_POS_STEP = 14     # tensor bytes between blocks of one row (plan template)
 P_CHUNKS_LO = 15    # payload bounds: the first chunk's offset
 P_CHUNKS_END = 16   # and the end of the last
 P_BLOCK_BYTES = 17
-P_FIELDS = 18
+P_NS_TAG = 18       # this node's namespace tag (region/namespaces.py); 0 until recorded
+P_FIELDS = 19
 
 FENCED = -1
 """``put_blocks``: this node was judged dead (NodeEvicted); nothing was written."""
@@ -154,5 +155,6 @@ def get_blocks(m, p, tgeo, keys, tmpl, dst_base, validate, snap, ok):
     # the checked read of a parallel read's group (``region/gangcopy.py``), whole blocks,
     # cached destination stores, no test seam; called from here it keeps the GIL
     return G.get_checked(m, p[P_EOFF], p[P_MASK], p[P_MAX_PROBE], p[P_LANES], p[P_CHUNKS_LO],
-                         p[P_CHUNKS_END], p[P_BLOCK_BYTES], p[P_POS_STEP], tgeo, keys, tmpl,
-                         dst_base, validate, True, 0, np.uint64(1), False, snap, ok, 0)
+                         p[P_CHUNKS_END], p[P_BLOCK_BYTES], p[P_POS_STEP], p[P_NS_TAG], tgeo,
+                         keys, tmpl, dst_base, validate, True, 0, np.uint64(1), False, snap, ok,
+                         0)

@@ -137,14 +137,14 @@ class ParallelReads:
         word, bit = (0, 0) if whole else divmod(layer, 64)
         chunks_end = ag.chunks_offset + ag.nchunks * ag.chunk_bytes
         fixed = (g.entries_offset, st.index.mask, g.max_probe, g.lanes, ag.chunks_offset,
-                 chunks_end, lay.block_bytes, pos_step)
+                 chunks_end, lay.block_bytes, pos_step, b.ns_tag)
         validate = b.validate_reads
         jobs = []
         empty = np.zeros((0, 3), dtype=np.int64)
         for k in range(1 if loop_reads else 0, parts):
             k0, k1 = cuts[k], cuts[k + 1]
             a = np.zeros(G.GA_WORDS, dtype=np.int64)
-            a[:8] = fixed
+            a[:G.GA_FIXED] = fixed
             a[G.GA_TGEO], a[G.GA_TGEO_LEN] = tgeo.ctypes.data, tgeo.shape[0]
             a[G.GA_KEYS], a[G.GA_NKEYS] = words[k0:k1].ctypes.data, k1 - k0
             a[G.GA_TMPL], a[G.GA_TMPL_ROWS] = tmpl.ctypes.data, tmpl.shape[0]

@@ -84,7 +84,8 @@ def check_tensor(t: object, layout: KVLayout, num_blocks: int, layer: int | None
         form = "all layers (num_layers, 2, tokens, kv_heads, head_dim)" if layer is None else \
             "one layer (2, tokens, kv_heads, head_dim)"
         raise TensorMismatch(f"{what} has shape {tuple(t.shape)}, expected {want} for {num_blocks} "
-                             f"blocks of {layout.block_tokens} tokens, {form}")
+                             f"blocks of {layout.block_tokens} tokens, {form}"
+                             + _partial_hint(t, layout, num_blocks, layer))
     if not arrays.array_dtype_ok(t, layout.dtype_name):
         store = "" if arrays.is_tensor(t) else \
             f" (as numpy: {arrays.NUMPY_STORAGE[layout.dtype_name]}, which holds its bits)"
@@ -94,6 +95,27 @@ def check_tensor(t: object, layout: KVLayout, num_blocks: int, layer: int | None
     if dev != "cpu" and not (allow_cuda and dev == "cuda"):
         raise TensorMismatch(f"{what} is on {t.device}; this path takes CPU tensors"  # type: ignore[attr-defined]
                              + ("" if allow_cuda else " (CUDA tensors need a CUDA build)"))
+
+
+def _partial_hint(t: Any, layout: KVLayout, num_blocks: int, layer: int | None) -> str:
+    """Why a tensor of the right form has tokens the keys do not cover, when that is the
+    mismatch: keys exist for full blocks only (``KeyScheme.chain``), so a prompt shorter than a
+    block has none, and a longer one's trailing partial block has none."""
+    want = layout.kv_shape(num_blocks, layer)
+    shape = tuple(t.shape)
+    axis = 2 if layer is None else 1
+    if len(shape) != len(want) or shape[:axis] + shape[axis + 1:] != want[:axis] + want[axis + 1:]:
+        return ""
+    tokens, bt = shape[axis], layout.block_tokens
+    if num_blocks == 0 and 0 < tokens < bt:
+        return (f": no keys, because a prompt shorter than one block of {bt} tokens ({tokens} "
+                f"here) has no block key (block_keys keys full blocks only); there is nothing to "
+                f"store or read for it: skip the call, or use a smaller block_tokens")
+    if tokens // bt == num_blocks and tokens % bt:
+        full = f"{num_blocks} full block" + ("s" if num_blocks != 1 else "")
+        return (f": {tokens} tokens are {full} and {tokens % bt} more, which have no key "
+                f"(block_keys keys full blocks only); pass the first {num_blocks * bt} tokens")
+    return ""
 
 
 def check_layer(layer: int | None, layout: KVLayout) -> None:
