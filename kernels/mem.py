@@ -9,8 +9,8 @@ describing the mapping and the backend:
 * ``BACKEND_SIM``: the same calls through the private write-back cache model of ``sim.py``, so that
   a missing flush or invalidate shows up as a failure on this (coherent) machine.
 
-Rules the protocols follow (DESIGN.md invariant 3): writers ``store`` then ``flush`` then fence;
-readers ``invalidate`` then fence then ``load``. Composite helpers ``store_flush`` and
+Rules the protocols follow (docs/design.md invariant 3): writers ``store`` then ``flush`` then
+fence; readers ``invalidate`` then fence then ``load``. Composite helpers ``store_flush`` and
 ``load_fresh`` do exactly that for one word. Each flush or invalidate names its *site*
 (``sites.site(...)``) so that a test can remove it alone (``with_skip_site``).
 

@@ -10,7 +10,7 @@ What it models:
 * Stores are write-allocate into the private copy; memory sees nothing until a flush, a write-back
   (``clwb``), an eviction, or a random early write-back.
 * A write-back writes the *whole* 64-byte line, so two nodes that write different words of one
-  line lose each other's update (DESIGN.md invariant 2).
+  line lose each other's update (docs/design.md invariant 2).
 * Dirty lines are written back early at random (seeded xorshift, probability per access), and a
   line whose slot is needed by another line (direct-mapped, ``cache_lines`` slots) is evicted.
 * Non-temporal stores bypass the cache (the line is written back and dropped first, as hardware

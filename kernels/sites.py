@@ -3,7 +3,7 @@
 Every flush or invalidate in a protocol passes a *site id*. A ``Mem`` built with
 ``skip_site=<id>`` silently omits exactly that one site, which is how the tests prove that each
 flush and invalidate is necessary: remove it, run the scenario under the incoherent backend, and
-watch it fail (DESIGN.md invariant 4).
+watch it fail (docs/design.md invariant 4).
 
 Ids are derived from the name (CRC-32), not from registration order: Numba freezes module-level
 integers into compiled (and cached) code, so an id must be the same in every process and run.

@@ -1,6 +1,6 @@
 """Named crash points: kill this process (SIGKILL) at one protocol step, for crash tests.
 
-DESIGN.md invariant 8 says a node killed at any instruction leaves nothing recovery cannot
+docs/design.md invariant 8 says a node killed at any instruction leaves nothing recovery cannot
 repair. The crash tests prove it step by step: a worker process runs with
 ``TRACT_CRASH_AT=<point>``, calls ``arm()`` once its "before" blocks are published and its
 parent has the report, and dies the first time it reaches that point; survivors then recover

@@ -1,5 +1,5 @@
 """A node killed at every named protocol step (``tract_async.crashpoints``) leaves nothing the
-survivors cannot repair (DESIGN.md invariant 8).
+survivors cannot repair (docs/design.md invariant 8).
 
 For each point: node 2 creates the region, manages the lock and stores blocks; node 1 (this
 process) stores its own; node 0, started with ``TRACT_CRASH_AT=<point>``, stores its "before"

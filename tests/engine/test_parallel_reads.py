@@ -146,7 +146,7 @@ async def test_reads_of_few_blocks_keep_the_step_by_step_path(region_path: str) 
 
 async def test_a_cancelled_parallel_read_waits_for_its_workers(region_path: str) -> None:
     """A worker's group cannot be interrupted: a cancelled read returns (cancelled) only once
-    every group is done -- its output is written by nobody afterwards (DESIGN.md invariant 7)
+    every group is done -- its output is written by nobody afterwards (docs/design.md invariant 7)
     -- and the gang serves the next read."""
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=2)) as a:
         x = _keys(a, 0)

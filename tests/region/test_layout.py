@@ -1,4 +1,4 @@
-"""Every on-region layout table agrees with its numpy dtype (DESIGN.md invariant 9)."""
+"""Every on-region layout table agrees with its numpy dtype (docs/design.md invariant 9)."""
 from __future__ import annotations
 
 import numpy as np

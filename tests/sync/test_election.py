@@ -1,5 +1,5 @@
 """Election and takeover of the lock manager under the incoherent (sim) backend, with each
-election/takeover flush and invalidate removed in turn (DESIGN.md invariant 4, issue 3).
+election/takeover flush and invalidate removed in turn (docs/design.md invariant 4, issue 3).
 
 The scenario: five nodes in one process, each a thread with its own event loop, its own
 ``Region.attach`` (so its own simulated private cache, i.e. its own host) and its own heartbeat

@@ -7,7 +7,7 @@ A transfer is enqueued on the engine's copy streams and ends with an event. Its 
   completion to the future's loop with ``call_soon_threadsafe``. There is no thread, task or
   spinning core per future;
 * runs its *completion* exactly once, on the loop, as soon as the event has completed and
-  whether or not anybody awaits: that is where a put publishes its layer bits (DESIGN.md
+  whether or not anybody awaits: that is where a put publishes its layer bits (docs/design.md
   invariant 5: after the bytes) and a get re-validates its block versions (invariant 6: after
   the DMA). Awaiting returns the completion's result or raises its error;
 * may carry an *early* step that the poller runs on its own thread as soon as it sees the event

@@ -11,7 +11,7 @@ the entry starts to mean something else (reserve, evict) and at no other time. A
 3. invalidates and copies the payload;
 4. invalidates line 0 again and re-reads key, version, state and payload offset (after the copy
    has completed: on a GPU, after the DMA's event). Any change means the block was evicted (and
-   maybe reused) during the copy: the result is a miss, never wrong bytes (DESIGN.md invariant
+   maybe reused) during the copy: the result is a miss, never wrong bytes (docs/design.md invariant
    6). The key is compared again because a read of a line is not atomic: the first read can be
    torn against a re-reservation (old key words with the new version) -- the torn-read stress
    test found exactly this when only the version was re-checked;
@@ -33,7 +33,7 @@ node id (``lanes_for(max_nodes)``) lane ``n`` is node ``n``'s. A key's probe vis
 ``lanes`` consecutive entries (its home group, then the next, up to ``max_probe`` groups); each
 lane's entries along those groups form that lane's own chain, which ends at the lane's first
 EMPTY entry. A reader searches every lane (it cannot know who stored the key) and stops when
-every lane's chain has ended. The rules that keep one writer per line (DESIGN.md invariant 2):
+every lane's chain has ended. The rules that keep one writer per line (docs/design.md invariant 2):
 
 * **The lane's owner, without the lock**, writes an entry of its lane that is EMPTY or a
   TOMBSTONE (to reserve it), its own RESERVED entries (fill, publish, abandon), and the
@@ -67,7 +67,7 @@ The steps:
   last, ``state = RESERVED``; flush. The entry is now the producer's.
 * Fill (the producer, no lock): payload bytes of a layer with non-temporal stores and ``sfence``;
   then the layer's bit in line 1 (NT store); the consumer sees the bit only after the bytes. After
-  the last layer, a fence, then ``state = READY`` (NT) (DESIGN.md invariant 5). The entry is
+  the last layer, a fence, then ``state = READY`` (NT) (docs/design.md invariant 5). The entry is
   handed to the lock holders.
 * Evict (lock holder; or the owner, of its own RESERVED entries): ``version + 1``, then
   ``state = TOMBSTONE``, one flush; only then is the payload freed. Tombstones keep probe

@@ -4,7 +4,7 @@ Every structure stored in the region is described twice, on purpose: a human tab
 size, type, field, writer) that documents who may write each word, and a numpy dtype the code
 uses. ``tests/region/test_layout.py`` checks that the two agree, so the documentation cannot drift.
 
-Rules every table follows (DESIGN.md invariants 1, 2, 9):
+Rules every table follows (docs/design.md invariants 1, 2, 9):
 * Offsets only, never pointers: a field that refers to another place holds ``*_offset_bytes``
   from the region base.
 * One writer per 64-byte line at a time. On non-coherent memory a flush writes back the whole
@@ -204,7 +204,7 @@ ROOT_EMPTY, ROOT_READY = 0, 1
 # one LOCK_STATE line, then ``max_nodes`` LOCK_REQ lines, then ``max_nodes`` LOCK_GRANT lines.
 # Section "sync.manager" holds one MANAGER line, then ``max_nodes`` MANAGER_CANDIDATE lines.
 # Request lines are written only by their node, grant and state lines only by the manager of
-# the current term: no line has two writers (DESIGN.md invariant 2). The protocol is the essay
+# the current term: no line has two writers (docs/design.md invariant 2). The protocol is the essay
 # of ``sync/slots.py``.
 # ===========================================================================================
 
@@ -432,7 +432,7 @@ another one), so the signature cannot depend on which modules a process happened
 
 # ===========================================================================================
 # Section "sync.doorbells" (tract_async/stores/doorbell.py): ``max_nodes`` DOORBELL lines, one per
-# node, each written only by its node's event-loop thread (DESIGN.md invariant 2). A producer
+# node, each written only by its node's event-loop thread (docs/design.md invariant 2). A producer
 # reads every line after it publishes (invalidate, fence, load) and rings the doorbell of each
 # node that says it waits.
 # | off | size | type | field    | writer |
@@ -464,7 +464,7 @@ STRUCTS += [DOORBELL]
 # |  72 |   56 | V56  | pad1         | nobody      |
 #
 # INDEX_LANE: ``lanes`` lines from byte 128 of the header page, line n written by node n only
-# (its counters: one writer per line without the lock, DESIGN.md invariant 2).
+# (its counters: one writer per line without the lock, docs/design.md invariant 2).
 # | off | size | type | field      | writer     |
 # |-----|------|------|------------|------------|
 # |   0 |    8 | u64  | publishes  | lane owner |  entries this node reserved
@@ -474,7 +474,7 @@ STRUCTS += [DOORBELL]
 # |  24 |   40 | V40  | pad        | nobody     |
 #
 # INDEX_ENTRY: line 0 says *what* and *where*, line 1 *how far* and *how recently*.
-# Hand-off rule (DESIGN.md invariant 2; index.py, "Who writes what"): an EMPTY or TOMBSTONE
+# Hand-off rule (docs/design.md invariant 2; index.py, "Who writes what"): an EMPTY or TOMBSTONE
 # entry of lane n is written only by node n, which RESERVES it without the global lock and alone
 # writes layer bits and, last, state = READY; a READY entry is written only by the global-lock
 # holder, whose last write to it is the TOMBSTONE (version first, state last, one flush), after

@@ -6,7 +6,7 @@ written into a span of that pool; the reply to the router names the span by a de
 decode worker READs the span into a buffer of its own and, as the agent does for every READ with a
 notification, tells the prefill agent once the last byte has landed (sent after the READ
 returns, off the critical path); that notification frees the span. A span nobody READs is freed after ``hold_s`` (longer than any decode deadline, so
-a READ still in flight cannot see its bytes reused: DESIGN.md invariant 7).
+a READ still in flight cannot see its bytes reused: docs/design.md invariant 7).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ Block lifetime. A block lives in a slot of its producer's heap. It is READY unti
 under memory pressure), consumed (transfer-only mode), expired (transfer-only deadline), or
 reclaimed with its owner's chunks when the owner node dies or leaves. A put that fails or is
 cancelled after reserving evicts its own entries (after its copies have finished: no write ever
-lands in a slot that was handed out again, DESIGN.md invariant 7).
+lands in a slot that was handed out again, docs/design.md invariant 7).
 """
 from __future__ import annotations
 

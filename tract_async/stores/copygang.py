@@ -25,7 +25,7 @@ drained later, and those must not count toward the next copy.
 
 One copy at a time: ``run`` is for an idle gang (``idle``); the copier sends a copy that finds it
 busy to its thread pool instead, so nothing queues behind a long copy. A cancelled caller still
-waits for every worker of its copy (DESIGN.md invariant 7: a worker cannot be interrupted, and
+waits for every worker of its copy (docs/design.md invariant 7: a worker cannot be interrupted, and
 the caller must not free or reuse what it still copies), then re-raises.
 
 Idle cost: none between bursts. A worker polls for ``WORKER_SPIN_NS`` after a job (yielding its

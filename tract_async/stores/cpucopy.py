@@ -42,7 +42,7 @@ What each direction keeps:
   edges is dropped by both, which is harmless for a read);
 * the call returns only when every thread is done, also when the caller is cancelled (the
   threads cannot be interrupted; a cancelled caller must not free memory that a thread still
-  copies: DESIGN.md invariant 7), and then raises the first thread's error, if any.
+  copies: docs/design.md invariant 7), and then raises the first thread's error, if any.
 
 The sim backend stays on one thread (its caches are per thread: ``waits.ThreadMem``). The older
 two-thread read (one thread drops the lines ahead, the other copies behind: ``_copy_out_split``)
@@ -314,7 +314,7 @@ class CpuCopier:
         the loop's default executor) and return their results once every one is done.
 
         A copy in a thread cannot be interrupted: a cancelled caller still waits for the last
-        byte of every thread before anything is freed (DESIGN.md invariant 7), then re-raises
+        byte of every thread before anything is freed (docs/design.md invariant 7), then re-raises
         the cancellation; otherwise the first thread's error (in ``calls`` order) is raised."""
         loop = asyncio.get_running_loop()
         tm = waits.ThreadMem(self.region)    # each thread its own view (``Region.mem``)

@@ -20,7 +20,7 @@ holds which key, at which pool slot and version, with which layers landed. It is
 * waiters: ``get_kv(timeout=)`` waits on an ``asyncio.Event`` that each directory change sets
   (one event per generation, as the Agent's notifications): no polling.
 
-Validation (DESIGN.md invariant 6 over HTTP). A directory entry may be stale (an announcement
+Validation (docs/design.md invariant 6 over HTTP). A directory entry may be stale (an announcement
 still in flight, a lost one, a reordered one), so it is only a hint. A remote get READs the slots
 it names, then asks the holder to *check* each ``(key, slot, version, layer)`` against its pool.
 Versions are never reused and a slot is rewritten only after its block was evicted (which forgets

@@ -8,7 +8,7 @@ a block in the region (for layer l: K then V), so one layer of a block is one co
 Versions. Every reservation gets a fresh version from one per-pool counter (never reused), and
 eviction forgets it. A reader that saw ``(key, slot, version)`` and finds the same triple after
 its copy knows that nobody evicted the block (and so nobody rewrote the slot) in between: the
-same re-validation the region path does with its entry versions (DESIGN.md invariant 6). Only
+same re-validation the region path does with its entry versions (docs/design.md invariant 6). Only
 the event loop touches this structure, so a local copy made without an ``await`` needs no
 check; a remote READ (which spans awaits on the server) is checked with ``holds()``.
 

@@ -310,7 +310,7 @@ class RegionStore:
                 await copy
         except BaseException:
             if copy is not None:
-                await _settled(copy)            # no byte may still land (DESIGN.md inv. 7)
+                await _settled(copy)            # no byte may still land (docs/design.md inv. 7)
             for ks, todo, _, _ in stages:
                 await b.abandon([ks[i] for i in todo])
             raise

@@ -3,7 +3,7 @@
 This module is the on-memory half of the lock; ``lock.py`` (waiters) and ``manager.py`` (the
 lock-manager coroutine) are the asyncio halves. No asyncio here.
 
-Lines and writers (tables in ``region/layout.py``; DESIGN.md invariant 2):
+Lines and writers (tables in ``region/layout.py``; docs/design.md invariant 2):
 
 * ``LOCK_REQ[l, j]`` is written only by node ``j`` (by whichever of its processes holds the
   node-local tier, ``local.py``). A request is ``req_seq += 1``; a release or withdrawal is

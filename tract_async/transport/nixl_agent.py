@@ -51,8 +51,8 @@ Cancellation. NIXL releases an in-flight request by cancelling its UCX requests,
 promise that no byte lands afterwards. So a transfer that times out or is cancelled is reported
 at once, and its local memory stays *quarantined*: held as in use (``deregister_memory`` raises
 ``TransferInProgress``, a staging buffer is never handed out again) until the agent closes, when
-UCX's worker is destroyed and nothing can land any more (DESIGN.md invariant 7). A transfer that
-failed because its peer disconnected is settled normally: the connection is gone.
+UCX's worker is destroyed and nothing can land any more (docs/design.md invariant 7). A transfer
+that failed because its peer disconnected is settled normally: the connection is gone.
 
 Environment: ``nixl_env`` (importing nixl, the UCX_TLS defaults, NIXL's errors as ours).
 
