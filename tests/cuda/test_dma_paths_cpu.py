@@ -292,3 +292,39 @@ def test_early_publish_after_an_abandon_stores_nothing(region_path) -> None:
             assert prod.lookup(keys) == 0
             assert all(x == -1 for x in b.index.snapshot(keys_to_words(keys))[:, 0].tolist())
     asyncio.run(main())
+
+
+# -- snapshots and revalidations split over threads ---------------------------------------------
+
+def test_split_snapshot_and_revalidation_equal_the_single_threads(region_path) -> None:
+    """``PrefixIndex.meta_threads`` > 1 (hosts of 8+ CPUs): the same rows and the same verdicts
+    as one thread, absent and evicted keys included."""
+    n = ix.PARALLEL_META_MIN + 45
+
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True,
+                                         region_bytes=64 << 20)) as eng:
+            b = eng._store.blocks
+            keys = eng.block_keys(list(range(16 * n)))
+            await eng.put_kv(keys[:n - 7], kv_for_keys(keys[:n - 7]))  # the last 7 absent
+            words = keys_to_words(keys)
+            b.index.meta_threads = 1
+            one = b.index.snapshot(words)
+            b.index.meta_threads = 3
+            split = b.index.snapshot(words)
+            assert np.array_equal(one, split)
+            assert (split[n - 7:, 0] == -1).all() and (split[:n - 7, 0] >= 0).all()
+            live = split[:n - 7]
+            # evict a few, then revalidate both ways
+            victims = [3, 100, n - 10]
+            await b.evict([keys[i] for i in victims])
+            res = []
+            for t in (1, 3):
+                b.index.meta_threads = t
+                ok = np.ones(n - 7, dtype=np.bool_)
+                bad = b.index.revalidate(live[:, 0], live[:, 1], live[:, 3], words[:n - 7], ok)
+                res.append((bad, ok.copy()))
+            assert res[0][0] == res[1][0] == len(victims)
+            assert np.array_equal(res[0][1], res[1][1])
+            assert sorted(np.flatnonzero(~res[1][1]).tolist()) == victims
+    asyncio.run(main())

@@ -89,8 +89,10 @@ Lookups and probes are jitted and run one whole batch per call.
 """
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from numba import njit
@@ -1040,6 +1042,53 @@ class IndexGeometry:
     lanes: int = 1
 
 
+PARALLEL_META_MIN = 256
+"""Snapshots and revalidations of at least this many keys are split over ``meta_threads``
+threads. Why: both are a chain of line invalidations and loads from memory per key (~0.2 µs a
+key on the 2-core VM, more on the GPU hosts), ~0.2-0.35 ms at 1024 keys on the loop's thread,
+where a GPU read of those keys' layer takes 1.2 ms; the kernels are nogil and touch disjoint
+rows, so threads overlap their memory latency."""
+
+_META_POOL: Any = None
+_META_POOL_LOCK = threading.Lock()
+
+
+def _in_parts(n: int, threads: int, part: Callable[[int, int], int]) -> list[int]:
+    """Run ``part(lo, hi)`` over ``threads`` consecutive ranges of ``[0, n)``: the first on the
+    calling thread, the rest on a process-wide pool; returns their results in order (the
+    caller waits for all, also when one raised)."""
+    global _META_POOL
+    if _META_POOL is None:
+        with _META_POOL_LOCK:
+            if _META_POOL is None:
+                from concurrent.futures import ThreadPoolExecutor
+                _META_POOL = ThreadPoolExecutor(MAX_META_THREADS - 1,
+                                                thread_name_prefix="tract-meta")
+    t = max(1, min(threads, MAX_META_THREADS, n))
+    bounds = [n * i // t for i in range(t + 1)]
+    futs = [_META_POOL.submit(part, bounds[i], bounds[i + 1]) for i in range(1, t)]
+    try:
+        first = part(bounds[0], bounds[1])
+    finally:
+        rest = [f.result() for f in futs]       # never return while a part still runs
+    return [first, *rest]
+
+
+MAX_META_THREADS = 4
+
+
+def auto_meta_threads(cpus: int, backend_hw: bool) -> int:
+    """``PrefixIndex.meta_threads`` for a host of ``cpus`` usable CPUs: 4 from 8 CPUs on, else 1
+    (on 2 cores the loop's own thread is the better place); 1 on the sim backend.
+    ``$TRACT_META_THREADS`` overrides."""
+    env = os.environ.get("TRACT_META_THREADS")
+    if env:
+        return max(1, min(MAX_META_THREADS, int(env)))
+    if not backend_hw:
+        return 1
+    return MAX_META_THREADS if cpus >= 8 else 1
+
+
 class PrefixIndex:
     """The index of one region, seen by one node (its ``Mem``). No asyncio here: the engine
     takes the global lock around the ``*_locked`` methods."""
@@ -1079,6 +1128,10 @@ class PrefixIndex:
         self.geo = IndexGeometry(header_offset=sec.offset_bytes, entries_offset=eoff,
                                  capacity=cap, max_probe=probe, lanes=lanes)
         self.tgeo = tag_geometry(region)
+        self.meta_threads = 1
+        """Threads a large snapshot or revalidation is split over (``_in_parts``); the owner
+        sets it (``BlockLifecycle``: ``auto_meta_threads``). 1 on the sim backend, whose
+        private cache model is not thread-safe."""
 
     @staticmethod
     def format(region: "Region", section_name: str = "index", *,
@@ -1135,9 +1188,18 @@ class PrefixIndex:
         Up to ``SNAPSHOT_HOLD_GIL_KEYS`` keys without releasing the GIL (``stores/fused.py``,
         "Holding the GIL"): every wait's re-check takes one."""
         g = self.geo
-        out = np.zeros((key_words.shape[0], 8), dtype=np.int64)
-        fn = (snapshot_batch_held if key_words.shape[0] <= SNAPSHOT_HOLD_GIL_KEYS
-              else snapshot_batch)
+        n = key_words.shape[0]
+        out = np.zeros((n, 8), dtype=np.int64)
+        if n >= PARALLEL_META_MIN and self.meta_threads > 1:
+            m, mask = self.region.mem, self.mask
+
+            def part(lo: int, hi: int) -> int:
+                snapshot_batch(m, g.entries_offset, mask, g.max_probe, g.lanes,
+                               key_words[lo:hi], out[lo:hi])
+                return 0
+            _in_parts(n, self.meta_threads, part)
+            return out
+        fn = (snapshot_batch_held if n <= SNAPSHOT_HOLD_GIL_KEYS else snapshot_batch)
         fn(self.region.mem, g.entries_offset, self.mask, g.max_probe, g.lanes, key_words, out)
         return out
 
@@ -1145,10 +1207,17 @@ class PrefixIndex:
                    key_words: np.ndarray, ok: np.ndarray) -> int:
         """Step 4 of a read (``revalidate_batch``): after the copy, ``ok[i]`` says whether block
         ``i`` is still the one snapshotted (entry and slot tag). Returns how many are not."""
-        return int(revalidate_batch(self.region.mem, self.geo.entries_offset, self.tgeo,
-                                    np.ascontiguousarray(slots, dtype=np.int64),
-                                    np.ascontiguousarray(versions, dtype=np.int64),
-                                    np.ascontiguousarray(poffs, dtype=np.int64), key_words, ok))
+        sl = np.ascontiguousarray(slots, dtype=np.int64)
+        vs = np.ascontiguousarray(versions, dtype=np.int64)
+        po = np.ascontiguousarray(poffs, dtype=np.int64)
+        m, eoff, tgeo = self.region.mem, self.geo.entries_offset, self.tgeo
+        n = sl.shape[0]
+        if n >= PARALLEL_META_MIN and self.meta_threads > 1:
+            def part(lo: int, hi: int) -> int:
+                return int(revalidate_batch(m, eoff, tgeo, sl[lo:hi], vs[lo:hi], po[lo:hi],
+                                            key_words[lo:hi], ok[lo:hi]))
+            return sum(_in_parts(n, self.meta_threads, part))
+        return int(revalidate_batch(m, eoff, tgeo, sl, vs, po, key_words, ok))
 
     def drop_spans_locked(self, spans: list[tuple[int, int]]) -> int:
         """Tombstone every live entry whose payload lies in one of ``spans`` ((offset_bytes,

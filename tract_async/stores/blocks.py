@@ -274,6 +274,8 @@ class BlockLifecycle:
         self.node_id = cfg.node_id
         self.spin_ns = 1000 * (waits.auto_wait_spin_us() if cfg.wait_spin_us is None
                                else cfg.wait_spin_us)
+        index.meta_threads = ix.auto_meta_threads(waits.usable_cpus(),
+                                                  region.mem[K.MEM_BACKEND] == K.BACKEND_HW)
         """How long a same-host wait spins before it sleeps (``_spin_on_loop``)."""
         self.stats = StoreStats()
         self._reserved: dict[bytes, Reservation | FillBatch] = {}
