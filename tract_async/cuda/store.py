@@ -30,7 +30,7 @@ import numpy as np
 import tract_kernels as K
 
 from ..stores import plan as kvplan
-from ..gcpause import gc_paused
+from ..gcpause import PAUSE_MIN_BLOCKS, gc_paused
 from ..errors import BlockEvicted
 from ..keys import keys_to_words
 from ..region import index as ix
@@ -80,6 +80,9 @@ class CudaPath:
         return self.reg.registered
 
     def copier(self, device: Any) -> Copier:
+        c = self._copiers.get(device)       # a torch.device of a tensor: hashed as it is
+        if c is not None:
+            return c
         import torch
         dev = torch.device(device)
         if dev.index is None:
@@ -185,6 +188,9 @@ async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
                     ready: Any = None, method: str | None = None) -> StreamFuture:
     """Reserve, enqueue, and return the transfer's future (its completion publishes).
     Raises what ``RegionStore.put`` raises before the copy (RegionFull, TransferTimeout)."""
+    if len(keys) < PAUSE_MIN_BLOCKS:                 # (gc_paused leaves small ones alone)
+        return await _start_put(store, cpath, keys, tensors, make_plan, layer, timeout,
+                                 ready=ready, method=method)
     with gc_paused(len(keys)):
         return await _start_put(store, cpath, keys, tensors, make_plan, layer, timeout,
                                 ready=ready, method=method)
@@ -302,6 +308,9 @@ async def start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
                     result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
     """Wait for the blocks, enqueue, and return the future (its completion validates and gives
     ``result``). Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted (bounds)."""
+    if len(keys) < PAUSE_MIN_BLOCKS:
+        return await _start_get(store, cpath, keys, tensors, make_plan, layer, timeout,
+                                result=result, after=after, method=method)
     with gc_paused(len(keys)):
         return await _start_get(store, cpath, keys, tensors, make_plan, layer, timeout,
                                 result=result, after=after, method=method)

@@ -70,7 +70,7 @@ def check_tensor(t: object, layout: KVLayout, num_blocks: int, layer: int | None
     """Raise TensorMismatch unless ``t`` (a torch tensor or a numpy array) has the layout's
     dtype and the put/get shape."""
     torch = sys.modules.get("torch")
-    if (torch is not None and type(t) is torch.Tensor and t.is_cpu
+    if (torch is not None and type(t) is torch.Tensor and (t.is_cpu or allow_cuda and t.is_cuda)
             and t.dtype is getattr(torch, layout.dtype_name)
             and t.shape == layout.kv_shape(num_blocks, layer)):
         # the common case in four attribute reads (the checks below make ~10 calls into torch:
