@@ -166,6 +166,7 @@ class StreamFuture:
         self._early = early
         self._early_lock = threading.Lock() if early is not None else None
         self._landed_flag = False
+        self._landed_hooks: list[Callable[[], Any]] = []
         self.early_done = False
         """``early`` ran on the poller's thread and did its part (a put's layer bits)."""
         self.early_error: BaseException | None = None
@@ -238,6 +239,14 @@ class StreamFuture:
         completion's error; a cancelled caller still gets CancelledError."""
         await asyncio.wait([self._landed])
 
+    def on_landed(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook()`` on the loop's thread the moment the transfer is seen landed (at once
+        if it already is): unlike a callback on an asyncio future, in the same step."""
+        if self._landed.done():
+            hook()
+        else:
+            self._landed_hooks.append(hook)
+
     def wait_stream(self, stream: Any) -> None:
         """Make ``stream`` wait for this transfer on the device (no host synchronization)."""
         stream.wait_event(self.event)
@@ -302,6 +311,9 @@ class StreamFuture:
             with lock:
                 self._landed_flag = True
         self._landed.set_result(None)
+        for hook in self._landed_hooks:      # at once, not a loop round later (bookkeeping)
+            hook()
+        self._landed_hooks = []
         self._keep = ()
         if self._result.done():
             return  # cancelled before landing: the completion does not run

@@ -96,7 +96,7 @@ class CudaPath:
     def track(self, fut: StreamFuture) -> StreamFuture:
         self.futures_created += 1
         self._outstanding.add(fut)
-        fut._landed.add_done_callback(lambda _f, fut=fut: self._outstanding.discard(fut))
+        fut.on_landed(lambda fut=fut: self._outstanding.discard(fut))
         return fut
 
     async def drain(self, timeout: float) -> None:
