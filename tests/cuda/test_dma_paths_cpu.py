@@ -328,3 +328,25 @@ def test_split_snapshot_and_revalidation_equal_the_single_threads(region_path) -
             assert np.array_equal(res[0][1], res[1][1])
             assert sorted(np.flatnonzero(~res[1][1]).tolist()) == victims
     asyncio.run(main())
+
+
+def test_a_requests_blocks_get_ascending_payload_offsets_after_frees(region_path) -> None:
+    """Free lists give slots back in the order they were freed (reversed after a consumer read
+    a request); a batch's slots are paired with its keys in ascending order, so a layer of the
+    next request is one run of evenly spaced offsets: two 2-D copies, not one per block."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True, mode="transfer",
+                                         region_bytes=64 << 20)) as eng:
+            b = eng._store.blocks
+            n = 24
+            for r in range(4):
+                keys = eng.block_keys(list(range(16 * n)), extra_keys=[f"r{r}"])
+                for layer in range(TINY.num_layers):
+                    await eng.put_kv(keys, kv_for_keys(keys, layer=layer), layer=layer)
+                poffs = b.index.snapshot(keys_to_words(keys))[:, 3]
+                assert (np.diff(poffs) > 0).all(), poffs
+                segs = direct.segments(poffs, TINY.layer_bytes)
+                assert segs.shape[0] <= 3, segs        # at most a chunk boundary or two
+                got = await eng.get_kv(keys, out=np_out(keys))      # consumes: frees them
+                assert all(block_matches(keys, got))
+    asyncio.run(main())

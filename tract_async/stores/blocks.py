@@ -766,6 +766,12 @@ class BlockLifecycle:
         mine: list[tuple[bytes, int]] = []
         fast: tuple[list[bytes], np.ndarray] | None = None   # all reserved: (keys, previous)
         self._placed = 0
+        if isinstance(allocs, np.ndarray) and len(allocs) > 1:
+            # the request's blocks in ascending payload order: free lists hand slots back in
+            # whatever order they were freed (reversed runs after a consumer freed a request),
+            # and a GPU transfer moves each run of evenly spaced offsets in one 2-D copy
+            # (cuda/direct.py): in key order, the run covers what the free slots allow
+            allocs = allocs[np.argsort(allocs[:, A_OFFSET], kind="stable")]
         try:
             now = time.time_ns()
             transfer = self.cfg.mode == "transfer"
