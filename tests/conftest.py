@@ -106,18 +106,98 @@ def _shm_tract_files() -> set[str]:
         return set()
 
 
+_SPAWNED: set[int] = set()
+"""The pids of every process this session started (``subprocess.Popen``, which asyncio's
+subprocesses use too, and ``multiprocessing``'s ``Process.start``, for every start method),
+recorded by ``_record_spawns``, and of every descendant seen alive after a test."""
+
+
+def _record_spawns() -> None:
+    """Record in ``_SPAWNED`` the pid of every process this one starts from now on."""
+    import multiprocessing.process
+    import subprocess
+
+    popen_init = subprocess.Popen.__init__
+    if getattr(popen_init, "_tract_records", False):
+        return
+
+    def init(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+        popen_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        _SPAWNED.add(self.pid)
+
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_and_record(self: multiprocessing.process.BaseProcess) -> None:
+        start(self)
+        if self.pid is not None:
+            _SPAWNED.add(self.pid)
+
+    init._tract_records = True  # type: ignore[attr-defined]
+    subprocess.Popen.__init__ = init  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = start_and_record  # type: ignore[method-assign]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _record_spawns()
+
+
+def _name_pid(name: str) -> int | None:
+    """The pid a ``tract-*`` file's name carries: its first all-digit ``-`` field after
+    ``tract-`` (``tract-test-<pid>-<hex>``, ``tract-demo-<pid>-<mode>``, ``tract-demo-warm-<pid>``,
+    ``tract-warmup-<pid>-<hex>``, ``tract-bench-<pid>-...``; a ``.cpumarks`` record is its
+    region's), or None (``tract-quickstart``, ``tract-cpumarks-<uuid>``)."""
+    for field in name.split(".", 1)[0].split("-")[1:]:
+        if field.isdigit() and len(field) <= 10:
+            return int(field)
+    return None
+
+
+def _parent_chain_reaches(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``pid`` or an ancestor of live process ``pid`` (from /proc)."""
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[-1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _made_here(name: str) -> bool | None:
+    """Whether this pytest session could have made the /dev/shm file ``name``; None when its name
+    carries no pid. The rule: the pid in the name is this process's, or one this session
+    started (``_SPAWNED``: alive or not, so a worker that made a file and exited counts), or a
+    live process whose parent chain reaches this one (a grandchild). Any other pid is another
+    run's: a live process outside this tree, or a dead one this session never started (another
+    pytest session's test or worker that is gone). A pid reused by another run of a process
+    this session started and reaped could still be blamed here: unlikely, not impossible."""
+    pid = _name_pid(name)
+    if pid is None:
+        return None
+    return pid == os.getpid() or pid in _SPAWNED or _parent_chain_reaches(pid, os.getpid())
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """Name the test after which a new ``tract-*`` file is in /dev/shm (CI only counted them, so a
-    leak could not be traced). Reported in the summary, not removed or failed here: another
-    pytest session on the machine makes files too; ``.ci/run`` fails on what this one left."""
+    leak could not be traced): only files this session could have made (``_made_here``), and
+    those whose name carries no pid, marked as possibly another run's. Reported in the summary,
+    not removed or failed here: another pytest session on the machine makes files too;
+    ``.ci/run`` fails on the ``tract-test-*`` files this run left."""
     before = _shm_tract_files()
     try:
         return (yield)
     finally:
+        _SPAWNED.update(_child_pids())   # workers still alive now: their files count later too
         new = sorted(_shm_tract_files() - before)
-        if new:
-            _LEAKS.append(f"{item.nodeid}: {', '.join(new)}")
+        ours = [f for f in new if _made_here(f)]
+        ours += [f"{f} (no pid in the name: maybe another run's)" for f in new if _made_here(f) is None]
+        if ours:
+            _LEAKS.append(f"{item.nodeid}: {', '.join(ours)}")
 
 
 def pytest_terminal_summary(terminalreporter: object, exitstatus: int, config: pytest.Config) -> None:

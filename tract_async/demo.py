@@ -10,7 +10,9 @@ per mode, whether every mode produced the same tokens, and writes a TTFT CDF plo
 Cleanup: a Ctrl-C or SIGTERM cancels the run; the services are stopped (SIGTERM, then SIGKILL
 after a deadline) and the region file removed on every exit path; the services also get SIGTERM
 from the kernel if this process dies without cleaning up. The exit status then says which
-signal stopped it, as a shell would: 130 for SIGINT, 143 for SIGTERM.
+signal stopped it, as a shell would: 130 for SIGINT, 143 for SIGTERM. A SIGKILLed demo cleans up
+nothing: its region files name its pid, and the next ``tract demo`` removes those of demo runs
+whose process is gone (``remove_dead_runs``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -60,11 +63,72 @@ def run_demo(args: argparse.Namespace) -> int:
     if bad or not modes:
         print(f"tract demo: unknown mode(s) {bad}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    remove_dead_runs(_region_dir())
     seen: list[int] = []
     try:
         return tract.run(_main(args, modes, seen))
     except (KeyboardInterrupt, asyncio.CancelledError):   # SIGINT/SIGTERM: cleaned up already
         return stopped_status(seen)
+
+
+def _region_dir() -> str:
+    """Where the demo's regions go: ``/dev/shm``, else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+_RUN_FILE = re.compile(r"tract-demo-(?:warm-(\d+)|(\d+)-(?:" + "|".join(map(re.escape, MODES))
+                       + r"))(?:\.cpumarks)?")
+"""The files of one demo run in its region directory, each naming the run's pid: its regions
+``tract-demo-<pid>-<mode>``, its warm-up region ``tract-demo-warm-<pid>``, and each one's
+``<path>.cpumarks`` record (``region.cpumarks.sidecar_path``)."""
+
+
+def _pid_is_gone(pid: int) -> bool:
+    """True only when no process has this pid (a process of another user exists: False)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):   # another user's process, or no pid at all: keep
+        return False
+    return False
+
+
+def remove_dead_runs(region_dir: str) -> list[str]:
+    """Remove from ``region_dir`` the region files (and ``.cpumarks`` records) that demo runs
+    left when they died without cleaning up (SIGKILL, OOM), and say so in one line; return the
+    names removed. A file goes only when the pid in its name has no process now: a live demo's
+    files stay (this process's too), and so do those of a dead run whose pid another process
+    took (a later run removes them). Not for a ``/dev/shm`` shared with another pid namespace:
+    a pid there means nothing here."""
+    removed: list[str] = []
+    freed = 0
+    try:
+        names = sorted(os.listdir(region_dir))
+    except OSError:
+        return removed
+    gone: dict[int, bool] = {}
+    for name in names:
+        m = _RUN_FILE.fullmatch(name)
+        if m is None:
+            continue
+        pid = int(m.group(1) or m.group(2))
+        if pid not in gone:
+            gone[pid] = _pid_is_gone(pid)
+        if not gone[pid]:
+            continue
+        path = os.path.join(region_dir, name)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except (FileNotFoundError, PermissionError, IsADirectoryError):
+            continue
+        removed.append(name)
+        freed += size
+    if removed:
+        print(f"tract demo: removed {len(removed)} file(s) ({freed / (1 << 20):.0f} MiB) left in "
+              f"{region_dir} by demo runs that are gone: {', '.join(removed)}", flush=True)
+    return removed
 
 
 def stopped_status(seen: list[int]) -> int:
@@ -132,7 +196,7 @@ async def _main(args: argparse.Namespace, modes: list[str], seen: list[int]) -> 
     out_dir = os.path.abspath(args.out_dir)
     os.makedirs(out_dir, exist_ok=True)
     log_dir = os.path.join(out_dir, "logs")
-    region_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    region_dir = _region_dir()
     workload = ChatWorkload(conversations=args.conversations, turns=args.turns,
                             max_new_tokens=args.max_new_tokens, system_chars=args.system_chars,
                             seed=args.seed)

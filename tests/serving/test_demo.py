@@ -102,3 +102,46 @@ def test_the_exit_status_names_the_signal_that_stopped_the_demo(monkeypatch, sig
     args = build_parser().parse_args(["demo", "--modes", "http"])
     assert demo.run_demo(args) == status
     assert demo.stopped_status([]) == 130
+
+
+def _a_dead_pid() -> int:
+    """The pid of a process that ran and is gone (reaped), for names of a dead run's files."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_later_demo_removes_the_files_of_dead_runs_only(tmp_path, monkeypatch, capsys):
+    """A SIGKILLed demo leaves its regions and their .cpumarks records; the next `tract demo`
+    removes those whose pid is gone, says so in one line, and keeps a live run's (this
+    process's pid, and a running child's) and every file not named like a demo run's."""
+    import tract_async.demo as demo
+    import tract_async.extras as extras
+    dead = _a_dead_pid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gone = [f"tract-demo-{dead}-region-cache", f"tract-demo-{dead}-region-cache.cpumarks",
+                f"tract-demo-warm-{dead}", f"tract-demo-warm-{dead}.cpumarks",
+                f"tract-demo-{dead}-http.cpumarks"]   # a record whose region went first
+        kept = [f"tract-demo-{os.getpid()}-region-cache", f"tract-demo-{os.getpid()}-region-cache.cpumarks",
+                f"tract-demo-warm-{live.pid}", f"tract-demo-{live.pid}-region-transfer",
+                f"tract-demo-{dead}-no-such-mode", f"tract-demo-{dead}", f"tract-test-{dead}-x",
+                f"my-tract-demo-{dead}-http"]
+        for name in gone + kept:
+            (tmp_path / name).write_bytes(b"\0" * (1 << 20 if "cpumarks" not in name else 16))
+        monkeypatch.setattr(demo, "_region_dir", lambda: str(tmp_path))
+        monkeypatch.setattr(extras, "check_installed", lambda *a, **k: None)
+
+        async def run(args, modes, seen):  # noqa: ANN001, ANN202
+            return 0
+        monkeypatch.setattr(demo, "_main", run)
+        assert demo.run_demo(build_parser().parse_args(["demo", "--modes", "http"])) == 0
+        assert sorted(os.listdir(tmp_path)) == sorted(kept)
+        out = capsys.readouterr().out.splitlines()
+        assert len(out) == 1 and "removed 5 file(s) (2 MiB)" in out[0], out
+        assert all(name in out[0] for name in gone)
+        assert demo.remove_dead_runs(str(tmp_path)) == []   # nothing more: silent
+        assert capsys.readouterr().out == ""
+    finally:
+        live.kill()
+        live.wait()
