@@ -234,23 +234,21 @@ class Copier:
     def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:
         """Enqueue ``dc`` (``direct.plan``) from ``tensor`` into the region after ``ready`` on
         the put stream. Returns (final event, keep)."""
-        if tensor.device != self.device:
-            self._check_sources((tensor,), "kv")
-        _wait(self.put_dma, self.producer_event(ready))
-        from . import direct
-        self.counters.dma2d_calls += direct.issue(dc, self._put_dma_h, to_region=True)
-        self._count("direct", dc.nbytes)
-        return self._event(self.put_dma), (tensor,)
+        return self._direct(dc, tensor, ready, self.put_dma, self._put_dma_h, True, "kv")
 
     def get_direct(self, dc: Any, tensor: Any, after: Any) -> tuple[Any, tuple[Any, ...]]:
         """Enqueue ``dc`` from the region into ``tensor`` after ``after`` on the get stream."""
+        return self._direct(dc, tensor, after, self.get_dma, self._get_dma_h, False, "out")
+
+    def _direct(self, dc: Any, tensor: Any, wait_for: Any, stream: Any, handle: int,
+                to_region: bool, what: str) -> tuple[Any, tuple[Any, ...]]:
         if tensor.device != self.device:
-            self._check_sources((tensor,), "out")
-        _wait(self.get_dma, self.producer_event(after))
+            self._check_sources((tensor,), what)
+        _wait(stream, self.producer_event(wait_for))
         from . import direct
-        self.counters.dma2d_calls += direct.issue(dc, self._get_dma_h, to_region=False)
+        self.counters.dma2d_calls += direct.issue(dc, handle, to_region=to_region)
         self._count("direct", dc.nbytes)
-        return self._event(self.get_dma), (tensor,)
+        return self._event(stream), (tensor,)
 
     def _count(self, method: str, nbytes: int) -> None:
         c = self.counters

@@ -1257,13 +1257,7 @@ class BlockLifecycle:
             # one-block layer read through numpy cost ~22 µs on the 2-core VM, ~4 µs this way)
             rows = snap.tolist()
             bb, lo = self.layout.block_bytes, g.chunks_offset
-            if layer is None:
-                avail = all(r[0] >= 0 and r[2] == ix.READY for r in rows)
-            else:
-                col, bit = 5 + layer // 64, layer % 64
-                avail = all(r[0] >= 0 and (r[2] == ix.READY or (r[col] >> bit) & 1)
-                            for r in rows)
-            if avail:
+            if self._rows_available(rows, layer):
                 if self.layouts is not None:       # before the bounds: another layout's block
                     self.layouts.check_rows(keys, rows)         # has other bounds too
                 for i, r in enumerate(rows):
@@ -1545,13 +1539,17 @@ class BlockLifecycle:
         return out          # r == -1: a block vanished; the caller's checks raise BlockNotFound
 
     @staticmethod
+    def _rows_available(rows: list[list[int]], layer: int | None) -> bool:
+        """``_satisfied`` on snapshot rows as Python lists (a few blocks)."""
+        if layer is None:
+            return all(r[0] >= 0 and r[2] == ix.READY for r in rows)
+        col, bit = 5 + layer // 64, layer % 64
+        return all(r[0] >= 0 and (r[2] == ix.READY or (r[col] >> bit) & 1) for r in rows)
+
+    @staticmethod
     def _satisfied(snap: np.ndarray, layer: int | None) -> bool:
         if snap.shape[0] <= SMALL_READ:             # Python ints: no numpy round
-            if layer is None:
-                return all(r[0] >= 0 and r[2] == ix.READY for r in snap.tolist())
-            col, bit = 5 + layer // 64, layer % 64
-            return all(r[0] >= 0 and (r[2] == ix.READY or (r[col] >> bit) & 1)
-                       for r in snap.tolist())
+            return BlockLifecycle._rows_available(snap.tolist(), layer)
         if (snap[:, 0] < 0).any():
             return False
         if layer is None:
