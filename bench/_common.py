@@ -39,6 +39,10 @@ def machine() -> dict[str, Any]:
                                      text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         pass
+    # a copy of the tree without its own .git (the device hosts): the caller names the commit
+    if os.environ.get("TRACT_GIT_COMMIT"):
+        info["git_from_env"] = info.get("git")
+        info["git"] = os.environ["TRACT_GIT_COMMIT"]
     try:
         import torch
         if torch.cuda.is_available():

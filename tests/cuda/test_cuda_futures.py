@@ -290,3 +290,68 @@ def test_a_spin_that_runs_out_leaves_the_completion_to_the_poller():
         assert time.perf_counter() - t0 >= 0.04
         th.join()
     asyncio.run(main())
+
+
+class ReleasingEvent(CountingEvent):
+    """A pooled event (``cuda/events.py``): lands after ``n`` queries, counts its releases."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_a_spun_transfer_makes_no_asyncio_future_and_hands_its_event_back_once():
+    """The common case of a layer-streamed request: the awaiter's spin sees the transfer land,
+    the completion runs inline and ``await`` returns without any asyncio future made; a pooled
+    event goes back to its pool exactly once and the future keeps the DONE sentinel (a later
+    ``wait_stream`` or ``synchronize`` waits for nothing)."""
+    async def main():
+        p = Poller(min_sleep_s=0.05, max_sleep_s=0.05)
+        ev = ReleasingEvent(50)
+        fut = StreamFuture(ev, completion=lambda: 11, poller_=p, spin_ns=50_000_000)
+        assert await fut == 11
+        assert fut._result_fut is None and fut._landed_fut is None
+        assert ev.released == 1 and fut.event.query()
+        fut._on_landed()                      # the poller's late sighting changes nothing
+        assert ev.released == 1
+        await fut.wait_landed()               # landed: returns at once
+        assert fut.seen_landed and fut.done() and fut.result() == 11 and not fut.cancel()
+        await asyncio.sleep(0.12)             # the slow poller sees it too: still once
+        assert ev.released == 1
+
+    asyncio.run(main())
+
+
+def test_result_states_without_and_with_an_awaiter():
+    """``result()`` before the completion raises InvalidStateError; an error of a completion
+    nobody awaited is raised by ``result()`` and by a later ``await`` (its asyncio future is
+    made then, already failed); a cancelled transfer raises CancelledError to a later awaiter."""
+    async def main():
+        p = Poller()
+        ev = FakeEvent()
+
+        def boom() -> None:
+            raise ValueError("validation failed")
+
+        fut = StreamFuture(ev, completion=boom, poller_=p)
+        with pytest.raises(asyncio.InvalidStateError):
+            fut.result()
+        ev.fire()
+        await fut.wait_landed()
+        with pytest.raises(ValueError):
+            fut.result()
+        with pytest.raises(ValueError):
+            await fut
+        ev2 = FakeEvent()
+        fut2 = StreamFuture(ev2, completion=lambda: 1, poller_=p)
+        assert fut2.cancel() and fut2.cancelled()
+        with pytest.raises(asyncio.CancelledError):
+            await fut2
+        ev2.fire()
+        await fut2.wait_landed()
+        assert fut2.seen_landed and fut2.cancelled()
+
+    asyncio.run(main())

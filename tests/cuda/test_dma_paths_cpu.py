@@ -101,6 +101,49 @@ def test_a_stride_past_the_widest_pitch_splits_the_run() -> None:
     assert direct.segments(poffs, LLAMA.layer_bytes).shape[0] == 2
 
 
+def _direct_rows(dc: "direct.DirectCopy | None") -> list | None:
+    return None if dc is None else dc.calls
+
+
+@pytest.mark.parametrize("kind", ["evenly", "two-chunks", "scattered"])
+def test_the_template_cache_gives_exactly_the_plan_of_every_layer(kind: str) -> None:
+    """A request's later layers take its first layer's copies shifted (``direct.Template``):
+    for every layer and tensor address the cached copies equal a fresh plan's, found by
+    identity (a put's batch array) and by value (a get's fresh snapshot), and a plan that
+    needs the gather path stays None."""
+    rng = np.random.default_rng(7)
+    poffs = _offsets(kind, 213 if kind != "scattered" else 300, LLAMA, rng)
+    cache = direct.TemplateCache(LLAMA, region_ptr=1 << 40)
+    for layer in (0, 1, 17, 31, None):
+        for ptr in (0, 1 << 33, (1 << 34) + 4096):
+            want = direct.plan(LLAMA, poffs, layer, tensor_ptr=ptr, region_ptr=1 << 40)
+            got = cache.plan(poffs, layer, ptr)                    # same array: identity
+            again = cache.plan(poffs.copy(), layer, ptr)           # a snapshot: by value
+            assert _direct_rows(got) == _direct_rows(want) == _direct_rows(again)
+            if want is not None:
+                assert got.nbytes == want.nbytes and got.half == want.half
+    assert cache.misses == 2, "one plan per (offsets, layer-or-whole), the rest from cache"
+    other = poffs.copy()
+    other[-1] += LLAMA.block_bytes * 1000          # one block elsewhere: another plan
+    want = direct.plan(LLAMA, other, 3, tensor_ptr=0, region_ptr=1 << 40)
+    assert _direct_rows(cache.plan(other, 3, 0)) == _direct_rows(want)
+    assert cache.misses == 3
+
+
+def test_the_template_cache_keeps_the_last_few_requests() -> None:
+    cache = direct.TemplateCache(LLAMA, region_ptr=0, size=2)
+    reqs = [(1 << 30) + (k << 28) + np.arange(16, dtype=np.int64) * LLAMA.block_bytes
+            for k in range(3)]
+    for p in reqs:
+        cache.plan(p, 0, 0)
+    assert cache.misses == 3
+    cache.plan(reqs[2].copy(), 1, 0)
+    cache.plan(reqs[1], 1, 0)
+    assert cache.misses == 3
+    cache.plan(reqs[0], 1, 0)                    # the oldest was dropped
+    assert cache.misses == 4
+
+
 # -- the host's record of CPU-cached payload --------------------------------------------------
 
 def test_marks_granules_needing_and_clearing(tmp_path) -> None:

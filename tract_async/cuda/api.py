@@ -305,8 +305,8 @@ def _after(after: Any) -> Any:
 
 def _done_future(cp: Any, value: Any) -> Any:
     from .futures import StreamFuture
-    from .store import _DoneEvent
-    return cp.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="empty"))
+    from .events import DONE
+    return cp.track(StreamFuture(DONE, completion=lambda: value, label="empty"))
 
 
 __all__ = ["CudaOps"]

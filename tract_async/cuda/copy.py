@@ -121,6 +121,19 @@ class Copier:
         self.have_triton = reg.registered and ok
         self.triton_reason = why
         self.counters = CopyCounters()
+        # the direct path's raw events and GIL-holding enqueue calls (cuda/events.py)
+        from . import events
+        self.fast = events.fast_calls() if self.have_2d else None
+        self.events: Any = None
+        self._put_order: Any = None
+        self._get_order: Any = None
+        if self.fast is not None:
+            idx = self.device.index if self.device.index is not None else \
+                torch.cuda.current_device()
+            self.events = events.EventPool(self.fast, self.device)
+            self._put_order = events.StreamOrder(self.events, idx)
+            self._get_order = events.StreamOrder(self.events, idx)
+        self._templates: dict[int, Any] = {}
 
     # -- helpers ------------------------------------------------------------------------------
     def _event(self, stream: Any) -> Any:
@@ -231,24 +244,53 @@ class Copier:
         m = method or self.method
         return self.have_2d and (m == "auto" or m == "direct")
 
+    def direct_plan(self, layout: Any, poffs: np.ndarray, layer: int | None,
+                    tensor_ptr: int) -> Any:
+        """``direct.plan`` through this copier's template cache (one per layout): a request's
+        later layers reuse its first layer's copies (``direct.Template``)."""
+        cache = self._templates.get(id(layout))
+        if cache is None or cache.layout is not layout:
+            from . import direct
+            cache = self._templates[id(layout)] = direct.TemplateCache(layout, self.region_ptr)
+        return cache.plan(poffs, layer, tensor_ptr)
+
     def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:
         """Enqueue ``dc`` (``direct.plan``) from ``tensor`` into the region after ``ready`` on
         the put stream. Returns (final event, keep)."""
-        return self._direct(dc, tensor, ready, self.put_dma, self._put_dma_h, True, "kv")
+        return self._direct(dc, tensor, ready, self.put_dma, self._put_dma_h, True, "kv",
+                            self._put_order)
 
     def get_direct(self, dc: Any, tensor: Any, after: Any) -> tuple[Any, tuple[Any, ...]]:
         """Enqueue ``dc`` from the region into ``tensor`` after ``after`` on the get stream."""
-        return self._direct(dc, tensor, after, self.get_dma, self._get_dma_h, False, "out")
+        return self._direct(dc, tensor, after, self.get_dma, self._get_dma_h, False, "out",
+                            self._get_order)
 
     def _direct(self, dc: Any, tensor: Any, wait_for: Any, stream: Any, handle: int,
-                to_region: bool, what: str) -> tuple[Any, tuple[Any, ...]]:
+                to_region: bool, what: str, order: Any) -> tuple[Any, tuple[Any, ...]]:
         if tensor.device != self.device:
             self._check_sources((tensor,), what)
-        _wait(stream, self.producer_event(wait_for))
         from . import direct
-        self.counters.dma2d_calls += direct.issue(dc, handle, to_region=to_region)
+        fc = self.fast
+        if fc is None:                      # torch's events and streams, CDLL calls
+            _wait(stream, self.producer_event(wait_for))
+            self.counters.dma2d_calls += direct.issue(dc, handle, to_region=to_region)
+            self._count("direct", dc.nbytes)
+            return self._event(stream), (tensor,)
+        if wait_for is None:                # the caller's current stream, by its raw handle
+            order.after_current(handle)
+        elif wait_for is not NO_WAIT:
+            self._wait_raw(stream, handle, wait_for)
+        self.counters.dma2d_calls += direct.issue(dc, handle, to_region=to_region, fc=fc)
         self._count("direct", dc.nbytes)
-        return self._event(stream), (tensor,)
+        return self.events.take().record(handle), (tensor,)
+
+    def _wait_raw(self, stream: Any, handle: int, wait_for: Any) -> None:
+        """``stream`` waits for ``wait_for``: a torch Event, a raw event, or a torch Stream."""
+        w = getattr(wait_for, "wait_on", None)
+        if w is not None:
+            w(handle)
+        else:
+            _wait(stream, self.producer_event(wait_for))
 
     def _count(self, method: str, nbytes: int) -> None:
         c = self.counters

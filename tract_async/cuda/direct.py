@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from .hostreg import CUDA_MEMCPY_DEFAULT, cudart_lib, memcpy2d_async
+from .hostreg import CUDA_MEMCPY_DEFAULT, cudart_lib
 
 MAX_PITCH = 1 << 30
 """The widest stride a run's 2-D copy takes (the driver refuses pitches past ~2 GiB)."""
@@ -101,17 +101,70 @@ def copies(segs, poffs, n, planes, half, region_rel, tensor_base, region_base):
 
 
 class DirectCopy:
-    """What one transfer of a contiguous tensor needs on this path, planned on the host."""
+    """What one transfer of a contiguous tensor needs on this path, planned on the host:
+    ``calls`` holds one ``(region address, region pitch, tensor address, tensor pitch, height)``
+    per 2-D copy, every copy ``half`` bytes wide."""
 
-    __slots__ = ("rows", "half", "nbytes")
+    __slots__ = ("calls", "half", "nbytes")
 
-    def __init__(self, rows: np.ndarray, half: int, nbytes: int) -> None:
-        self.rows = rows
+    def __init__(self, calls: list[tuple[int, int, int, int, int]], half: int,
+                 nbytes: int) -> None:
+        self.calls = calls
         self.half = half
         self.nbytes = nbytes
 
+    @property
+    def rows(self) -> np.ndarray:
+        """``calls`` as an int64 array (one row per copy)."""
+        return np.array(self.calls, dtype=np.int64).reshape(-1, 5)
+
     def __len__(self) -> int:
-        return int(self.rows.shape[0])
+        return len(self.calls)
+
+
+class Template:
+    """The copies of a transfer with the layer and the tensor's address left open.
+
+    Why. Every layer of a layer-streamed put or get moves the same blocks: the same payload
+    offsets, so the same runs and the same copies, shifted by ``layer * layer_bytes`` in the
+    region and by the layer tensor's address. Planning them (``segments`` + ``copies``: two
+    Numba dispatches and the array work, ~6 µs on the 2-core VM and 2-3x that on the GPU hosts)
+    once per request leaves two additions per copy for each later layer (``at``)."""
+
+    __slots__ = ("calls", "half", "nbytes", "layer_bytes", "poffs", "whole")
+
+    def __init__(self, calls: list[tuple[int, int, int, int, int]], half: int, nbytes: int,
+                 layer_bytes: int, poffs: np.ndarray, whole: bool) -> None:
+        self.calls = calls
+        self.half = half
+        self.nbytes = nbytes
+        self.layer_bytes = layer_bytes
+        self.poffs = poffs
+        self.whole = whole
+
+    def at(self, layer: int | None, tensor_ptr: int) -> DirectCopy:
+        """The copies for ``layer`` (None: a whole-block tensor) from / to ``tensor_ptr``."""
+        d = 0 if layer is None else layer * self.layer_bytes
+        return DirectCopy([(r + d, rp, tensor_ptr + t, tp, h)
+                           for r, rp, t, tp, h in self.calls], self.half, self.nbytes)
+
+
+def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int) -> Template | None:
+    """The copies of blocks ``poffs`` (tensor order) at layer 0 and tensor address 0: one
+    layer's two planes, or (``whole``) every layer's. None when they would take more than
+    ``MAX_CALLS`` copies (use the gather path)."""
+    n = int(poffs.shape[0])
+    half = layout.half_layer_bytes
+    if whole:
+        planes, span = 2 * layout.num_layers, layout.block_bytes
+    else:
+        planes, span = 2, layout.layer_bytes
+    segs = segments(poffs, span)
+    if segs.shape[0] * planes > MAX_CALLS:
+        return None
+    rows = copies(segs, poffs, n, planes, half, 0, 0, region_ptr)
+    calls = [tuple(r) for r in rows.tolist()]
+    return Template(calls, half, n * planes * half, layout.layer_bytes, poffs, whole)
 
 
 def plan(layout: Any, poffs: np.ndarray, layer: int | None, tensor_ptr: int,
@@ -119,37 +172,78 @@ def plan(layout: Any, poffs: np.ndarray, layer: int | None, tensor_ptr: int,
     """The copies moving blocks ``poffs`` (tensor order) of a contiguous tensor at
     ``tensor_ptr``: one layer's planes or all of them. None when they would take more than
     ``MAX_CALLS`` copies (use the gather path)."""
-    n = int(poffs.shape[0])
-    half = layout.half_layer_bytes
-    if layer is None:
-        planes, rel, span = 2 * layout.num_layers, 0, layout.block_bytes
-    else:
-        planes, rel, span = 2, layer * layout.layer_bytes, layout.layer_bytes
-    segs = segments(poffs, span)
-    if segs.shape[0] * planes > MAX_CALLS:
-        return None
-    rows = copies(segs, poffs, n, planes, half, rel, tensor_ptr, region_ptr)
-    return DirectCopy(rows, half, n * planes * half)
+    t = template(layout, poffs, layer is None, region_ptr)
+    return None if t is None else t.at(layer, tensor_ptr)
 
 
-def issue(dc: DirectCopy, stream_handle: int, *, to_region: bool) -> int:
+_NONE = object()
+
+
+class TemplateCache:
+    """The templates of the last few transfers' payload offsets, for one layout and region.
+
+    A put's later layers pass the very array of its batch (``FillBatch.offsets``: found by
+    identity); a get's pass a fresh snapshot of the same offsets (found by length, first
+    element and one array comparison). Offsets that need the gather path are remembered too
+    (as None). ``size`` entries: a few requests streaming at once."""
+
+    def __init__(self, layout: Any, region_ptr: int, size: int = 8) -> None:
+        self.layout = layout
+        self.region_ptr = region_ptr
+        self.size = size
+        self._entries: list[tuple[np.ndarray, bool, Template | None]] = []
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, poffs: np.ndarray, whole: bool) -> Template | None:
+        ents = self._entries
+        for e in ents:
+            if e[0] is poffs and e[1] is whole:
+                self.hits += 1
+                return e[2]
+        n = poffs.shape[0]
+        first = poffs[0] if n else None
+        for k, e in enumerate(ents):
+            p = e[0]
+            if (e[1] is whole and p.shape[0] == n and n and p[0] == first
+                    and np.array_equal(p, poffs)):
+                self.hits += 1
+                if k:
+                    ents.insert(0, ents.pop(k))
+                return e[2]
+        self.misses += 1
+        t = template(self.layout, poffs, whole, self.region_ptr)
+        ents.insert(0, (poffs, whole, t))
+        del ents[self.size:]
+        return t
+
+    def plan(self, poffs: np.ndarray, layer: int | None, tensor_ptr: int) -> DirectCopy | None:
+        """``plan`` through the cache."""
+        t = self.get(poffs, layer is None)
+        return None if t is None else t.at(layer, tensor_ptr)
+
+
+def issue(dc: DirectCopy, stream_handle: int, *, to_region: bool, fc: Any = None) -> int:
     """Enqueue the copies on the stream (the caller orders the stream first). Returns how many
-    driver calls were made. Raises RuntimeError if one fails (nothing after it is enqueued)."""
-    lib = cudart_lib()
-    if lib is None:
-        raise RuntimeError("libcudart not found through ctypes: no 2-D copies")
-    f = lib.cudaMemcpy2DAsync         # argtypes set by cudart_lib: plain ints go straight in
+    driver calls were made. ``fc``: ``events.FastCalls`` (the GIL stays held), else through the
+    ``CDLL`` handle. Raises RuntimeError if one fails (nothing after it is enqueued)."""
+    if fc is not None:
+        f = fc.memcpy2d
+    else:
+        lib = cudart_lib()
+        if lib is None:
+            raise RuntimeError("libcudart not found through ctypes: no 2-D copies")
+        f = lib.cudaMemcpy2DAsync     # argtypes set by cudart_lib: plain ints go straight in
     half = dc.half
-    for reg, rpitch, ten, tpitch, height in dc.rows.tolist():
+    for reg, rpitch, ten, tpitch, height in dc.calls:
         if to_region:
             err = f(reg, rpitch, ten, tpitch, half, height, CUDA_MEMCPY_DEFAULT, stream_handle)
         else:
             err = f(ten, tpitch, reg, rpitch, half, height, CUDA_MEMCPY_DEFAULT, stream_handle)
         if err:
-            # the same call through the checked wrapper raises with the arguments in the text
-            if to_region:
-                memcpy2d_async(reg, rpitch, ten, tpitch, half, height, stream_handle)
-            else:
-                memcpy2d_async(ten, tpitch, reg, rpitch, half, height, stream_handle)
-            raise RuntimeError(f"cudaMemcpy2DAsync failed with cudaError {err}")
+            src, dst = ((ten, tpitch), (reg, rpitch)) if to_region else ((reg, rpitch),
+                                                                         (ten, tpitch))
+            raise RuntimeError(f"cudaMemcpy2DAsync failed with cudaError {err} (dst="
+                               f"{dst[0]:#x} dpitch={dst[1]} src={src[0]:#x} spitch={src[1]} "
+                               f"width={half} height={height})")
     return len(dc)

@@ -35,24 +35,15 @@ from ..errors import BlockEvicted
 from ..keys import keys_to_words
 from ..region import index as ix
 from ..stores.blocks import FillBatch
-from . import direct, tables
+from . import tables
 from .copy import Copier
+from .events import DONE
 from .futures import StreamFuture, poller
 from .hostreg import HostRegistration
 
 LINK_BYTES_PER_S = 60e9
 """Upper bound of the link speed: a transfer of N bytes cannot land before N / this (used only
 as the poller's "do not look before" hint, so an overestimate is harmless)."""
-
-
-class _DoneEvent:
-    """An event that has completed (for transfers finished on the host: the fallback path)."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 class CudaPath:
@@ -101,10 +92,10 @@ class CudaPath:
 
     async def drain(self, timeout: float) -> None:
         """Wait until every transfer has landed (nothing may write the region after this)."""
-        pending = [f._landed for f in list(self._outstanding)]
+        pending = [f.landed_future() for f in list(self._outstanding) if not f.seen_landed]
         if pending:
             await asyncio.wait(pending, timeout=timeout)
-        left = [f for f in self._outstanding if not f._landed.done()]
+        left = [f for f in self._outstanding if not f.seen_landed]
         for f in left:  # the poller could not tell us in time: block, the memory goes away next
             f.synchronize()
 
@@ -213,7 +204,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         todo = await b.reserve(keys, words, b.snapshot_for_put(words), timeout)
         if not todo:
             b.stats.puts += 1
-            return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: 0, label="put"))
+            return cpath.track(StreamFuture(DONE, completion=lambda: 0, label="put"))
         res = b.reservations(keys, todo)
     if ph is not None:
         ph.add("reserve_incl_lock", t0)
@@ -224,7 +215,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         dc = None
         if (cpath.registered and type(make_plan) is ContiguousPlan and len(todo) == len(keys)
                 and copier.wants_direct(method)):
-            dc = direct.plan(store.layout, poffs, layer, tensors[0].data_ptr(), copier.region_ptr)
+            dc = copier.direct_plan(store.layout, poffs, layer, tensors[0].data_ptr())
         if dc is not None:
             nbytes = dc.nbytes
             ev, keep = copier.put_direct(dc, tensors[0], ready)
@@ -271,7 +262,7 @@ async def _put_pinned(store: Any, cpath: CudaPath, copier: Copier, keys: list[by
                      np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
     await store.copy_in(rows, pinned.data_ptr(), nbytes)
     value = store.blocks.publish(keys, todo, res, layer, nbytes)
-    return cpath.track(StreamFuture(_DoneEvent(), completion=lambda: value, label="put/pinned"))
+    return cpath.track(StreamFuture(DONE, completion=lambda: value, label="put/pinned"))
 
 
 async def finish_put(store: Any, cpath: CudaPath, keys: list[bytes], fut: StreamFuture) -> int:
@@ -329,7 +320,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         await invalidate_for_dma(b, poffs, layer)
     dc = None
     if cpath.registered and type(make_plan) is ContiguousPlan and copier.wants_direct(method):
-        dc = direct.plan(lay, poffs, layer, tensors[0].data_ptr(), copier.region_ptr)
+        dc = copier.direct_plan(lay, poffs, layer, tensors[0].data_ptr())
 
     def validate() -> Any:
         # once the DMA has landed (the future's completion): the lifecycle's step 4
