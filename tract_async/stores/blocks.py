@@ -766,14 +766,15 @@ class BlockLifecycle:
         mine: list[tuple[bytes, int]] = []
         fast: tuple[list[bytes], np.ndarray] | None = None   # all reserved: (keys, previous)
         self._placed = 0
-        if isinstance(allocs, np.ndarray) and len(allocs) > SMALL_READ:
+        if isinstance(allocs, np.ndarray) and len(allocs) > 1:
             # the request's blocks in ascending payload order: free lists hand slots back in
             # whatever order they were freed (reversed runs after a consumer freed a request),
             # and a GPU transfer moves each run of evenly spaced offsets in one 2-D copy
-            # (cuda/direct.py): in key order, the run covers what the free slots allow. Only
-            # batches (more than SMALL_READ blocks): a few blocks are a few copies anyway, and
-            # sorting small locked batches made tests/region/test_index_vs_alloc.py's
-            # disagreement stress free a slot twice behind the index (not yet understood)
+            # (cuda/direct.py): in key order, the run covers what the free slots allow. Nothing
+            # depends on the pairing order (each key's slot travels with its reservation): it
+            # decides only which physical slots later puts take. (The disagreement stress of
+            # tests/region/test_index_vs_alloc.py once double-freed a slot under this order and
+            # not under another: its helper freed stale entries' slots again, a test bug.)
             allocs = allocs[np.argsort(allocs[:, A_OFFSET], kind="stable")]
         try:
             now = time.time_ns()
