@@ -65,6 +65,7 @@ from ..keys import keys_to_words
 from ..region import Region
 from ..region import cpumarks
 from ..region import index as ix
+from ..region.layout import INDEX_FLAG_NS_MASK as NS_MASK, INDEX_FLAG_NS_SHIFT as NS_SHIFT
 from ..region.namespaces import ns_flags
 from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_SLOT, A_SLOT_BYTES,
                             A_TOKEN, Allocation, Allocator, allocation_rows,
@@ -76,6 +77,7 @@ from . import fused
 from . import plan as kvplan
 from . import waits
 from .layouts import LayoutGuard
+from .snapcheck import rows_fine
 from .preclaim import PreClaimer
 from .stats import TransferStats
 
@@ -1268,6 +1270,11 @@ class BlockLifecycle:
                                            f"bounds [{r[3]}, +{r[4]}) that do not fit this "
                                            f"layout: changed during the read; treat as a miss")
                 return words, snap
+        lay = self.layouts
+        tag, mask = (lay.tag, NS_MASK) if lay is not None else (0, 0)
+        if rows_fine(snap, -1 if layer is None else layer, self.layout.block_bytes,
+                     g.chunks_offset, end, tag, NS_SHIFT, mask):
+            return words, snap              # the common case in one pass (stores/snapcheck.py)
         self._check_available(keys, snap, layer)
         if self.layouts is not None:
             self.layouts.check_snapshot(keys, snap)
