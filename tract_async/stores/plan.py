@@ -25,9 +25,12 @@ _KEY_TYPES = {bytes, bytearray, BlockKey}
 
 
 _LAST_CHECKED: tuple[Any, list[bytes]] = (None, [])
-"""The caller's last large key list and the checked copy ``check_keys`` returned for it."""
+"""The caller's last key list and the checked copy ``check_keys`` returned for it."""
 
-CACHE_MIN_KEYS = 16
+CACHE_MIN_KEYS = 1
+"""Key lists at least this long are remembered: every size, since a one-block layer-streamed
+request passes its list 64 times too (~2 µs a check on the 2-core VM against ~0.1 for the
+identity and list comparison)."""
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
