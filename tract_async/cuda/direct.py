@@ -44,7 +44,7 @@ MAX_CALLS = 256
 ctypes); beyond it, the gather path's few large DMAs cost less host time."""
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
 def segments(poffs, span, max_pitch=MAX_PITCH):
     """Runs of blocks with evenly spaced payload offsets: rows ``(first, count, stride)``.
 
@@ -73,7 +73,7 @@ def segments(poffs, span, max_pitch=MAX_PITCH):
     return out[:k]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
 def copies(segs, poffs, n, planes, half, region_rel, tensor_base, region_base):
     """The 2-D copies of a transfer, one row per copy: ``(region address, region pitch, tensor
     address, tensor pitch, height)``; every row is ``half`` bytes wide.
@@ -102,12 +102,13 @@ def copies(segs, poffs, n, planes, half, region_rel, tensor_base, region_base):
 
 class DirectCopy:
     """What one transfer of a contiguous tensor needs on this path, planned on the host:
-    ``calls`` holds one ``(region address, region pitch, tensor address, tensor pitch, height)``
-    per 2-D copy, every copy ``half`` bytes wide."""
+    ``calls`` holds one ``(region address, region pitch, tensor address, tensor pitch, width,
+    height)`` per 2-D copy; ``half`` is the K or V half of a block's layer (the width of every
+    copy but a single block's, whose planes are contiguous on both sides: one copy)."""
 
     __slots__ = ("calls", "half", "nbytes")
 
-    def __init__(self, calls: list[tuple[int, int, int, int, int]], half: int,
+    def __init__(self, calls: list[tuple[int, int, int, int, int, int]], half: int,
                  nbytes: int) -> None:
         self.calls = calls
         self.half = half
@@ -116,7 +117,7 @@ class DirectCopy:
     @property
     def rows(self) -> np.ndarray:
         """``calls`` as an int64 array (one row per copy)."""
-        return np.array(self.calls, dtype=np.int64).reshape(-1, 5)
+        return np.array(self.calls, dtype=np.int64).reshape(-1, 6)
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -133,7 +134,7 @@ class Template:
 
     __slots__ = ("calls", "half", "nbytes", "layer_bytes", "poffs", "whole")
 
-    def __init__(self, calls: list[tuple[int, int, int, int, int]], half: int, nbytes: int,
+    def __init__(self, calls: list[tuple[int, int, int, int, int, int]], half: int, nbytes: int,
                  layer_bytes: int, poffs: np.ndarray, whole: bool) -> None:
         self.calls = calls
         self.half = half
@@ -145,8 +146,8 @@ class Template:
     def at(self, layer: int | None, tensor_ptr: int) -> DirectCopy:
         """The copies for ``layer`` (None: a whole-block tensor) from / to ``tensor_ptr``."""
         d = 0 if layer is None else layer * self.layer_bytes
-        return DirectCopy([(r + d, rp, tensor_ptr + t, tp, h)
-                           for r, rp, t, tp, h in self.calls], self.half, self.nbytes)
+        return DirectCopy([(r + d, rp, tensor_ptr + t, tp, w, h)
+                           for r, rp, t, tp, w, h in self.calls], self.half, self.nbytes)
 
 
 def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int) -> Template | None:
@@ -159,12 +160,19 @@ def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int) -> Te
         planes, span = 2 * layout.num_layers, layout.block_bytes
     else:
         planes, span = 2, layout.layer_bytes
+    nbytes = n * planes * half
+    if n == 1:
+        # one block: its planes follow each other in the tensor and in the region (a layer's K
+        # then V; every layer's): one copy instead of ``planes`` (a driver call is ~3.8 µs of
+        # host time on the H100 host, a one-block layer's whole transfer ~10 µs)
+        calls = [(region_ptr + int(poffs[0]), nbytes, 0, nbytes, nbytes, 1)]
+        return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
     segs = segments(poffs, span)
     if segs.shape[0] * planes > MAX_CALLS:
         return None
     rows = copies(segs, poffs, n, planes, half, 0, 0, region_ptr)
-    calls = [tuple(r) for r in rows.tolist()]
-    return Template(calls, half, n * planes * half, layout.layer_bytes, poffs, whole)
+    calls = [(r, rp, t, tp, half, h) for r, rp, t, tp, h in rows.tolist()]
+    return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
 
 
 def plan(layout: Any, poffs: np.ndarray, layer: int | None, tensor_ptr: int,
@@ -234,16 +242,15 @@ def issue(dc: DirectCopy, stream_handle: int, *, to_region: bool, fc: Any = None
         if lib is None:
             raise RuntimeError("libcudart not found through ctypes: no 2-D copies")
         f = lib.cudaMemcpy2DAsync     # argtypes set by cudart_lib: plain ints go straight in
-    half = dc.half
-    for reg, rpitch, ten, tpitch, height in dc.calls:
+    for reg, rpitch, ten, tpitch, width, height in dc.calls:
         if to_region:
-            err = f(reg, rpitch, ten, tpitch, half, height, CUDA_MEMCPY_DEFAULT, stream_handle)
+            err = f(reg, rpitch, ten, tpitch, width, height, CUDA_MEMCPY_DEFAULT, stream_handle)
         else:
-            err = f(ten, tpitch, reg, rpitch, half, height, CUDA_MEMCPY_DEFAULT, stream_handle)
+            err = f(ten, tpitch, reg, rpitch, width, height, CUDA_MEMCPY_DEFAULT, stream_handle)
         if err:
             src, dst = ((ten, tpitch), (reg, rpitch)) if to_region else ((reg, rpitch),
                                                                          (ten, tpitch))
             raise RuntimeError(f"cudaMemcpy2DAsync failed with cudaError {err} (dst="
                                f"{dst[0]:#x} dpitch={dst[1]} src={src[0]:#x} spitch={src[1]} "
-                               f"width={half} height={height})")
+                               f"width={width} height={height})")
     return len(dc)

@@ -75,7 +75,7 @@ def sidecar_path(region_path: str, uuid_hex: str) -> str:
     return os.path.join(os.environ.get(ENV_DIR, SHM_DIR), f"tract-cpumarks-{uuid_hex}")
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
 def _mark(marks, poffs, rel, span, shift):
     for i in range(poffs.shape[0]):
         a = (poffs[i] + rel) >> shift
@@ -84,7 +84,7 @@ def _mark(marks, poffs, rel, span, shift):
             marks[g] = 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
 def _needing(marks, poffs, rel, span, shift, out):
     k = 0
     for i in range(poffs.shape[0]):
@@ -98,7 +98,7 @@ def _needing(marks, poffs, rel, span, shift, out):
     return k
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
 def _clear(marks, poffs, rel, span, shift):
     # only granules wholly inside [start, start + span): a granule that reaches beyond holds
     # bytes this invalidation does not drop

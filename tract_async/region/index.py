@@ -357,8 +357,14 @@ def snapshot_batch(m, eoff, mask, max_probe, lanes, keys, out):
         out[i, 7] = np.int64(K.load(m, off + E_FLAGS))
 
 
-SNAPSHOT_HOLD_GIL_KEYS = 64
-"""Snapshots of at most this many keys (~a µs each) keep the GIL (``snapshot_batch_held``)."""
+SNAPSHOT_HOLD_GIL_KEYS = 255
+"""Snapshots and revalidations of at most this many keys keep the GIL (``snapshot_batch_held``,
+``revalidate_batch_held``): up to ~0.2 µs a key on the 2-core VM, so at most ~50 µs held, where
+a release and re-take after another thread waited costs ~7.5 µs there and more on the GPU
+hosts (``stores/fused.py``, "Holding the GIL"; on the H100 host a 32- and a 213-block layer read
+spent ~40 µs in its prepare and again in its validation with these kernels releasing the GIL
+and the CUDA poller waiting for it). Larger ones go to ``meta_threads`` threads from
+``PARALLEL_META_MIN`` keys on."""
 
 
 @njit(cache=True)            # holds the GIL (stores/fused.py, "Holding the GIL")
@@ -410,6 +416,13 @@ def revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok):
         if not good:
             bad += 1
     return bad
+
+
+@njit(cache=True)            # holds the GIL (SNAPSHOT_HOLD_GIL_KEYS)
+def revalidate_batch_held(m, eoff, tgeo, slots, versions, poffs, keys, ok):
+    """``revalidate_batch`` without releasing the GIL, for a few hundred keys on the loop's
+    thread."""
+    return revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok)
 
 
 @njit(cache=True, nogil=True)
@@ -1217,7 +1230,8 @@ class PrefixIndex:
                 return int(revalidate_batch(m, eoff, tgeo, sl[lo:hi], vs[lo:hi], po[lo:hi],
                                             key_words[lo:hi], ok[lo:hi]))
             return sum(_in_parts(n, self.meta_threads, part))
-        return int(revalidate_batch(m, eoff, tgeo, sl, vs, po, key_words, ok))
+        fn = revalidate_batch_held if n <= SNAPSHOT_HOLD_GIL_KEYS else revalidate_batch
+        return int(fn(m, eoff, tgeo, sl, vs, po, key_words, ok))
 
     def drop_spans_locked(self, spans: list[tuple[int, int]]) -> int:
         """Tombstone every live entry whose payload lies in one of ``spans`` ((offset_bytes,
