@@ -453,6 +453,7 @@ class ChunkTable:
         cur = int(self.counts()[node_id]["chunks"])
         self._write_counts({node_id: cur + count})
         self._journal_end()
+        self._fault("claim.done")
         got = list(zip(range(first, first + count), gens))
         try:
             check()
