@@ -149,7 +149,14 @@ class EngineConfig:
     chunk_bytes: int | None = None           # default: >= 8 blocks a chunk, at least 2 MiB
     index_capacity: int | None = None        # entries; default 2x the blocks that fit
     heartbeat_interval_s: float = 0.1
+    """How often this node's GIL-free thread stamps its heartbeat; at most a quarter of
+    ``liveness_timeout_s`` (the manager's lease relies on it)."""
     liveness_timeout_s: float = 1.0
+    """What "dead" means (docs/operations.md, "What dead means"): a node whose heartbeat is
+    older than this *and* whose beat count stood still across max(3, timeout / (4 x interval))
+    of the judge's own beats is dead; its lock is revoked, its chunks reclaimed, and a manager
+    replaced. The manager's leases are half of it. Raise it on hosts where a live process can be
+    kept off the CPU this long (a recovery then takes up to twice as long)."""
     copy_threads: int | None = None          # threads of one large copy (>= 2 MiB, hw; put and
                                              # get), the loop's own thread among them: None =
                                              # from the host (half the cores, 1-8); 1 = one

@@ -20,10 +20,15 @@ protocol order (``POINTS``), each named after the step it follows:
 * ``abandon.started`` (a failed put evicts its own reservations: in its lane, without the lock;
   with one lane for all nodes, holding it);
 * ``claim.journaled``, ``claim.owner``, ``claim.bitmap`` (inside a chunk claim's journaled
-  batch), ``release.journaled`` (a chunk release's batch);
+  batch), ``claim.done`` (the batch complete, its token not yet re-checked: a holder revoked
+  meanwhile must give the chunks back), ``release.journaled`` (a chunk release's batch);
 * ``reclaim.hooked`` (a dead node's index entries dropped, its chunks not yet released);
 * ``manager.takeover`` (a new term written, the lock lines not yet taken over),
   ``manager.granted`` (a scan slice that granted or released has returned).
+
+With ``TRACT_CRASH_ACTION=stop`` the process stops itself (SIGSTOP) at the point instead, once:
+a node paused, not dead, which its test resumes with SIGCONT after the rack judged it dead
+(a revoked-but-live node: its later steps must be fenced without leaking, issue 36).
 """
 from __future__ import annotations
 
@@ -31,15 +36,23 @@ import os
 import signal
 
 ENV = "TRACT_CRASH_AT"
+ENV_ACTION = "TRACT_CRASH_ACTION"
 
 POINTS: tuple[str, ...] = (
     "reserve.locked", "reserve.allocated", "reserve.lockfree", "reserve.indexed", "put.copied",
     "publish.layer", "evict.tombstoned", "abandon.started", "claim.journaled", "claim.owner", "claim.bitmap",
-    "release.journaled", "reclaim.hooked", "manager.takeover", "manager.granted")
+    "claim.done", "release.journaled", "reclaim.hooked", "manager.takeover", "manager.granted")
 
 _TARGET: str | None = os.environ.get(ENV) or None
 if _TARGET is not None and _TARGET not in POINTS:
     raise ValueError(f"{ENV}={_TARGET!r} names no crash point; known: {', '.join(POINTS)}")
+
+_ACTION = os.environ.get(ENV_ACTION) or "kill"
+if _ACTION not in ("kill", "stop"):
+    raise ValueError(f"{ENV_ACTION}={_ACTION!r}: expected 'kill' or 'stop'")
+
+STOPPED = False
+"""True once this process stopped itself at its point and was resumed (action ``stop``)."""
 
 ARMED = False
 """True once ``arm()`` ran in a process started with ``TRACT_CRASH_AT`` set: call sites test
@@ -53,6 +66,14 @@ def arm() -> None:
 
 
 def hit(point: str) -> None:
-    """Die now (SIGKILL, no cleanup, as a crash) if ``point`` is the configured one."""
+    """Die now (SIGKILL, no cleanup, as a crash) if ``point`` is the configured one; with
+    action ``stop``, stop the whole process there once (SIGSTOP: every thread, the heartbeat's
+    too) and go on when it is continued."""
+    global ARMED, STOPPED
     if ARMED and point == _TARGET:
+        if _ACTION == "stop":
+            ARMED = False
+            os.kill(os.getpid(), signal.SIGSTOP)
+            STOPPED = True
+            return
         os.kill(os.getpid(), signal.SIGKILL)

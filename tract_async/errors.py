@@ -131,7 +131,12 @@ class LockBusy(LockError):
 
 
 class LockRevoked(LockError):
-    """This holder's fencing token was revoked (its heartbeat went stale): it must not write."""
+    """This holder's fencing token was revoked (its heartbeat went stale): it must not write.
+
+    ``orphaned``: chunks (chunk, generation) a claim batch recorded as this node's before the
+    revocation was seen; the allocator gives them back at its next hold (never carved)."""
+
+    orphaned: tuple[tuple[int, int], ...] = ()
 
 
 class LockNotHeld(LockError, RuntimeError):

@@ -11,15 +11,30 @@ A cold cache is otherwise silent for tens of seconds (the first ``tract demo`` s
 a word). ``cache_state()`` tells how much is cold, and ``notice_if_cold()`` (called by
 ``Engine.open``, ``tract demo`` and ``tract warmup``) says so on stderr, once per process, before
 the compile starts: what compiles, where to, about how long.
+
+Warm before joining (issue 36). Numba compiles on the calling thread and holds the GIL and its
+global compiler lock while it does; a process that compiles for seconds *after* its node joined
+starves its own lock-manager thread (its scans stall, and it steps down: the cold ``tract demo``
+did, twice) and, where the heartbeat thread's own kernel is not loaded yet, its heartbeat. So
+``Engine.open`` calls ``ensure_warm`` before it joins the node table: on a cache this build has
+not warmed yet (no stamp, ``stamp_path``) it runs the warm-up scenario first, in this process,
+on a throw-away region, under a file lock so that processes started together compile once;
+then it loads every kernel the cache holds into this process (``preload``, ~1 s on the 2-core
+VM, once per process). After that a compile is a kernel the scenario does not cover: it is
+logged (``compiles_after_warmup``), never silent.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
+import fcntl
+import hashlib
 import importlib
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,6 +53,24 @@ _ENGINE_MODULES = ("tract_async.stores.region", "tract_async.sync.lock", "tract_
 """Importing these imports every module whose jitted functions an Engine runs."""
 
 _noticed = False
+
+WARMUP_LIVENESS_S = 120.0
+"""The liveness timeout of the scenario's throw-away engines. Their own lock manager runs while
+the scenario compiles (seconds per kernel family, with the GIL and Numba's compiler lock held),
+so a rack-like timeout would make it step down, as the cold demo's did with 10 s (stall 6.6 s);
+nothing else shares their region, so a long timeout costs nothing."""
+
+_in_scenario: contextvars.ContextVar[bool] = contextvars.ContextVar("tract_warmup_scenario",
+                                                                    default=False)
+"""Set while the scenario runs: its own Engine.open calls must not warm up again."""
+
+_state_lock = threading.Lock()
+_warm_backends: set[str] = set()
+"""Backends ``ensure_warm`` finished in this process (a stamp was found or written)."""
+_preloaded = False
+_after_warmup: list[str] = []
+"""Kernels compiled in this process after ``ensure_warm`` finished (``compiles_after_warmup``)."""
+_watching = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +150,173 @@ def notice_if_cold() -> CacheState | None:
     return st
 
 
+def _engine_dispatchers() -> list:
+    """Every jitted function (Numba dispatcher) of the modules an Engine imports."""
+    from numba.core.dispatcher import Dispatcher
+    for name in _ENGINE_MODULES:
+        importlib.import_module(name)
+    out = []
+    for name, mod in sorted(sys.modules.items()):
+        if not name.startswith(("tract_kernels", "tract_async")) or mod is None:
+            continue
+        out += [v for v in vars(mod).values()
+                if isinstance(v, Dispatcher) and v.__module__ == name]
+    return out
+
+
+def build_digest(backend: str) -> str:
+    """What a warm-up stamp stands for: this Numba and Python, the backend, and every kernel
+    module's source stamp (path, mtime, size: what Numba keys its own cache on, so an edited
+    module makes the stamp stale exactly when it makes Numba's cache stale)."""
+    import numba
+    parts = [numba.__version__, sys.version, backend]
+    for d in _engine_dispatchers():
+        path = sys.modules[d.__module__].__file__ or d.__module__
+        try:
+            st = os.stat(path)
+            parts.append(f"{path}:{st.st_mtime_ns}:{st.st_size}")
+        except OSError:
+            parts.append(f"{path}:?")
+    return hashlib.sha256("\n".join(sorted(set(parts[3:])) + parts[:3]).encode()).hexdigest()[:24]
+
+
+def stamp_path(backend: str) -> str | None:
+    """The file whose presence says "the warm-up scenario ran for this build and backend into
+    this cache" (``build_digest``); None where Numba's cache cannot be located."""
+    ds = _engine_dispatchers()
+    try:
+        base = os.environ.get("NUMBA_CACHE_DIR") or os.path.dirname(ds[0]._cache._cache_path)
+    except (AttributeError, IndexError):
+        return None
+    return os.path.join(base, f"tract-warm-{backend}-{build_digest(backend)}")
+
+
+def preload() -> int:
+    """Load every kernel signature Numba's cache holds for this build into this process (no
+    compile: an index entry made for another CPU or another source is skipped). Returns how
+    many were loaded. Once per process; ~1 s for ~150 signatures on the 2-core VM."""
+    global _preloaded
+    with _state_lock:
+        if _preloaded:
+            return 0
+        _preloaded = True
+    n = 0
+    for d in _engine_dispatchers():
+        try:
+            cache = d._cache
+            index = cache._cache_file._load_index()
+            codegen = d.targetctx.codegen()
+        except AttributeError:          # another Numba's internals: lazy loading as before
+            return n
+        for key in index:
+            sig = key[0]
+            if tuple(sig) in d.overloads or cache._index_key(sig, codegen) != key:
+                continue
+            d.compile(sig)
+            n += 1
+    return n
+
+
+def _watch_compiles() -> None:
+    """From now on, record (and log) every kernel this process compiles: after the warm-up
+    nothing should (the event is Numba's "numba:compile", which a cache load does not fire)."""
+    global _watching
+    with _state_lock:
+        if _watching:
+            return
+        _watching = True
+    from numba.core import event as ev
+
+    class _Listener(ev.Listener):
+        def on_start(self, event: ev.Event) -> None:
+            disp = event.data.get("dispatcher") if isinstance(event.data, dict) else None
+            name = getattr(getattr(disp, "py_func", None), "__qualname__", str(disp))
+            mod = getattr(disp, "__module__", "?")
+            _after_warmup.append(f"{mod}.{name}")
+            if _in_scenario.get():
+                return
+            log.warning("tract: compiling kernel %s.%s after the warm-up (a path the warm-up "
+                        "scenario does not cover): this thread holds the GIL while it compiles",
+                        mod, name)
+
+        def on_end(self, event: ev.Event) -> None:
+            pass
+
+    ev.register("numba:compile", _Listener())
+
+
+def compiles_after_warmup() -> list[str]:
+    """The kernels this process compiled after ``ensure_warm`` finished (module.function, in
+    order; a compile inside another process's scenario is not counted)."""
+    return list(_after_warmup)
+
+
+async def ensure_warm(backend: str | None = None) -> bool:
+    """Make sure this process will not compile an engine kernel once its node has joined:
+    run the warm-up scenario here if no stamp says this build was warmed into this cache (under
+    a file lock: processes started together compile once, the others wait and load), then load
+    every cached kernel (``preload``). Called by ``Engine.open`` before it joins the node table.
+    Returns True when it ran the scenario. A no-op inside the scenario itself."""
+    from tract_kernels.mem import resolve_backend
+    be = "sim" if resolve_backend(backend) == resolve_backend("sim") else "hw"
+    if _in_scenario.get():
+        return False
+    ran = False
+    if be not in _warm_backends:
+        stamp = stamp_path(be)
+        if stamp is None or os.path.exists(stamp):
+            pass
+        else:
+            ran = await _warm_under_lock(stamp, be)
+        _warm_backends.add(be)
+    preload()
+    _watch_compiles()
+    return ran
+
+
+async def _warm_under_lock(stamp: str, backend: str) -> bool:
+    """Run the scenario unless another process did while we waited for the lock; write the
+    stamp. The lock is polled (non-blocking ``flock``) so that the event loop keeps running
+    and a second opener in this same process waits instead of deadlocking."""
+    lock_path = os.path.join(os.path.dirname(stamp), "tract-warm.lock")
+    try:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:                     # no writable cache: compile lazily, as before
+        return False
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.05)
+        if os.path.exists(stamp):
+            return False
+        notice_if_cold()
+        path = f"/dev/shm/tract-warmup-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        t0 = time.perf_counter()
+        await _scenario_at(path, backend)
+        with open(stamp, "w") as f:
+            f.write(f"warm-up scenario ({backend}) ran in {time.perf_counter() - t0:.1f} s\n")
+        return True
+    finally:
+        os.close(fd)                    # drops the flock
+
+
+async def _scenario_at(path: str, backend: str) -> None:
+    """The scenario on a throw-away region at ``path``, removed afterwards."""
+    token = _in_scenario.set(True)
+    try:
+        await _scenario(path, backend)
+    finally:
+        _in_scenario.reset(token)
+        if os.path.exists(path):
+            os.unlink(path)
+        from tract_async.region import cpumarks
+        cpumarks.remove(path, None)
+
+
 async def _scenario(path: str, backend: str) -> None:
     import tract_async as tract
     from tract_async.stores import doorbell as db
@@ -130,7 +330,7 @@ async def _scenario(path: str, backend: str) -> None:
         return rng.standard_normal(layout.kv_shape(n), dtype=np.float32)
     common = dict(layout=layout, region=path, region_bytes=8 << 20, max_nodes=4,
                   namespace="warmup", mem_backend=backend, heartbeat_interval_s=0.05,
-                  liveness_timeout_s=5.0)
+                  liveness_timeout_s=WARMUP_LIVENESS_S)
     # two copy threads on the hardware backend: the large put and get below then run on the
     # copy gang (``stores/copygang.py``), whose kernels a host with one copy thread (a 2-core
     # VM) would otherwise never compile -- and every Engine.open would say they are cold
@@ -181,21 +381,25 @@ async def _scenario(path: str, backend: str) -> None:
 
 
 def warm_up(*, backends: tuple[str, ...] = ("hw", "sim"), verbose: bool = False) -> float:
-    """Run the scenario on each backend; returns the seconds it took. ``verbose``: the cold
-    cache notice (if cold) and one line per backend on stdout."""
+    """Run the scenario on each backend and stamp the cache (``stamp_path``), so that a later
+    ``Engine.open`` only loads; returns the seconds it took. ``verbose``: the cold cache notice
+    (if cold) and one line per backend on stdout."""
     from tract_async.engine import run
     if verbose:
         notice_if_cold()
     t0 = time.perf_counter()
     for backend in backends:
         path = f"/dev/shm/tract-warmup-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            run(_scenario(path, backend))
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
-            from tract_async.region import cpumarks
-            cpumarks.remove(path, None)
+        t = time.perf_counter()
+        run(_scenario_at(path, backend))
+        stamp = stamp_path(backend)
+        if stamp is not None:
+            try:
+                os.makedirs(os.path.dirname(stamp), exist_ok=True)
+                with open(stamp, "w") as f:
+                    f.write(f"warm-up scenario ({backend}) ran in {time.perf_counter() - t:.1f} s\n")
+            except OSError:
+                pass
         if verbose:
             print(f"warm-up ({backend}): {time.perf_counter() - t0:.1f} s", flush=True)
     return time.perf_counter() - t0

@@ -24,6 +24,8 @@ import os
 import signal
 import time
 
+import pytest
+
 import tract_async as tract
 from tract_async import crashpoints as CP
 from tract_async import errors as E
@@ -31,7 +33,7 @@ from tract_async.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_engine as P
-from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
+from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, until
 
 SPAWN = mp.get_context("spawn")
 LIVENESS_S = 1.0
@@ -154,3 +156,87 @@ async def test_kill_at_every_crash_point(region_path: str) -> None:
         table += f"\nrecovery after the kill: p50 {p50:.3f} s, p99 {p99:.3f} s over {len(times)} points"
     print("\ncrash points x outcome\n" + table)
     assert all(_ok(r) for r in rows), table
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (state T in /proc: it stopped itself at its point)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+@pytest.mark.parametrize("reclaim", [True, False], ids=["reclaimed", "revoked-only"])
+@pytest.mark.parametrize("point", ["reserve.locked", "claim.done"])
+async def test_a_paused_holder_is_fenced_without_leaks(region_path: str, point: str,
+                                                       reclaim: bool) -> None:
+    """A node paused (SIGSTOP, every thread) while it holds the global lock is judged dead and
+    its token revoked; ``reclaimed``: a survivor also reclaims its chunks before it resumes.
+    The points: ``reserve.locked`` (the lock held, nothing written yet) and ``claim.done`` (a
+    chunk claim's batch complete, its token not yet re-checked). Resumed (SIGCONT), it is alive
+    and goes on putting and reading (issue 36: a revoked-but-live node). Its later steps must
+    be refused cleanly or succeed, never leave anything behind: 0 wrong bytes on either side,
+    fsck clean while both live and after, its own close leaves no chunk of its own claimed
+    (the claim cut off at ``claim.done`` leaked until it left, before), and once both closed
+    no chunk is left claimed."""
+    async with tract.Engine.open(cfg(region_path, 1, create=True, preclaim_bytes=0,
+                                     **REGION)) as eng:           # first: the lock manager
+        own = eng.block_keys(range(8_000_000, 8_000_000 + 16 * 8))
+        await eng.put_kv(own, kv_for_keys(own), timeout=30)
+        q_in, q_out = SPAWN.Queue(), SPAWN.Queue()
+        os.environ[CP.ENV], os.environ[CP.ENV_ACTION] = point, "stop"
+        try:
+            worker = SPAWN.Process(target=P.paused_worker, args=(region_path, q_in, q_out))
+            worker.start()
+        finally:
+            del os.environ[CP.ENV], os.environ[CP.ENV_ACTION]
+        try:
+            kind, _, n_before = await _report(q_out, [worker], 120)
+            assert kind == "before", (kind, n_before)
+            revoked = eng._lock.statistics().revocations
+            table = eng._store.blocks.alloc.table
+            reclaims = eng._store.blocks.reclaims_dead
+            if not reclaim:     # this node's maintenance would reclaim the paused node at once
+                eng._store.blocks.reclaims_dead = lambda: False
+            q_in.put("go")
+            assert await until(lambda: _stopped(worker.pid), timeout=60), "never reached its point"
+            # judged dead: its token revoked by this node's manager (a liveness timeout and the
+            # silence count later), with the worker still stopped
+            assert await until(lambda: eng._lock.statistics().revocations > revoked, timeout=30)
+            assert _stopped(worker.pid)
+            if reclaim:         # by this node's maintenance (the manager's), or here
+                if not await until(lambda: int(table.counts()["chunks"][0]) == 0, timeout=2):
+                    await eng.recover(timeout=10)
+                assert int(table.counts()["chunks"][0]) == 0
+            else:
+                assert int(table.counts()["chunks"][0]) > 0
+            assert _stopped(worker.pid)
+            os.kill(worker.pid, signal.SIGCONT)
+            kind, counts, wrong = await _report(q_out, [worker], 120)
+            assert kind == "done", (kind, counts)
+            await _in_thread(worker.join, 30)
+            print(f"\npaused holder at {point} ({'reclaimed' if reclaim else 'revoked only'}): "
+                  f"{counts}")
+            assert counts.get("stopped") == 1 and wrong == 0, (counts, wrong)
+            # before this node's maintenance may reclaim what a LEFT node still holds
+            assert int(table.counts()["chunks"][0]) == 0, "its close left chunks claimed"
+            eng._store.blocks.reclaims_dead = reclaims
+            rep = await _in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
+            assert rep.clean, rep.text()
+            before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * n_before))
+            for k in before:            # the paused node's blocks: exact or a miss
+                try:
+                    got = await eng.get_kv([k])
+                except (E.BlockNotFound, E.BlockEvicted, E.LayerNotReady):
+                    continue
+                assert block_matches([k], got)[0]
+            assert all(block_matches(own, await eng.get_kv(own)))
+            more = eng.block_keys(range(8_500_000, 8_500_000 + 16 * 4))
+            await eng.put_kv(more, kv_for_keys(more), timeout=30)
+        finally:
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGCONT)
+                worker.kill()
+                worker.join(10)
+    rep = await _in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
+    assert rep.clean, rep.text()
+    with Region.attach(region_path, readonly=True) as r:
+        assert int(ChunkTable(r).bitmap().sum()) == 0, "chunks left claimed after both closed"

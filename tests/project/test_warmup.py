@@ -39,3 +39,41 @@ def test_a_cold_cache_is_announced_once_with_counts(tmp_path) -> None:
 def test_warmup_is_a_cli_subcommand() -> None:
     args = build_parser().parse_args(["warmup", "--backend", "hw"])
     assert args.backend == ["hw"] and callable(args.func)
+
+
+def test_nothing_compiles_after_the_warm_up(tmp_path) -> None:
+    """An engine process on the session's warm cache (conftest's warm_up stamped it) puts,
+    waits for a layer (stores/waits.py: the 6 kernels the demo's workers still compiled after
+    "region kernels ready", issue 36) and reads: Numba compiles nothing after Engine.open's
+    warm-up (its "numba:compile" events, which a cache load does not fire)."""
+    path = f"/dev/shm/tract-test-warm-{os.getpid()}"
+    code = f"""
+import asyncio, numpy as np, tract_async as tract
+from tract_async import warmup
+async def main():
+    lay = tract.KVLayout(num_layers=2, block_tokens=4, kv_heads=1, head_dim=8, dtype="float32")
+    cfg = dict(layout=lay, region={path!r}, region_bytes=16 << 20, namespace="w")
+    async with tract.Engine.open(tract.EngineConfig(**cfg, create=True, node_id=0)) as a, \\
+               tract.Engine.open(tract.EngineConfig(**cfg, node_id=1)) as b:
+        keys = a.block_keys(list(range(8)))
+        kv = np.ones(lay.kv_shape(len(keys)), dtype=np.float32)
+        wait = asyncio.create_task(b.get_kv(keys, layer=1, timeout=30))
+        await asyncio.sleep(0)          # the waiter runs until it waits (no block yet)
+        for layer in range(2):
+            await a.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer)
+        await wait
+        assert np.array_equal(await b.get_kv(keys), kv)
+    print("compiled after the warm-up:", warmup.compiles_after_warmup())
+    assert warmup.compiles_after_warmup() == []
+tract.run(main())
+"""
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        from tract_async.region import cpumarks
+        cpumarks.remove(path, None)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "compiled after the warm-up: []" in res.stdout

@@ -329,3 +329,67 @@ def busy_loop_node(path: str, backend: str, node_id: int, token_ids: list[int], 
                                          st["lock"]["handbacks"])))
             assert await loop.run_in_executor(None, q_in.get) == "close"
     tract.run(main())
+
+
+def paused_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
+    """Node 0 of the paused-holder test (started with TRACT_CRASH_AT=<point> and
+    TRACT_CRASH_ACTION=stop): stores its "before" blocks and reports them; on "go" arms the
+    point and puts and reads until it has stopped itself there once (SIGSTOP: a node paused,
+    not dead) and was continued, then runs ``AFTER_ROUNDS`` more rounds. Every step that
+    fails with a TractError is counted by type, not raised: a revoked or evicted node must
+    refuse its writes cleanly, never corrupt or leak. Reads are checked byte for byte. Closes
+    its engine (errors counted too) and reports ("done", {counts}, wrong blocks)."""
+    dumpable()
+    from tract_async import crashpoints as CP
+
+    AFTER_ROUNDS = 6
+    counts: dict[str, int] = {}
+    wrong = 0
+
+    def count(what: str) -> None:
+        counts[what] = counts.get(what, 0) + 1
+
+    async def main() -> None:
+        nonlocal wrong
+        loop = asyncio.get_running_loop()
+        eng = await tract.Engine.open(cfg(path, 0, region_bytes=8 << 20, chunk_bytes=256 << 10,
+                                          preclaim_bytes=0))
+        try:
+            before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * 8))
+            await eng.put_kv(before, kv_for_keys(before, as_numpy=True))
+            q_out.put(("before", 0, len(before)))
+            assert await loop.run_in_executor(None, q_in.get) == "go"
+            CP.arm()
+            after = 0
+            for r in range(400):
+                if CP.STOPPED:
+                    after += 1
+                    if after > AFTER_ROUNDS:
+                        break
+                keys = eng.block_keys(range(r * 100_000, r * 100_000 + 16 * 4))
+                try:
+                    await eng.put_kv(keys, kv_for_keys(keys, as_numpy=True), timeout=10)
+                    count("put ok")
+                except E.TractError as e:
+                    count(f"put {type(e).__name__}")
+                try:
+                    got = await eng.get_kv(keys, out=np_out(keys))
+                    wrong += sum(not ok for ok in block_matches(keys, got))
+                    count("get ok")
+                except E.TractError as e:
+                    count(f"get {type(e).__name__}")
+                await asyncio.sleep(0.005)
+            count("stopped" if CP.STOPPED else "never stopped")
+        finally:
+            try:
+                await eng.close()
+                count("close ok")
+            except (E.TractError, ExceptionGroup) as e:   # noqa: F821 - builtin in 3.11
+                count(f"close {type(e).__name__}")
+        q_out.put(("done", counts, wrong))
+
+    try:
+        tract.run(main())
+    except BaseException as e:  # report, don't hang the parent
+        q_out.put(("error", 0, f"{type(e).__name__}: {e}"))
+        raise

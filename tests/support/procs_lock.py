@@ -283,22 +283,65 @@ async def _poll_event(ev, timeout_s: float = 120.0) -> None:  # noqa: ANN001
 
 
 def crash_worker(path: str, backend: str, node_id: int, role: str, q, liveness_s: float,  # noqa: ANN001
-                 manager: bool, go, stop) -> None:
+                 manager: bool, go, stop, kill_at=None, bound_s: float = 2.0) -> None:  # noqa: ANN001
     """Roles: 'serve' (heartbeat and manager candidate until ``stop``), 'hold' (acquire, then
-    hang), 'claim' (hang inside a chunk claim), 'survivor' (after ``go``: acquire, recover,
-    allocate, report, free, close). Hung ones are killed by the test with SIGKILL."""
+    hang), 'claim' (hang inside a chunk claim), 'survivor' (works from "ready" through the
+    kill, ``_work_through_kill``; after ``go``: acquire, recover, allocate, report, free,
+    close). Hung ones are killed by the test with SIGKILL. ``kill_at``: a shared double the
+    test sets to the monotonic time of its kill (0 before)."""
     r = attach(path, backend, node_id, 1 / 256, -1)
     try:
         h = r.nodes.join(node_id, timeout_s=liveness_s)
-        asyncio.run(_crash(r, h, node_id, role, q, liveness_s, manager, go, stop))
+        asyncio.run(_crash(r, h, node_id, role, q, liveness_s, manager, go, stop, kill_at,
+                           bound_s))
     except BaseException as e:
         q.put(("error", node_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         r.close()
 
 
+async def _work_through_kill(r: Region, al: Allocator, lock: GlobalLock, node_id: int,  # noqa: ANN001
+                            kill_at, bound_s: float) -> dict:
+    """A survivor's work while another node is killed: operations back to back, each timed
+    (monotonic, comparable with the test's clock), until one that started ``bound_s`` after
+    the kill has completed. One operation: take the global lock and run recovery
+    (``recover_locked``: what it did is kept), then allocate a slot (a chunk claim when none
+    is free), write a word naming this node and operation into it, read it back after a
+    moment (another node handed the same slot would overwrite it: a wrong word), free it.
+    Returns the operations' (start, end), the recovery done and the wrong words."""
+    ops: list[tuple[float, float]] = []
+    recovery: list[str] = []
+    wrong = 0
+    word, back = np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64)
+    give_up = time.monotonic() + 120
+    i = 0
+    while True:
+        t0 = time.monotonic()
+        await lock.acquire(timeout=30)
+        try:
+            recovery += al.recover_locked(lock)
+        finally:
+            lock.release()
+        a = await al.alloc(5000, lock, timeout=30)
+        word[0] = node_id << 48 | i
+        K.write_bytes(r.mem, a.offset_bytes, word.ctypes.data, 8, S_STAMP)
+        await asyncio.sleep(0.002)
+        K.read_bytes(r.mem, a.offset_bytes, back.ctypes.data, 8, S_STAMP)
+        wrong += int(back[0] != word[0])
+        al.free(a)
+        ops.append((t0, time.monotonic()))
+        i += 1
+        k = kill_at.value if kill_at is not None else 0.0
+        if (k and t0 > k + bound_s) or kill_at is None:
+            break
+        if time.monotonic() > give_up:
+            raise AssertionError("no kill within 120 s of the survivor's start")
+        await asyncio.sleep(0.005)
+    return {"ops": ops, "recovery": recovery, "wrong": wrong}
+
+
 async def _crash(r: Region, h, node_id: int, role: str, q, liveness_s: float,  # noqa: ANN001
-                 manager: bool, go, stop) -> None:
+                 manager: bool, go, stop, kill_at=None, bound_s: float = 2.0) -> None:  # noqa: ANN001
     from tract_async.sync import read_manager
 
     def hang_in_claim(point: str) -> None:
@@ -324,18 +367,20 @@ async def _crash(r: Region, h, node_id: int, role: str, q, liveness_s: float,  #
             await al.alloc(5000, lock, timeout=30)   # hangs in the hook
         elif role == "survivor":
             q.put(("ready", node_id, 0))
+            work = await _work_through_kill(r, al, lock, node_id, kill_at, bound_s)
             await _poll_event(go)
             token = await lock.acquire(timeout=30)
             acquired_at = time.monotonic()
             lock.release()
-            done = await al.recover(lock, timeout=30)
+            done = work["recovery"] + await al.recover(lock, timeout=30)
             a = await al.alloc(5000, lock, timeout=30)
             b = await al.alloc(5000, lock, timeout=30)
             q.put(("survived", node_id, {"acquired_at": acquired_at, "token": token,
                                          "recovery": done,
                                          "allocs": [a.offset_bytes, b.offset_bytes],
                                          "chunks": al.owned_chunks(),
-                                         "revocations": lock.statistics().revocations}))
+                                         "revocations": lock.statistics().revocations,
+                                         "ops": work["ops"], "wrong": work["wrong"]}))
             await _poll_event(stop)
             al.free(a)
             al.free(b)

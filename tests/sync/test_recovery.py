@@ -1,6 +1,8 @@
 """Crash recovery with kill -9 of real processes: a lock holder, a node inside a chunk claim, the
-manager. Survivors proceed within 2x the liveness timeout, fsck is clean, nothing is allocated
-twice."""
+manager. The survivors work through the kill (lock, recovery, a slot written and read back,
+freed: ``procs_lock._work_through_kill``) and every one of their operations completes within
+2x the liveness timeout of the kill (issue 36: within 2 s, quiet or beside two busy loops:
+``.ci/busy-run``); no wrong word, fsck is clean, nothing is allocated twice."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -17,6 +19,8 @@ from tests.support import procs_lock as P
 
 SPAWN = mp.get_context("spawn")
 LIVENESS_S = 1.0
+BOUND_S = 2 * LIVENESS_S
+"""Every survivor operation completes within this of the kill (issue 36's acceptance: 2 s)."""
 
 
 class Rack:
@@ -26,13 +30,14 @@ class Rack:
         self.path, self.backend = path, backend
         self.q = SPAWN.Queue()
         self.go, self.stop = SPAWN.Event(), SPAWN.Event()
+        self.kill_at = SPAWN.Value("d", 0.0)      # monotonic time of the kill, for survivors
         self.procs: dict[int, mp.Process] = {}
         self.msgs: list[tuple] = []
 
     def start(self, node_id: int, role: str, *, manager: bool = True) -> None:
         p = SPAWN.Process(target=P.crash_worker,
                           args=(self.path, self.backend, node_id, role, self.q, LIVENESS_S,
-                                manager, self.go, self.stop))
+                                manager, self.go, self.stop, self.kill_at, BOUND_S))
         p.start()
         self.procs[node_id] = p
 
@@ -52,8 +57,9 @@ class Rack:
 
     def kill(self, node_id: int) -> float:
         p = self.procs[node_id]
+        t = time.monotonic()                # just before: an operation may end right after
         os.kill(p.pid, signal.SIGKILL)
-        t = time.monotonic()
+        self.kill_at.value = t
         p.join(10)
         return t
 
@@ -81,8 +87,15 @@ def _survive(rack: Rack, survivors: list[int], t_kill: float) -> list[dict]:
     out = []
     for n in survivors:
         res = rack.expect("survived", n)
-        # the acceptance bound: survivors proceed within 2x the liveness timeout of the kill
-        assert res["acquired_at"] - t_kill < 2 * LIVENESS_S, res
+        # the acceptance bound: every operation that was in flight at the kill or started after
+        # it completes within BOUND_S of the kill (or of its own start, if later)
+        late = [round(end - max(start, t_kill), 3) for start, end in res["ops"] if end > t_kill]
+        worst = max(late, default=0.0)
+        print(f"survivor {n}: {len(res['ops'])} operations, {len(late)} ended after the kill, "
+              f"slowest from the kill {worst:.3f} s")
+        assert late, "no survivor operation ended after the kill"
+        assert worst < BOUND_S, (n, sorted(late)[-5:], res["recovery"])
+        assert res["wrong"] == 0, res["wrong"]
         out.append(res)
     allocs = [a for r in out for a in r["allocs"]]
     assert len(set(allocs)) == len(allocs), "a slot was handed out twice"

@@ -58,7 +58,7 @@ from numba import njit
 
 import tract_kernels as K
 
-from ..errors import AllocationInvalid, AllocationTooLarge, NodeEvicted, RegionFull
+from ..errors import AllocationInvalid, AllocationTooLarge, LockRevoked, NodeEvicted, RegionFull
 from . import layout as L
 from .chunks import (AllocGeometry, ChunkTable, alloc_geometry, sections_for,  # noqa: F401
                      S_COUNT_READ)
@@ -372,6 +372,9 @@ class Allocator:
         self._sent = self._received = self._dropped = 0
         self._claims = self._releases = self._reclaimed = 0
         self._next_scan = 0.0            # monotonic time of the next full owner scan
+        self._orphans: list[tuple[int, int]] = []
+        """(chunk, generation) of claims that completed while this node's token was being
+        revoked (``chunks.claim_many``): never carved, given back at the next hold"""
 
     # -- helpers ----------------------------------------------------------------------------
     def class_for(self, nbytes: int) -> int:
@@ -556,14 +559,11 @@ class Allocator:
                     recovered = True
                 per_chunk = self.geo.chunk_bytes // cls
                 want = -(-(count - have) // per_chunk)
-                got = self.table.claim_many(self.node_id, self.epoch, lock.token,
-                                            lock.check_token, want)
+                got = self._claim(lock, want)
                 if not got and self.recover_locked(lock):    # none free: a full scan first
-                    got = self.table.claim_many(self.node_id, self.epoch, lock.token,
-                                                lock.check_token, want)
+                    got = self._claim(lock, want)
                 if not got and self._trim_locked(lock, keep=0):
-                    got = self.table.claim_many(self.node_id, self.epoch, lock.token,
-                                                lock.check_token, want)
+                    got = self._claim(lock, want)
                 if not got:
                     if partial:
                         break
@@ -608,8 +608,7 @@ class Allocator:
         self.recover_locked(lock, scan=False)
         done = 0
         while done < want:
-            got = self.table.claim_many(self.node_id, self.epoch, lock.token, lock.check_token,
-                                        want - done)
+            got = self._claim(lock, want - done)
             if not got:
                 break
             self._claims += len(got)
@@ -639,11 +638,11 @@ class Allocator:
             return a
         cls = self.class_for(nbytes)
         self.recover_locked(lock, scan=False)
-        got = self.table.claim(self.node_id, self.epoch, lock.token, lock.check_token)
+        got = self._claim_one(lock)
         if got is None and self.recover_locked(lock):
-            got = self.table.claim(self.node_id, self.epoch, lock.token, lock.check_token)
+            got = self._claim_one(lock)
         if got is None and self._trim_locked(lock, keep=0):
-            got = self.table.claim(self.node_id, self.epoch, lock.token, lock.check_token)
+            got = self._claim_one(lock)
         if got is None:
             raise RegionFull(f"no free chunk of {self.geo.chunk_bytes} bytes left in "
                              f"{self._region.path} ({self.geo.nchunks} chunks) for a "
@@ -935,6 +934,37 @@ class Allocator:
         return got
 
     # -- chunk housekeeping (under the global lock) -------------------------------------------
+    def _claim(self, lock: Any, want: int) -> list[tuple[int, int]]:
+        """``table.claim_many`` for this node under ``lock``; a claim that completed but whose
+        token was revoked meanwhile is remembered (``_orphans``) before LockRevoked goes on."""
+        try:
+            return self.table.claim_many(self.node_id, self.epoch, lock.token, lock.check_token,
+                                         want)
+        except LockRevoked as e:
+            self._orphans.extend(e.orphaned)
+            raise
+
+    def _claim_one(self, lock: Any) -> tuple[int, int] | None:
+        got = self._claim(lock, 1)
+        return got[0] if got else None
+
+    def _release_orphans_locked(self, lock: Any) -> int:
+        """Give back the chunks of claims that a revocation cut off (``_orphans``), each only
+        while the owner record still names this incarnation and that claim's generation (a
+        reclaim, had this node been judged dead, released them already). Caller holds
+        ``lock``; returns the chunks released. A revocation during this keeps the rest."""
+        released = 0
+        while self._orphans:
+            chunk, gen = self._orphans[-1]
+            o = self.table.owner(chunk)
+            if (o.owner == self.node_id and o.owner_epoch == self.epoch
+                    and o.generation == gen and chunk not in self._chunks):
+                self.table.release(chunk, self.node_id, self.epoch, lock.token, lock.check_token)
+                self._releases += 1
+                released += 1
+            self._orphans.pop()
+        return released
+
     def recover_locked(self, lock: Any, *, scan: bool = True) -> list[str]:
         """Finish a pending journal and reclaim dead nodes' chunks; what was done.
 
@@ -950,6 +980,10 @@ class Allocator:
         j = self.table.recover_journal(lock.check_token)
         if j:
             done.append(j)
+        if self._orphans:
+            n = self._release_orphans_locked(lock)
+            if n:
+                done.append(f"released {n} chunks of a claim cut off by a revocation")
         nodes = self._region.nodes.all(timeout_s=self.liveness_timeout_s)
         now = time.monotonic()
         if not scan and now < self._next_scan and not self._dead_hold_chunks(nodes):
@@ -983,7 +1017,7 @@ class Allocator:
             lock.release()
 
     def _trim_locked(self, lock: Any, *, keep: int) -> int:
-        released = 0
+        released = self._release_orphans_locked(lock) if self._orphans else 0
         for cls in self.size_classes:
             empty = [ci for ci in self._free[cls] if self._chunks[ci].nused == 0]
             for ci in empty[keep:]:

@@ -39,7 +39,7 @@ from numba import njit
 import tract_kernels as K
 
 from .. import crashpoints as CP
-from ..errors import RegionCorrupt
+from ..errors import LockRevoked, RegionCorrupt
 from . import layout as L
 from .region import SectionSpec
 
@@ -424,7 +424,8 @@ class ChunkTable:
         """Claim one free chunk for ``node_id``: (chunk, generation), or None when full.
 
         Raises LockRevoked (from ``check``) before any store, or after the batch (then the
-        caller must not use the chunk; it stays recorded as the node's, for recovery).
+        caller must not use the chunk; it stays recorded as the node's, and the exception's
+        ``orphaned`` lists it: the caller gives it back at its next hold, ``claim_many``).
         """
         got = self.claim_many(node_id, epoch, token, check, 1)
         return got[0] if got else None
@@ -452,8 +453,20 @@ class ChunkTable:
         cur = int(self.counts()[node_id]["chunks"])
         self._write_counts({node_id: cur + count})
         self._journal_end()
-        check()
-        return list(zip(range(first, first + count), gens))
+        self._fault("claim.done")
+        got = list(zip(range(first, first + count), gens))
+        try:
+            check()
+        except LockRevoked as e:
+            # revoked while the batch ran (a holder slow, not dead: issue 36): the batch is
+            # complete and IDLE, so no recovery undoes it, and while this node stays live no
+            # reclaim takes these chunks back either. The caller must not carve them (its
+            # token is gone) but must not forget them: it releases them at its next hold
+            # (``Allocator._release_orphans``); were they forgotten, they would leak until
+            # the node left (the crash-point test's "4 leaked chunks" on a loaded machine)
+            e.orphaned = tuple(got)
+            raise
+        return got
 
     def release(self, chunk: int, node_id: int, epoch: int, token: int,
                 check: Callable[[], None]) -> None:

@@ -31,6 +31,9 @@ in its own candidate line at the start of every scan slice (every ~10 ms busy, ~
 manager whose stamp is older than ``liveness_timeout_s`` is invalid even though its node's
 heartbeat is fresh (the heartbeat beats from a GIL-free thread; the manager needs its thread to
 run Python between slices): a process that starves its manager thread cannot freeze the rack.
+(The heartbeat is GIL-free once its thread runs the jitted beat loop; the engine loads that
+kernel, and every other, before it joins, ``warmup.ensure_warm``: a Numba compile after the
+join held the GIL and the compiler lock for seconds, and the cold demo's manager stepped down.)
 
 Stall lease. A manager that finds its own last stamp older than ``liveness_timeout_s / 2`` when
 it resumes steps down without granting (its term may be being taken), and its fencing deadline
