@@ -20,11 +20,16 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_core_modules_import_without_the_extra() -> None:
-    """Every module outside tract_async.serving imports with the serve extra's packages gone."""
+    """Every module outside tract_async.serving imports with the serve extra's packages gone.
+
+    Except the vLLM connector class's module, which is the ``vllm`` extra (vLLM itself needs
+    transformers): its package and the connector's other modules are walked like the rest, and
+    tests/integrations/test_vllm_parts.py checks that a missing vLLM names its extra."""
     res = _run("import importlib, pkgutil\nimport tract_async, tract_kernels\n"
                "for pkg in (tract_async, tract_kernels):\n"
                "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-               "        if not m.name.startswith('tract_async.serving'):\n"
+               "        if not m.name.startswith('tract_async.serving') and \\\n"
+               "                m.name != 'tract_async.integrations.vllm.connector':\n"
                "            importlib.import_module(m.name)\n"
                "from tract_async.cuda.telemetry import _load_nvml\n"
                "print(_load_nvml()[1])\n")
