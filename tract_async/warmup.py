@@ -311,10 +311,8 @@ async def _scenario_at(path: str, backend: str) -> None:
         await _scenario(path, backend)
     finally:
         _in_scenario.reset(token)
-        if os.path.exists(path):
-            os.unlink(path)
-        from tract_async.region import cpumarks
-        cpumarks.remove(path, None)
+        from tract_async.region.region import discard
+        discard(path)
 
 
 async def _scenario(path: str, backend: str) -> None:
