@@ -10,7 +10,7 @@ import pytest
 
 import tract_async as tract
 from tests.support.engine_util import TINY, cfg, kv_for_keys
-from tract_async.errors import BlockEvicted, BlockNotFound
+from tract_async.errors import BlockEvicted
 
 N = 12                        # more than SMALL_READ: the snapshot path, not the fused one
 

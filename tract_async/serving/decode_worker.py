@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from tract_async.errors import TractError
-from tract_async.serving.prefetch import LayerReads, LayerStream
+from tract_async.serving.prefetch import LayerStream
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, DecodeRequest,
@@ -211,7 +211,7 @@ class DecodeWorker:
                                              on_token=on_token, eos_token_id=eos,
                                              layer_timeout=self.cfg.layer_timeout_s)
             finally:
-                if isinstance(get_layer, (LayerReads, LayerStream)):
+                if isinstance(get_layer, LayerStream):
                     await get_layer.aclose()
                 queue.put_nowait(None)
 
