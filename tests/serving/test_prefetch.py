@@ -165,3 +165,40 @@ async def test_stream_aclose_cancels_the_reader_and_a_waiting_consumer_is_releas
     assert cancelled == [1]
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+async def test_stream_start_reads_before_anyone_asks_and_on_ask_names_each_layer() -> None:
+    """start() begins the walk at once (the decode worker reads while it waits for the compute
+    slot); with ``ahead`` it stops ``ahead`` layers in until asked; on_ask sees each request."""
+    began: list[int] = []
+    asked: list[int] = []
+
+    async def read(i: int) -> int:
+        began.append(i)
+        return i
+
+    stream = LayerStream(read, 6, ahead=2, on_ask=asked.append)
+    stream.start()
+    stream.start()                            # idempotent: one reader
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert began == [0, 1] and asked == []
+    assert await stream(0) == 0
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert began == [0, 1, 2] and asked == [0]
+    assert [await stream(i) for i in range(1, 6)] == [1, 2, 3, 4, 5]
+    assert asked == list(range(6))
+    await stream.aclose()
+    unbounded: list[int] = []
+
+    async def read_all(i: int) -> int:
+        unbounded.append(i)
+        return i
+
+    s2 = LayerStream(read_all, 4)
+    s2.start()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert unbounded == [0, 1, 2, 3]
+    await s2.aclose()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +32,7 @@ import orjson
 from aiohttp import web
 
 from tract_async.errors import TractError
+from tract_async.serving.gclog import GcLog
 from tract_async.serving.prefetch import LayerStream
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
@@ -50,6 +52,16 @@ class DecodeWorker:
     waits at a time, so no more pollers run than cores allow (``LayerReads``, the former
     prefetch, started a read per layer ahead: two on hosts of more than 4 cores)."""
 
+    EARLY_READS: int = 4
+    """How many requests may read their layers before they hold the compute slot. A request
+    that arrives while another one decodes would otherwise start its reads only when the slot
+    frees, after its prefill has long published every layer: the H100 serving run of
+    2026-12-06 (``bench/results/gpu-20261206-s37/call2-h100-785a8b9-serve``) shows a 352-block
+    request taking the slot 69 ms after its last layer was published and holding its KV 126 ms
+    later, the whole transfer on the TTFT. Reading early costs GPU memory (the request's KV,
+    which its decode holds anyway) for the time it waits: the bound keeps that to a few
+    requests' worth; past it, a request reads once it computes, as before."""
+
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.metrics = ServiceMetrics("decode", role="decode", node_id=cfg.node_id)
@@ -61,6 +73,8 @@ class DecodeWorker:
         self.importer: Any = None
         self.tasks = TaskOwner()
         self.compute = asyncio.Semaphore(1)
+        self.early = asyncio.Semaphore(self.EARLY_READS)
+        self.gclog: GcLog | None = None       # TRACT_PHASES=1: collections on the timeline
         self.served = 0
 
     def health(self) -> dict[str, Any]:
@@ -130,10 +144,13 @@ class DecodeWorker:
                 events.append((f"got_L{layer}", now()))
                 self.metrics.add_bytes_moved(layer_bytes, transport="region", direction="get")
                 return kv
+            def asked(layer: int) -> None:
+                # the compute thread wants layer ``layer``: after got_L, the read was early
+                events.append((f"ask_L{layer}", now()))
             # every layer is read as soon as it is published, by one reader running ahead of
             # the compute (serving/prefetch.py, LayerStream)
             return past_len, LayerStream(read_layer, self.layout.num_layers,
-                                         ahead=self.READ_AHEAD)
+                                         ahead=self.READ_AHEAD, on_ask=asked)
 
         if req.kv_source is None:
             raise BadCompletionRequest(f"http mode: a {len(ids)}-token prompt needs kv_source")
@@ -204,12 +221,26 @@ class DecodeWorker:
                 if past_len and get_layer is None:
                     read = self.read_modelled if self.cfg.mode == "rdma-model" else self.read_http
                     get_layer = await read(req, events)
-                async with self.compute:
+                early = False
+                if isinstance(get_layer, LayerStream) and not self.early.locked():
+                    # read while waiting for the compute slot (EARLY_READS)
+                    await self.early.acquire()
+                    early = True
+                    events.append(("early_reads", now()))
+                    get_layer.start()
+                try:
+                    await self.compute.acquire()
+                finally:
+                    if early:
+                        self.early.release()
+                try:
                     events.append(("decode_compute_start", now()))
                     await generate_streaming(self.model, list(req.prompt_ids), get_layer=get_layer,
                                              past_len=past_len, max_new_tokens=req.max_tokens,
                                              on_token=on_token, eos_token_id=eos,
                                              layer_timeout=self.cfg.layer_timeout_s)
+                finally:
+                    self.compute.release()
             finally:
                 if isinstance(get_layer, LayerStream):
                     await get_layer.aclose()
@@ -223,6 +254,8 @@ class DecodeWorker:
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         events.append(("decode_done", now()))
+        if self.gclog is not None:
+            events[-1:-1] = self.gclog.events_between(events[0][1], events[-1][1], prefix="d")
         await resp.write(orjson.dumps({"done": True, "events": events}) + b"\n")
 
 
@@ -257,6 +290,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         elif cfg.mode in REGION_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
+            if os.environ.get("TRACT_PHASES") == "1":   # dgc markers on the timeline
+                w.gclog = GcLog(now).install()
+                stack.callback(w.gclog.uninstall)
         stack.push_async_callback(w.tasks.close)
         yield
 

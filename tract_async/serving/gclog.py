@@ -42,10 +42,11 @@ class GcLog:
             gc.callbacks.remove(self._callback)
             self._installed = False
 
-    def events_between(self, t0: float, t1: float) -> list[tuple[str, float]]:
-        """Timeline events for the collections that started in [t0, t1]."""
+    def events_between(self, t0: float, t1: float, *, prefix: str = "") -> list[tuple[str, float]]:
+        """Timeline events for the collections that started in [t0, t1]; ``prefix`` keeps two
+        workers' markers apart in one request's merged events (the decode worker uses "d")."""
         out: list[tuple[str, float]] = []
         for i, (s, e, gen) in enumerate(x for x in list(self.recent) if t0 <= x[0] <= t1):
-            out.append((f"gc{gen}#{i}", s))
-            out.append((f"gc{gen}#{i}_end", e))
+            out.append((f"{prefix}gc{gen}#{i}", s))
+            out.append((f"{prefix}gc{gen}#{i}_end", e))
         return out

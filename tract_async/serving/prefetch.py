@@ -73,10 +73,12 @@ class LayerStream:
     """
 
     def __init__(self, read: Callable[[int], Awaitable[Any]], num_layers: int, *,
-                 ahead: int | None = None) -> None:
+                 ahead: int | None = None,
+                 on_ask: Callable[[int], object] | None = None) -> None:
         if ahead is not None and ahead < 0:
             raise ValueError(f"ahead must be >= 0 or None, got {ahead}")
         self._read = read
+        self._on_ask = on_ask
         self.num_layers = num_layers
         self.ahead = ahead
         self._results: list[asyncio.Future[Any] | None] = [None] * num_layers
@@ -91,6 +93,14 @@ class LayerStream:
         if f is None:
             f = self._results[layer] = asyncio.get_running_loop().create_future()
         return f
+
+    def start(self) -> None:
+        """Begin reading now, before any layer is asked for (the decode worker calls it when a
+        request arrives, so its reads overlap its wait for the compute slot). With ``ahead``
+        set, it reads layers ``0 .. ahead-1`` until asked for more. Idempotent; on the loop
+        only."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._walk())
 
     async def _walk(self) -> None:
         for j in range(self.num_layers):
@@ -132,11 +142,12 @@ class LayerStream:
         if layer in self._given:
             raise RuntimeError(f"layer {layer} was already read")
         self._given.add(layer)
+        if self._on_ask is not None:
+            self._on_ask(layer)
         if layer > self._asked:
             self._asked = layer
             self._move.set()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._walk())
+        self.start()
         return await asyncio.shield(self._future(layer))
 
     async def aclose(self) -> None:

@@ -1,0 +1,86 @@
+"""A request that waits for the decode worker's compute slot reads its KV while it waits.
+
+Real router, prefill and decode processes on a real /dev/shm region (region-transfer mode). A
+first request holds the decode worker's compute slot for a long generation; a second one, sent
+once the first has streamed its first token, must have every layer of its KV in hand before it
+gets the slot (``DecodeWorker.EARLY_READS``): otherwise its whole transfer starts when the slot
+frees and sits on its TTFT (the H100 serving run of 2026-12-06). Outputs are checked against
+the same model run in this process.
+"""
+from __future__ import annotations
+
+import asyncio
+import glob
+
+import aiohttp
+import pytest
+
+from tract_async.serving.launcher import Rack
+from tract_async.serving.workload import complete_streaming
+
+T = 16
+EOS = 257
+LAYERS = 4
+LONG = 120          # tokens of the first request: its decode holds the slot meanwhile
+SHORT = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tract_async.serving.model import build_model, tiny_llama_config
+    return build_model(tiny_llama_config(num_layers=LAYERS), seed=0)
+
+
+def long_prompt(model) -> tuple[list[int], list[int]]:
+    """A 3-block prompt whose greedy continuation runs LONG tokens without the EOS (searched
+    over a few deterministic candidates: the model has random weights)."""
+    from tract_async.serving.model import reference_generate
+    for k in range(1, 40):
+        prompt = [256] + [(k * 13 + 5 * i) % 250 for i in range(3 * T - 1)]
+        out = reference_generate(model, prompt, LONG, eos_token_id=EOS)
+        if len(out) == LONG:
+            return prompt, out
+    pytest.fail("no candidate prompt decodes LONG tokens without the EOS")
+
+
+async def test_a_waiting_request_holds_its_kv_before_it_gets_the_compute_slot(
+        model, region_path, tmp_path) -> None:
+    from tract_async.serving.model import reference_generate
+    first, first_ref = long_prompt(model)
+    second = [256] + [(11 * i + 3) % 250 for i in range(4 * T - 1)]
+    rack = Rack(mode="region-transfer", region=region_path, log_dir=str(tmp_path), seed=0,
+                block_tokens=T, region_bytes=64 << 20, torch_threads=1, layer_timeout_s=60.0)
+    async with rack, aiohttp.ClientSession() as session:
+        url = rack.router_url
+        started = asyncio.Event()
+        got: list[int] = []
+        body = {"prompt": first, "max_tokens": LONG, "stream": True, "temperature": 0}
+
+        async def hold_the_slot() -> None:
+            import orjson
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    msg = orjson.loads(line[6:])
+                    got.extend(msg["choices"][0].get("token_ids", []))
+                    started.set()
+
+        holder = asyncio.create_task(hold_the_slot())
+        await asyncio.wait_for(started.wait(), 60)
+        assert not holder.done(), "the first request ended before the second one was sent"
+        tokens, _, tract = await complete_streaming(session, url, second, SHORT)
+        await holder
+        assert got == first_ref
+        assert tokens == reference_generate(model, second, SHORT, eos_token_id=EOS)
+        ev = tract["events_ms"]
+        assert "early_reads" in ev, sorted(ev)
+        dcs = ev["decode_compute_start"]
+        gots = [ev[f"got_L{i}"] for i in range(LAYERS)]
+        assert max(gots) <= dcs, (gots, dcs)   # every layer in hand before the slot
+        assert ev["early_reads"] <= min(gots)
+        assert all(f"ask_L{i}" in ev for i in range(LAYERS))
+    assert all(sp.proc.returncode == 0 for sp in rack.services)
+    assert not glob.glob(region_path + "*")
