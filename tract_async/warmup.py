@@ -373,6 +373,7 @@ async def _scenario(path: str, backend: str) -> None:
         db.waiting_mask(st.mem, bell.offset, bell.max_nodes)
         ix.scan_entries(st.mem, st.geo.entries_offset, st.geo.capacity,
                         np.zeros((st.geo.capacity, 9), dtype=np.int64))
+        st.index.expired_transfer(0)                # transfer-mode maintenance's pass
     finally:
         await b.close()
         await a.close()

@@ -196,6 +196,13 @@ def test_breakdown_of_each_transport_by_hand():
     assert breakdown_ms(late) == pytest.approx(
         {"queue": 1.5 + 1.0, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
          "kv_load": 0.8, "first_decode_step": 1.2, "token_delivery": 0.0})
+    # read early (DecodeWorker.EARLY_READS): every layer in hand at 10.5, the slot only at 14.0:
+    # no transfer on the path; the wait for the slot is queue, counted once, and the first
+    # step runs from the slot
+    early = {**streamed, "early_reads": 1.1, "decode_compute_start": 14.0, "first_token": 15.5}
+    assert breakdown_ms(early) == pytest.approx(
+        {"queue": 1.5 + 4.0, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
+         "kv_load": 0.0, "first_decode_step": 1.5, "token_delivery": 0.0})
     modelled = {"prefill_recv": 1.0, "prefill_compute_start": 1.0, "prefill_done": 5.0,
                 "decode_recv": 6.0, "kv_load_begin": 6.0, "kv_model_due": 6.5, "kv_load_done": 6.6,
                 "decode_compute_start": 6.6, "got_L0": 6.7, "first_token": 8.7}

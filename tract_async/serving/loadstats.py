@@ -59,7 +59,9 @@ def breakdown_ms(events: Mapping[str, float], router_ttft_ms: float = math.nan) 
       or from ``decode_compute_start`` if decode got its slot later, to ``got_L{last}``);
     * ``first_decode_step``: the decode worker's first forward pass, ``decode_compute_start`` ->
       ``first_token`` (recompute: the whole prompt's); with layer streaming, only what is left
-      of it after the last layer arrived (``got_L{last}`` -> ``first_token``);
+      of it after the last layer arrived (``got_L{last}`` -> ``first_token``), or from
+      ``decode_compute_start`` when every layer was read before decode got its slot (the wait
+      for the slot is queue, counted once);
     * ``token_delivery``: from the decode worker's event loop taking the first token
       (``first_token``) to the router having written it to the client (its TTFT): the NDJSON
       hop, and whatever else holds either event loop (or the GIL) at that moment.
@@ -106,7 +108,7 @@ def breakdown_ms(events: Mapping[str, float], router_ttft_ms: float = math.nan) 
     if "first_token" in e:
         # the whole first forward pass when the KV was local before it began; with layer
         # streaming only what is left after the last layer arrived (the rest overlapped it)
-        start = last_got if streamed else dcs
+        start = (max(last_got, dcs) if dcs is not None else last_got) if streamed else dcs
         if start is not None:
             out["first_decode_step"] = max(0.0, e["first_token"] - start)
         if not math.isnan(router_ttft_ms):

@@ -36,7 +36,19 @@ MODELS = ("tiny", "llama3-8b")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
-    """Configuration of one service; every field has a command-line flag (``add_arguments``)."""
+    """Configuration of one service; every field has a command-line flag (``add_arguments``).
+
+    Two fields exist because a worker runs its model on a thread beside the event loop, and
+    both need the GIL: the model thread launches kernels, the loop reads and writes KV layers.
+    ``wait_spin_us`` (``EngineConfig.wait_spin_us``) is 0: an engine wait or a transfer's
+    completion does not spin on the loop, because a spinning loop holds the GIL the model
+    thread needs (the engine's default spins up to 2 ms on a GPU host, for a latency that a
+    worker's layer reads, milliseconds apart, do not need). ``switch_interval_us`` bounds how
+    long either thread waits for the GIL while the other runs Python (CPython's default is
+    5 ms). On the H100 serving run of 2026-12-06 at 3aec45b (``bench/results/gpu-20261206-s38``)
+    the decode worker, reading queued requests' layers while it generated, had a TPOT 19 %
+    above rdma-model's, and layers of the request it streamed reached it 50-115 ms after their
+    publication."""
 
     role: str
     mode: str = "region-cache"
@@ -57,6 +69,8 @@ class ServiceConfig:
     node_id: int = 0
     max_nodes: int = 8
     liveness_timeout_s: float = 5.0
+    wait_spin_us: int = 0             # engine waits spin this long on the loop (see below)
+    switch_interval_us: float = 500.0  # sys.setswitchinterval of a worker process (see below)
     # the HTTP agent (http mode)
     kv_pool_bytes: int = 64 << 20
     kv_hold_s: float = 60.0           # an un-READ span is freed after this long
@@ -84,6 +98,9 @@ class ServiceConfig:
             raise ServiceConfigError("the router needs --prefill-url and --decode-url")
         if self.block_tokens <= 0:
             raise ServiceConfigError(f"block_tokens must be positive, got {self.block_tokens}")
+        if self.wait_spin_us < 0 or not self.switch_interval_us > 0:
+            raise ServiceConfigError(f"wait_spin_us must be >= 0 and switch_interval_us > 0, got "
+                                     f"{self.wait_spin_us} and {self.switch_interval_us}")
         if self.rdma_gbps <= 0 or self.rdma_latency_us < 0:
             raise ServiceConfigError(f"the RDMA model needs rdma_gbps > 0 and rdma_latency_us >= 0, "
                                      f"got {self.rdma_gbps} and {self.rdma_latency_us}")
@@ -183,7 +200,8 @@ def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
                               max_nodes=cfg.max_nodes, namespace=cfg.namespace,
                               mode=engine_mode(cfg.mode), chunk_bytes=chunk,
                               liveness_timeout_s=cfg.liveness_timeout_s,
-                              heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4))
+                              heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4),
+                              wait_spin_us=cfg.wait_spin_us)
 
 
 async def open_engine(cfg: ServiceConfig, layout: Any, *, attach_timeout_s: float = 60.0) -> Any:
@@ -322,6 +340,7 @@ def agent_ready_info(worker: Any) -> dict[str, Any]:
 async def serve(app: web.Application, cfg: ServiceConfig, *, ready_info: Callable[[web.Application], dict[str, Any]]
                 | None = None, stop: asyncio.Event | None = None) -> None:
     """Run ``app`` until SIGTERM/SIGINT (or ``stop``), then clean up. Prints the ready line."""
+    sys.setswitchinterval(cfg.switch_interval_us * 1e-6)   # see ServiceConfig
     parent = os.getppid()
     if cfg.die_with_parent:
         _set_pdeathsig()

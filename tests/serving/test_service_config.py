@@ -1,0 +1,44 @@
+"""ServiceConfig's GIL knobs: a worker's engine does not spin on its loop, and the worker
+process bounds how long a thread waits for the GIL (``ServiceConfig``'s docstring says why)."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from tract_async.serving.errors import ServiceConfigError
+from tract_async.serving.service import ServiceConfig, engine_config, serve
+
+
+def test_worker_engines_do_not_spin_by_default_and_the_flag_reaches_the_engine(tmp_path) -> None:
+    import torch
+
+    import tract_async as tract
+    layout = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=2, head_dim=8,
+                            dtype=torch.float32)
+    cfg = ServiceConfig(role="decode", mode="region-transfer", region=str(tmp_path / "r"))
+    assert engine_config(cfg, layout).wait_spin_us == 0
+    cfg = ServiceConfig(role="decode", mode="region-transfer", region=str(tmp_path / "r"),
+                        wait_spin_us=150)
+    assert engine_config(cfg, layout).wait_spin_us == 150
+
+
+@pytest.mark.parametrize("bad", [{"wait_spin_us": -1}, {"switch_interval_us": 0.0},
+                                 {"switch_interval_us": -5.0}])
+def test_bad_gil_knobs_are_refused(bad) -> None:
+    with pytest.raises(ServiceConfigError):
+        ServiceConfig(role="prefill", mode="recompute", **bad)
+
+
+async def test_serve_sets_the_switch_interval() -> None:
+    from aiohttp import web
+    before = sys.getswitchinterval()
+    stop = asyncio.Event()
+    stop.set()                       # serve starts, prints its ready line, and stops at once
+    cfg = ServiceConfig(role="prefill", mode="recompute", switch_interval_us=750.0)
+    try:
+        await serve(web.Application(), cfg, stop=stop)
+        assert sys.getswitchinterval() == pytest.approx(750e-6)
+    finally:
+        sys.setswitchinterval(before)
