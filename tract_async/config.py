@@ -144,6 +144,10 @@ class EngineConfig:
     vllm_compatible_keys: bool = False
     mode: str = "cache"                      # "cache" (prefix cache) or "transfer" (no cache)
     transfer_deadline_s: float = 30.0        # transfer-only blocks nobody consumed are freed then
+    defer_consume: bool = False              # transfer mode: a consuming read returns before
+                                             # its blocks are freed (a background task takes
+                                             # the global lock for them; stores/blocks.py,
+                                             # BlockLifecycle.consume)
     mem_backend: str | None = None           # "hw", "sim", or None ($TRACT_MEM_BACKEND, "hw")
     sim_seed: int | None = None
     chunk_bytes: int | None = None           # default: >= 8 blocks a chunk, at least 2 MiB

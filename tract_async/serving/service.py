@@ -201,7 +201,10 @@ def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
                               mode=engine_mode(cfg.mode), chunk_bytes=chunk,
                               liveness_timeout_s=cfg.liveness_timeout_s,
                               heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4),
-                              wait_spin_us=cfg.wait_spin_us)
+                              wait_spin_us=cfg.wait_spin_us,
+                              # a decode's last-layer read does not wait for the global lock
+                              # to free what it consumed (BlockLifecycle.consume)
+                              defer_consume=True)
 
 
 async def open_engine(cfg: ServiceConfig, layout: Any, *, attach_timeout_s: float = 60.0) -> Any:

@@ -230,6 +230,9 @@ class StoreStats(TransferStats):
     """Chunks released for nodes that asked (``alloc.py``, "Starving")."""
     lock_acquisitions: int = 0
     lock_wait_s: float = 0.0
+    deferred_consume_failures: int = 0
+    """Consumed blocks a deferred free (``defer_consume``) could not free: the lock could not
+    be had; their transfer deadline frees them."""
     lockfree_reservations: int = 0
     """Reservation batches placed without the global lock (index.py, "Who writes what")."""
     fused_puts: int = 0
@@ -338,6 +341,8 @@ class BlockLifecycle:
         look)."""
         self.closing = False
         self._next_expiry = 0.0         # monotonic time of the next expiry pass (maintain)
+        self._consume_pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._consume_task: asyncio.Task[None] | None = None   # defer_consume's drain
         """Set by ``close``: the pre-claim task claims nothing after it."""
         self._pub_lock = threading.Lock()
         """Guards a FillBatch's layer record and ``whole`` flag against ``publish_early``
@@ -1613,7 +1618,14 @@ class BlockLifecycle:
     async def consume(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
                       layer: int | None) -> None:
         """Transfer-only mode, after a validated read: free blocks once their consumer has read
-        every layer (``snap`` as validated)."""
+        every layer (``snap`` as validated).
+
+        Freeing takes the global lock. With ``EngineConfig.defer_consume`` the read does not
+        wait for it: the blocks go to a background task that frees every pending batch under
+        one hold (``_drain_consumed``). Why: on the H100 serving run of 2026-12-06 at 4d2730c
+        (``bench/results/gpu-20261206-s38``), every layer of a 512-block prompt reached the
+        decode worker 2-4 ms after its publication except the last, 50-83 ms after it: the
+        read of the last layer is the one that consumes, and it waited for the lock."""
         if self.cfg.mode != "transfer" or not snap[:, 7].any():
             return
         slots, versions, poffs = snap[:, 0].copy(), snap[:, 1].copy(), snap[:, 3].copy()
@@ -1630,19 +1642,51 @@ class BlockLifecycle:
                     self._consumed_layers[k] = seen
         if not done:
             return
+        batch = (slots[done], versions[done], poffs[done], np.ascontiguousarray(words[done]))
+        if not self.cfg.defer_consume:
+            await self._free_consumed([batch])
+            return
+        self._consume_pending.append(batch)
+        t = self._consume_task
+        if t is None or t.done():
+            self._consume_task = asyncio.get_running_loop().create_task(self._drain_consumed())
+
+    async def _drain_consumed(self) -> None:
+        """``defer_consume``: free the pending consumed batches, all of them under one hold of
+        the lock, until none is left. A lock that cannot be had (the node revoked or closing)
+        leaves them to the transfer deadline (``deferred_consume_failures``)."""
+        from ..errors import TractError
+        while self._consume_pending:
+            batches, self._consume_pending = self._consume_pending, []
+            try:
+                await self._free_consumed(batches)
+            except TractError:
+                self.stats.deferred_consume_failures += sum(len(b[0]) for b in batches)
+
+    async def _free_consumed(self, batches: list[tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                       np.ndarray]]) -> None:
+        slots = np.concatenate([b[0] for b in batches])
+        versions = np.concatenate([b[1] for b in batches])
+        poffs = np.concatenate([b[2] for b in batches])
+        words = np.ascontiguousarray(np.concatenate([b[3] for b in batches]))
         await self.hold_lock(timeout=max(5.0, self.cfg.liveness_timeout_s * 4))
         try:
-            check = np.zeros(len(done), dtype=np.bool_)
-            self.index.revalidate(slots[done], versions[done], poffs[done], words[done], check)
+            check = np.zeros(len(slots), dtype=np.bool_)
+            self.index.revalidate(slots, versions, poffs, words, check)
             # only READY entries: a RESERVED one (every layer read before its producer stored
             # READY) is its live producer's to write; its transfer deadline frees it instead
-            now = self.index.snapshot(words[done])
-            gone = [int(slots[i]) for j, i in enumerate(done)
-                    if check[j] and now[j, 0] == slots[i] and now[j, 2] == ix.READY]
+            now = self.index.snapshot(words)
+            gone = [int(slots[i]) for i in range(len(slots))
+                    if check[i] and now[i, 0] == slots[i] and now[i, 2] == ix.READY]
             self._evict_many_locked(gone)
             self.stats.consumed += len(gone)
         finally:
             self.lock.release()
+
+    async def drain_consumed(self) -> None:
+        """Wait until the deferred frees queued so far are done (``defer_consume``)."""
+        while (t := self._consume_task) is not None and not t.done():
+            await asyncio.shield(t)
 
     # -- maintenance (under the lock) ---------------------------------------------------------
     def _flush_touches(self) -> None:
@@ -1717,6 +1761,9 @@ class BlockLifecycle:
 
     async def close(self, timeout: float) -> None:
         """Evict unfinished reservations and this node's blocks, return chunks."""
+        t = self._consume_task          # deferred frees of consumed blocks go first
+        if t is not None and not t.done():
+            await asyncio.wait([t], timeout=timeout)
         self.closing = True
         await self.hold_lock(timeout)
         try:
