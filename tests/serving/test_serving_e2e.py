@@ -19,6 +19,7 @@ import pytest
 from tract_async.serving.launcher import Rack
 from tract_async.serving.protocol import REGION_MODES
 from tract_async.serving.workload import ChatWorkload, Conversation, complete_streaming
+from tests.support.engine_http_util import needs_nixl
 
 T = 16          # block tokens
 EOS = 257
@@ -49,7 +50,7 @@ def expected_hit(prompt: list[int], earlier: list[list[int]]) -> int:
 
 
 @pytest.mark.parametrize("mode", ["http", "region-transfer", "region-cache", "recompute",
-                                  "rdma-model"])
+                                  "rdma-model", pytest.param("nixl", marks=needs_nixl)])
 async def test_disaggregated_outputs_equal_single_process(mode, model, region_path, tmp_path):
     workload = ChatWorkload(conversations=2, turns=2, system_chars=200, user_chars=60,
                             max_new_tokens=MAX_NEW, seed=3)
@@ -100,7 +101,10 @@ async def test_disaggregated_outputs_equal_single_process(mode, model, region_pa
         # every service: health and Prometheus metrics
         for sp in rack.services:
             async with session.get(f"{sp.url}/health") as r:
-                assert r.status == 200 and (await r.json())["role"] == sp.role
+                health = await r.json()
+                assert r.status == 200 and health["role"] == sp.role
+            if mode == "nixl" and sp.role == "decode":   # the KV came over the engines' NIXL path
+                assert health["engine"]["bytes_got"] > 0, health
             async with session.get(f"{sp.url}/metrics") as r:
                 text = await r.text()
             assert "tract_ttft_seconds_bucket" in text and "tract_bytes_moved_total" in text

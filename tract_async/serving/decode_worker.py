@@ -36,7 +36,7 @@ from tract_async.serving.gclog import GcLog
 from tract_async.serving.prefetch import LayerStream
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, DecodeRequest,
+from tract_async.serving.protocol import (ENGINE_MODES, SALTED_MODES, DecodeRequest,
                                           decode_past_len, error_body, now)
 from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
@@ -287,7 +287,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             w.importer = KVImporter(w.agent, tasks=w.tasks)
             await w.agent.start()
             stack.push_async_callback(w.agent.close)
-        elif cfg.mode in REGION_MODES:
+        elif cfg.mode in ENGINE_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
             if os.environ.get("TRACT_PHASES") == "1":   # dgc markers on the timeline

@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from tract_async.serving.errors import ServiceStartFailed
-from tract_async.serving.protocol import READY_PREFIX, REGION_MODES, SECRET_ENV
+from tract_async.serving.protocol import NET_MODES, READY_PREFIX, REGION_MODES, SECRET_ENV
 from tract_async.serving.service import ServiceConfig, config_to_argv
 
 
@@ -107,10 +107,12 @@ class Rack:
 
     def __init__(self, *, mode: str, region: str | None, log_dir: str, start_timeout_s: float = 120.0,
                  stop_timeout_s: float = 10.0,
-                 role_options: dict[str, dict[str, Any]] | None = None, **options: Any) -> None:
+                 role_options: dict[str, dict[str, Any]] | None = None,
+                 env: dict[str, str] | None = None, **options: Any) -> None:
         """``options`` go to every service's ServiceConfig; ``role_options`` override them for
         one role, e.g. ``{"prefill": {"device": "cuda:0"}, "decode": {"device": "cuda:1"}}``
-        to put the two workers on separate GPUs."""
+        to put the two workers on separate GPUs. ``env`` is added to every service's
+        environment (the nixl rows' ``UCX_TLS``)."""
         unknown = set(role_options or ()) - {"prefill", "decode", "router"}
         if unknown:
             raise ValueError(f"role_options for unknown roles {sorted(unknown)}")
@@ -122,7 +124,7 @@ class Rack:
         self.stop_timeout_s = stop_timeout_s
         self.options = options
         self.services: list[ServiceProcess] = []
-        self._env: dict[str, str] = {}
+        self._env: dict[str, str] = dict(env or {})
         self._stopped = False
 
     def _cfg(self, role: str, **extra: Any) -> ServiceConfig:
@@ -136,16 +138,20 @@ class Rack:
     async def start(self) -> None:
         """Raises ServiceStartFailed (after stopping whatever had started)."""
         os.makedirs(self.log_dir, exist_ok=True)
-        if self.mode == "http":
+        if self.mode == "http" or self.mode in NET_MODES:
             self._env[SECRET_ENV] = os.urandom(32).hex()
         try:
-            spawned = await asyncio.gather(
-                spawn_service(self._cfg("prefill", node_id=0, create_region=self.region is not None),
-                              log_path=self._log("prefill"), env=self._env,
-                              start_timeout_s=self.start_timeout_s),
-                spawn_service(self._cfg("decode", node_id=1), log_path=self._log("decode"),
-                              env=self._env, start_timeout_s=self.start_timeout_s),
-                return_exceptions=True)
+            if self.mode in NET_MODES:
+                spawned = await self._start_peered_workers()
+            else:
+                spawned = await asyncio.gather(
+                    spawn_service(self._cfg("prefill", node_id=0,
+                                            create_region=self.region is not None),
+                                  log_path=self._log("prefill"), env=self._env,
+                                  start_timeout_s=self.start_timeout_s),
+                    spawn_service(self._cfg("decode", node_id=1), log_path=self._log("decode"),
+                                  env=self._env, start_timeout_s=self.start_timeout_s),
+                    return_exceptions=True)
             self.services.extend(s for s in spawned if isinstance(s, ServiceProcess))
             for s in spawned:
                 if isinstance(s, BaseException):
@@ -157,6 +163,21 @@ class Rack:
         except BaseException:
             await asyncio.shield(self.stop())
             raise
+
+    async def _start_peered_workers(self) -> list[Any]:
+        """Network modes: the prefill first, then the decode naming the prefill's engine as its
+        peer (``kv_peers``; peering is symmetric, so the prefill then announces to it)."""
+        prefill = await spawn_service(self._cfg("prefill", node_id=0), log_path=self._log("prefill"),
+                                      env=self._env, start_timeout_s=self.start_timeout_s)
+        self.services.append(prefill)
+        url = prefill.info.get("engine_url")
+        if not url:
+            raise ServiceStartFailed(f"the {self.mode} prefill reported no engine_url: {prefill.info}")
+        decode = await spawn_service(self._cfg("decode", node_id=1, kv_peers=url),
+                                     log_path=self._log("decode"), env=self._env,
+                                     start_timeout_s=self.start_timeout_s)
+        self.services.remove(prefill)      # start() adds both
+        return [prefill, decode]
 
     @property
     def router_url(self) -> str:

@@ -13,7 +13,10 @@ every system and shares no block with any other phase.
 The systems, each named for what it is:
 
 * ``http``: KV over the NIXL-style HTTP agent (aiohttp): the network stand-in, measured;
-* ``nixl``: KV over NIXL (UCX), the paper's baseline: never run yet; the row says why;
+* ``nixl``: KV over NIXL between the workers' engines (``transport="nixl"``), UCX over TCP on
+  loopback: the paper's baseline over the network stand-in, measured; ``nixl-local``: the same
+  with UCX's own transports (shared memory, cuda copy), the same-host best case. Each row
+  records the ``UCX_TLS`` it ran with; without the ``nixl`` package they are absent and say why;
 * ``rdma-model``: a model: the measured prefill, then the KV's arrival held to 20 µs + bytes /
   25 GB/s (:mod:`.rdma_model`);
 * ``recompute``: no transfer: the decode worker computes the whole prompt;
@@ -53,12 +56,20 @@ class System:
     name: str
     mode: str | None
     what: str
+    ucx_tls: str | None = None
+    """nixl rows: the workers' ``UCX_TLS`` ("" leaves UCX its own choice); on a CUDA device
+    ``cuda_copy`` is added, without which NIXL's UCX backend refuses GPU memory."""
 
 
 SYSTEMS: tuple[System, ...] = (
     System(name="http", mode="http",
            what="KV over the NIXL-style HTTP agent (aiohttp): the network stand-in, measured"),
-    System(name="nixl", mode=None, what="KV over NIXL (UCX): the paper's baseline"),
+    System(name="nixl", mode="nixl", ucx_tls="tcp",
+           what="KV over NIXL, UCX over TCP on loopback: the paper's baseline over the network "
+                "stand-in, measured"),
+    System(name="nixl-local", mode="nixl", ucx_tls="",
+           what="KV over NIXL with UCX's own transports (shared memory, cuda copy): the "
+                "same-host best case, measured"),
     System(name="rdma-model", mode="rdma-model",
            what="MODEL, not a measurement: measured prefill, then KV held to 20 us + bytes at "
                 "25 GB/s (serving/rdma_model.py)"),
@@ -245,20 +256,33 @@ def load_label(loop: str, value: float) -> str:
     return f"{int(value)} clients"
 
 
-def nixl_absent_reason() -> str:
-    """Why the ``nixl`` row has no numbers."""
+def nixl_absent_reason() -> str | None:
+    """Why the ``nixl`` rows cannot run here (None: they can)."""
     try:
         import nixl._api  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - the reason goes into the report
         return (f"nixl not importable ({type(exc).__name__}: {exc}): "
                 f"pip install nixl nixl-cu12 --no-deps")
-    try:
-        from importlib.metadata import version
-        v = version("nixl")
-    except Exception:  # noqa: BLE001
-        v = "?"
-    return (f"nixl {v} imports, but the serving stack has no NIXL KV path yet (the workers move "
-            f"KV over the HTTP agent, serving/http_kv.py, which is the `http` row): not run")
+    return None
+
+
+def absent_reason(system: System) -> str | None:
+    """Why ``system`` has no rack here (None: it has one)."""
+    if system.mode is None:
+        return "not servable by this harness"
+    if system.mode == "nixl":
+        return nixl_absent_reason()
+    return None
+
+
+def ucx_env(system: System, device: str) -> dict[str, str]:
+    """The workers' UCX settings for a nixl row (``System.ucx_tls``)."""
+    if system.ucx_tls is None or not system.ucx_tls:
+        return {}
+    tls = system.ucx_tls
+    if device.startswith("cuda") and "cuda_copy" not in tls:
+        tls += ",cuda_copy"
+    return {"UCX_TLS": tls}
 
 
 def region_bytes_for(want: int, shm: str = "/dev/shm") -> int:
@@ -306,6 +330,7 @@ def make_rack(system: System, args: argparse.Namespace) -> Any:
     assert system.mode is not None, f"loadbench: {system.name} has no rack mode"
     return Rack(mode=system.mode, region=f"/dev/shm/tract-bench-{os.getpid()}-{system.name}",
                 log_dir=os.path.join(args.out_dir, "logs"), start_timeout_s=args.start_timeout,
+                env=ucx_env(system, args.device),
                 seed=args.seed, model=args.model, device=args.device, dtype=args.dtype,
                 block_tokens=args.block_tokens,
                 torch_threads=args.torch_threads if args.device == "cpu" else None,
@@ -449,12 +474,15 @@ async def run_all(args: argparse.Namespace, report: dict[str, Any],
     for system in chosen:
         entries[system.name] = report["systems"][system.name] = {
             "what": system.what, "mode": system.mode, "phases": [], "status": "pending"}
-        if system.mode is None:
-            entries[system.name].update(status="absent", reason=nixl_absent_reason())
-            print(f"[{system.name}] absent: {entries[system.name]['reason']}", file=sys.stderr,
-                  flush=True)
+        if system.ucx_tls is not None:      # the UCX transports the row ran over
+            entries[system.name]["ucx_tls"] = (ucx_env(system, args.device).get("UCX_TLS")
+                                               or os.environ.get("UCX_TLS") or "UCX default")
+        why = absent_reason(system)
+        if why is not None:
+            entries[system.name].update(status="absent", reason=why)
+            print(f"[{system.name}] absent: {why}", file=sys.stderr, flush=True)
     write()
-    racks = {s.name: make_rack(s, args) for s in chosen if s.mode is not None}
+    racks = {s.name: make_rack(s, args) for s in chosen if absent_reason(s) is None}
     servable = [s for s in chosen if s.name in racks]
     if getattr(args, "rel_rate_list", None):   # the reference measures the peak first
         servable.sort(key=lambda s: s.name != args.rate_reference)

@@ -36,7 +36,7 @@ from tract_async.errors import TractError
 from tract_async.serving.gclog import GcLog
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, PrefillReply,
+from tract_async.serving.protocol import (ENGINE_MODES, SALTED_MODES, PrefillReply,
                                           PrefillRequest, error_body, now)
 from tract_async.serving.service import (KVDevice, ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
@@ -208,7 +208,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             w.exporter = KVExporter(w.agent, cfg.kv_pool_bytes, hold_s=cfg.kv_hold_s, tasks=w.tasks)
             await w.agent.start()
             stack.push_async_callback(w.agent.close)
-        elif cfg.mode in REGION_MODES:
+        elif cfg.mode in ENGINE_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
             if os.environ.get("TRACT_PHASES") == "1":   # reserved_L / enqueued_L, gc markers

@@ -38,15 +38,22 @@ MODES: tuple[str, ...] = ("http", "region-transfer", "region-cache")
 #: computes the whole prompt itself) and ``rdma-model`` (the KV moves through the region once
 #: the prefill is done, and its arrival is held back to what an RDMA NIC would take:
 #: :mod:`tract_async.serving.rdma_model`; a model, not a measurement).
-SERVING_MODES: tuple[str, ...] = (*MODES, "recompute", "rdma-model")
+SERVING_MODES: tuple[str, ...] = (*MODES, "recompute", "rdma-model", "nixl")
 #: Modes whose KV travels through a shared region (the workers need ``--region``).
 REGION_MODES: tuple[str, ...] = ("region-transfer", "region-cache", "rdma-model")
+#: Modes whose KV travels over the network between the workers' engines (no region): ``nixl``,
+#: the paper's baseline (NIXL over UCX; the harness picks the UCX transports with ``UCX_TLS``).
+#: The prefill's engine keeps each request's KV in its pool, the decode's engine names it as its
+#: peer and reads every layer as it is announced, as region-transfer does through the region.
+NET_MODES: tuple[str, ...] = ("nixl",)
+#: Modes whose workers move KV through an Engine (``put_kv`` / ``get_kv`` by layer).
+ENGINE_MODES: tuple[str, ...] = (*REGION_MODES, *NET_MODES)
 #: Modes where the router starts decode only after the prefill has answered (the KV can only be
 #: fetched once it is complete), instead of both at once with layer streaming.
 SEQUENTIAL_MODES: tuple[str, ...] = ("http", "rdma-model")
 #: Modes whose block keys are salted with the request id: each request's KV is its own, never a
 #: prefix another request could find.
-SALTED_MODES: tuple[str, ...] = ("region-transfer", "rdma-model")
+SALTED_MODES: tuple[str, ...] = ("region-transfer", "rdma-model", "nixl")
 ROLES: tuple[str, ...] = ("prefill", "decode", "router")
 #: The line a service prints on stdout once it listens: ``TRACT-READY {json}``.
 READY_PREFIX = "TRACT-READY "
@@ -63,14 +70,15 @@ def now() -> float:
 
 
 def engine_mode(mode: str) -> str:
-    """EngineConfig.mode for a region run mode.
+    """EngineConfig.mode for a region or network run mode (``ENGINE_MODES``).
 
     rdma-model runs the engine in cache mode (with salted keys, so nothing is shared): a
     transfer-mode get frees the blocks it consumed under the global lock, and under load that
     lock wait (milliseconds on a busy 2-core host) would count as the modelled NIC's time;
     a cache-mode get takes no lock. Its blocks leave by LRU eviction instead.
     """
-    return {"region-transfer": "transfer", "region-cache": "cache", "rdma-model": "cache"}[mode]
+    return {"region-transfer": "transfer", "region-cache": "cache", "rdma-model": "cache",
+            "nixl": "transfer"}[mode]
 
 
 def new_request_id() -> str:

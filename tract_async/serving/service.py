@@ -69,6 +69,7 @@ class ServiceConfig:
     node_id: int = 0
     max_nodes: int = 8
     liveness_timeout_s: float = 5.0
+    kv_peers: str | None = None       # nixl mode, decode: the prefill engine's URL(s), comma-separated
     wait_spin_us: int = 0             # engine waits spin this long on the loop (see below)
     switch_interval_us: float = 500.0  # sys.setswitchinterval of a worker process (see below)
     # the HTTP agent (http mode)
@@ -121,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default = f.default
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=default)
-        elif f.name in ("dtype", "region", "prefill_url", "decode_url"):
+        elif f.name in ("dtype", "region", "prefill_url", "decode_url", "kv_peers"):
             p.add_argument(flag, default=default)
         elif f.name == "torch_threads":
             p.add_argument(flag, type=int, default=default)
@@ -191,7 +192,21 @@ def kv_layout(cfg: ServiceConfig, model: Any) -> Any:
 
 def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
     import tract_async as tract
-    from tract_async.serving.protocol import engine_mode
+    from tract_async.serving.protocol import NET_MODES, engine_mode
+    if cfg.mode in NET_MODES:
+        # no region: the engine's pool and its agent on this host, peers named by the launcher
+        # (the decode names the prefill; peering is symmetric); authenticated with the rack's
+        # secret (SECRET_ENV)
+        secret = agent_secret()
+        peers = tuple(u for u in (cfg.kv_peers or "").split(",") if u)
+        return tract.EngineConfig(layout=layout, region=None, node_id=cfg.node_id,
+                                  max_nodes=cfg.max_nodes, namespace=cfg.namespace,
+                                  mode=engine_mode(cfg.mode), transport=cfg.mode,
+                                  listen_host=cfg.host, listen_port=0, peers=peers,
+                                  secret=secret, http_pool_bytes=cfg.kv_pool_bytes,
+                                  liveness_timeout_s=cfg.liveness_timeout_s,
+                                  heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4),
+                                  wait_spin_us=cfg.wait_spin_us, defer_consume=True)
     chunk = 2 << 20
     while chunk < layout.block_bytes:
         chunk <<= 1
@@ -335,9 +350,14 @@ def worker_app(cfg: ServiceConfig, role: str, key: "web.AppKey[Any]", worker: An
 
 
 def agent_ready_info(worker: Any) -> dict[str, Any]:
-    """What a worker adds to its ready line: its transfer agent and the agent's URL, if any."""
+    """What a worker adds to its ready line: its transfer agent and the agent's URL, if any, and
+    its engine's own agent URL in the network modes (``engine_url``: the decode's peer)."""
     h = worker.health()
-    return {k: h[k] for k in ("agent", "agent_url") if k in h}
+    out = {k: h[k] for k in ("agent", "agent_url") if k in h}
+    url = getattr(getattr(worker, "engine", None), "url", None)
+    if url:
+        out["engine_url"] = url
+    return out
 
 
 async def serve(app: web.Application, cfg: ServiceConfig, *, ready_info: Callable[[web.Application], dict[str, Any]]
