@@ -234,3 +234,33 @@ async def test_a_new_incarnation_clears_a_stale_waiting_line(region_path: str) -
         assert db.waiting_mask(eng._region.mem, bell.offset, bell.max_nodes) == 1 << 1
         async with tract.Engine.open(cfg(region_path, 1)):
             assert db.waiting_mask(eng._region.mem, bell.offset, bell.max_nodes) == 0
+
+
+async def test_rings_for_other_keys_cost_one_lookup(region_path: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read waiting for a layer of its blocks is rung by every publication on the host; while
+    one of its keys still lacks the layer, a ring costs a lookup of that key only (the probe),
+    and the wait still ends with the right bytes once its own layer is published."""
+    monkeypatch.setattr(db, "SAFETY_FIRST_S", 5.0)     # no timer's look during the test
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as prod, \
+            tract.Engine.open(cfg(region_path, 1)) as cons:
+        keys = cons.block_keys(list(range(16 * 6)))
+        kv = kv_for_keys(keys, as_numpy=True)
+        await prod.put_kv(keys, np.ascontiguousarray(kv[0]), layer=0)   # present, layer 1 not
+        out = np_out(keys, layer=1)
+        waiting = asyncio.create_task(cons.get_kv(keys, layer=1, out=out, timeout=20.0))
+        await asyncio.sleep(0.05)
+        before = cons.stats()["doorbell_probe_skips"]
+        others = 8
+        for i in range(others):                        # publications of other keys ring it
+            ok = prod.block_keys(list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1))))
+            await prod.put_kv(ok, kv_for_keys(ok, as_numpy=True))
+            await asyncio.sleep(0.01)
+        assert not waiting.done()
+        skips = cons.stats()["doorbell_probe_skips"] - before
+        assert skips >= others - 1, skips              # (a ring may cover two publications)
+        wakes = cons.stats()["doorbell_wakes"]
+        await prod.put_kv(keys, np.ascontiguousarray(kv[1]), layer=1)
+        got = await asyncio.wait_for(waiting, 2)      # by the ring, long before the 5 s timer
+        assert all(block_matches(keys, got, layer=1))
+        assert cons.stats()["doorbell_wakes"] == wakes + 1

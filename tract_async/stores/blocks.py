@@ -267,6 +267,9 @@ class StoreStats(TransferStats):
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
+    doorbell_probe_skips: int = 0
+    """Doorbell rings a waiting read answered with one key's lookup instead of a look at every
+    key (``_wait_on_doorbell``: its probe key was still missing)."""
 
 
 class BlockLifecycle:
@@ -1495,14 +1498,30 @@ class BlockLifecycle:
         deadline = time.monotonic() + timeout
         seen = snap[:, 0] >= 0
         last = [snap]
+        probe = [self._first_unsatisfied(snap, layer)]
 
-        def check() -> np.ndarray | None:
+        def check(full: bool = False) -> np.ndarray | None:
+            # A ring says that something was published on this host, not what: with several
+            # requests in flight, most rings are for other keys. One key that was not yet
+            # satisfied at the last full look decides whether a full look can succeed (every
+            # key must be): it costs one lookup where the full look costs one per key (a
+            # decode worker's queued 512-block reads, each woken by every layer of every
+            # prefill, took the GIL from its model thread). A vanished block is seen at the
+            # probe, at the next full look, or at a timer's look (always full).
+            i = probe[0]
+            if not full and len(words) > 1:
+                one = self.index.snapshot(words[i:i + 1])
+                if one[0, 0] >= 0 or not seen[i]:
+                    if not self._satisfied(one, layer):
+                        self.stats.doorbell_probe_skips += 1
+                        return None
             s = self.index.snapshot(words)
             last[0] = s
             present = s[:, 0] >= 0
             if (seen & ~present).any() or self._satisfied(s, layer):
                 return s                   # done, or a block vanished (the caller raises)
             seen[:] |= present
+            probe[0] = self._first_unsatisfied(s, layer)
             return None
 
         spun = await self._spin_on_loop(words, layer)
@@ -1513,7 +1532,7 @@ class BlockLifecycle:
         loop = asyncio.get_running_loop()
         w = bell.add(check)
         try:
-            got = check()                  # after registering: the race (doorbell.py)
+            got = check(full=True)         # after registering: the race (doorbell.py)
             interval = db.SAFETY_FIRST_S
             while got is None:
                 left = deadline - time.monotonic()
@@ -1527,7 +1546,7 @@ class BlockLifecycle:
                     timer.cancel()
                 if got is _TIMER:
                     bell.rearm(w)
-                    got = check()
+                    got = check(full=True)
                     interval = min(interval * 2, db.SAFETY_MAX_S)
                 else:
                     self.stats.doorbell_wakes += 1
@@ -1595,6 +1614,19 @@ class BlockLifecycle:
         if r == 0:
             self._wait_timed_out(self.index.snapshot(words), layer, timeout)   # a full look
         return out          # r == -1: a block vanished; the caller's checks raise BlockNotFound
+
+    @staticmethod
+    def _first_unsatisfied(snap: np.ndarray, layer: int | None) -> int:
+        """The first row of ``snap`` that is absent or lacks ``layer`` (READY for None); 0 when
+        every row is satisfied."""
+        ok = snap[:, 0] >= 0
+        if layer is None:
+            ok &= snap[:, 2] == ix.READY
+        else:
+            word, bit = divmod(layer, 64)
+            ok &= (snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if bad.size else 0
 
     @staticmethod
     def _rows_available(rows: list[list[int]], layer: int | None) -> bool:
