@@ -42,3 +42,27 @@ async def test_serve_sets_the_switch_interval() -> None:
         assert sys.getswitchinterval() == pytest.approx(750e-6)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_decode_early_reads_default_and_bound() -> None:
+    from tract_async.serving.decode_worker import DecodeWorker
+    assert ServiceConfig(role="decode", mode="recompute").early_reads == DecodeWorker.EARLY_READS
+    with pytest.raises(ServiceConfigError):
+        ServiceConfig(role="decode", mode="recompute", early_reads=-1)
+
+
+def test_load_benchmark_service_options_reach_the_racks() -> None:
+    from tract_async.serving.loadbench import resolve_args, service_options
+    opts = service_options(["decode:early_reads=1", "wait_spin_us=150",
+                            "switch_interval_us=250.5", "prefill:die_with_parent=true"])
+    assert opts == {"wait_spin_us": 150, "switch_interval_us": 250.5,
+                    "role_options": {"decode": {"early_reads": 1},
+                                     "prefill": {"die_with_parent": True}}}
+    for bad in (["early_reads"], ["nosuch=1"], ["decode:early_reads=lots"], ["mode=http"],
+                ["gpu:early_reads=1"]):
+        with pytest.raises(ValueError):
+            service_options(bad)
+    with pytest.raises(SystemExit):
+        resolve_args(["--size", "smoke", "--service-opt", "nosuch=1"])
+    args = resolve_args(["--size", "smoke", "--service-opt", "decode:early_reads=0"])
+    assert args.service_opt == ["decode:early_reads=0"]

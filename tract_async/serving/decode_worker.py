@@ -53,7 +53,8 @@ class DecodeWorker:
     prefetch, started a read per layer ahead: two on hosts of more than 4 cores)."""
 
     EARLY_READS: int = 4
-    """How many requests may read their layers before they hold the compute slot. A request
+    """The default of ``ServiceConfig.early_reads``: how many requests may read their layers
+    before they hold the compute slot (0: none). A request
     that arrives while another one decodes would otherwise start its reads only when the slot
     frees, after its prefill has long published every layer: the H100 serving run of
     2026-12-06 (``bench/results/gpu-20261206-s37/call2-h100-785a8b9-serve``) shows a 352-block
@@ -73,7 +74,7 @@ class DecodeWorker:
         self.importer: Any = None
         self.tasks = TaskOwner()
         self.compute = asyncio.Semaphore(1)
-        self.early = asyncio.Semaphore(self.EARLY_READS)
+        self.early = asyncio.Semaphore(cfg.early_reads)
         self.gclog: GcLog | None = None       # TRACT_PHASES=1: collections on the timeline
         self.served = 0
 

@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pool-bytes", type=int, default=None, help="http: the prefill's KV pool")
     p.add_argument("--rdma-gbps", type=float, default=25.0, help="rdma-model bandwidth")
     p.add_argument("--rdma-latency-us", type=float, default=20.0, help="rdma-model per transfer")
+    p.add_argument("--service-opt", action="append", default=[], metavar="[ROLE:]FIELD=VALUE",
+                   help="a ServiceConfig field for every service of every rack, or for one role "
+                        "(e.g. decode:early_reads=1, wait_spin_us=0); repeatable, recorded in "
+                        "results.json")
     p.add_argument("--start-timeout", type=float, default=None, help="seconds per service start")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
@@ -202,6 +206,10 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"workloads: {', '.join(WORKLOADS)}")
     if not args.rate_list and not args.rel_rate_list and not args.concurrency_list:
         p.error("give at least one --rates or --concurrency value")
+    try:
+        service_options(args.service_opt)
+    except ValueError as exc:
+        p.error(str(exc))
     if (any(not r > 0 for r in args.rate_list + args.rel_rate_list)
             or any(c < 1 for c in args.concurrency_list)):
         p.error("rates must be > 0 and concurrency >= 1")
@@ -324,6 +332,32 @@ def _spec(args: argparse.Namespace, kind: str, phase: int, requests: int) -> Any
 WARMUP_PHASE = 10_000
 
 
+def service_options(items: list[str]) -> dict[str, Any]:
+    """``--service-opt`` values as Rack options: ``{field: value}`` for every service and
+    ``role_options`` for ``role:field=value``, each value parsed as the ServiceConfig field's
+    type. Raises ValueError naming a bad item."""
+    import dataclasses as dc
+    from tract_async.serving.service import ServiceConfig
+    fields = {f.name: f for f in dc.fields(ServiceConfig)}
+    common: dict[str, Any] = {}
+    roles: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, eq, value = item.partition("=")
+        role, _, name = target.rpartition(":")
+        f = fields.get(name)
+        if not eq or f is None or name in ("role", "mode", "region", "prefill_url", "decode_url") \
+                or role not in ("", "prefill", "decode", "router"):
+            raise ValueError(f"--service-opt {item!r}: expected [ROLE:]FIELD=VALUE with a "
+                             f"ServiceConfig field")
+        kind = type(f.default) if f.default is not None else str
+        try:
+            v: Any = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+        except ValueError as e:
+            raise ValueError(f"--service-opt {item!r}: {e}") from None
+        (roles.setdefault(role, {}) if role else common)[name] = v
+    return {**common, **({"role_options": roles} if roles else {})}
+
+
 def make_rack(system: System, args: argparse.Namespace) -> Any:
     """The (not yet started) rack that serves ``system``."""
     from tract_async.serving.launcher import Rack
@@ -337,7 +371,8 @@ def make_rack(system: System, args: argparse.Namespace) -> Any:
                 region_bytes=region_bytes_for(args.region_bytes),
                 kv_pool_bytes=args.kv_pool_bytes, request_timeout_s=args.request_timeout,
                 layer_timeout_s=min(120.0, args.request_timeout),
-                rdma_gbps=args.rdma_gbps, rdma_latency_us=args.rdma_latency_us)
+                rdma_gbps=args.rdma_gbps, rdma_latency_us=args.rdma_latency_us,
+                **service_options(args.service_opt))
 
 
 async def start_rack(system: System, rack: Any, entry: dict[str, Any]) -> None:

@@ -70,6 +70,7 @@ class ServiceConfig:
     max_nodes: int = 8
     liveness_timeout_s: float = 5.0
     kv_peers: str | None = None       # nixl mode, decode: the prefill engine's URL(s), comma-separated
+    early_reads: int = 4              # decode: requests that read before their compute slot
     wait_spin_us: int = 0             # engine waits spin this long on the loop (see below)
     switch_interval_us: float = 500.0  # sys.setswitchinterval of a worker process (see below)
     # the HTTP agent (http mode)
@@ -99,6 +100,8 @@ class ServiceConfig:
             raise ServiceConfigError("the router needs --prefill-url and --decode-url")
         if self.block_tokens <= 0:
             raise ServiceConfigError(f"block_tokens must be positive, got {self.block_tokens}")
+        if self.early_reads < 0:
+            raise ServiceConfigError(f"early_reads must be >= 0, got {self.early_reads}")
         if self.wait_spin_us < 0 or not self.switch_interval_us > 0:
             raise ServiceConfigError(f"wait_spin_us must be >= 0 and switch_interval_us > 0, got "
                                      f"{self.wait_spin_us} and {self.switch_interval_us}")
