@@ -19,8 +19,9 @@ protocol order (``POINTS``), each named after the step it follows:
 * ``evict.tombstoned`` (entries tombstoned, payload slots not yet freed);
 * ``abandon.started`` (a failed put evicts its own reservations: in its lane, without the lock;
   with one lane for all nodes, holding it);
-* ``claim.journaled``, ``claim.owner``, ``claim.bitmap`` (inside a chunk claim's journaled
-  batch), ``claim.done`` (the batch complete, its token not yet re-checked: a holder revoked
+* ``claim.found`` (a chunk claim's token check passed and its free run chosen, nothing stored:
+  a check and the store it guards, model finding A1), ``claim.journaled``, ``claim.owner``,
+  ``claim.bitmap`` (inside a chunk claim's journaled batch), ``claim.done`` (the batch complete, its token not yet re-checked: a holder revoked
   meanwhile must give the chunks back), ``release.journaled`` (a chunk release's batch);
 * ``reclaim.hooked`` (a dead node's index entries dropped, its chunks not yet released);
 * ``manager.takeover`` (a new term written, the lock lines not yet taken over),
@@ -40,7 +41,7 @@ ENV_ACTION = "TRACT_CRASH_ACTION"
 
 POINTS: tuple[str, ...] = (
     "reserve.locked", "reserve.allocated", "reserve.lockfree", "reserve.indexed", "put.copied",
-    "publish.layer", "evict.tombstoned", "abandon.started", "claim.journaled", "claim.owner", "claim.bitmap",
+    "publish.layer", "evict.tombstoned", "abandon.started", "claim.found", "claim.journaled", "claim.owner", "claim.bitmap",
     "claim.done", "release.journaled", "reclaim.hooked", "manager.takeover", "manager.granted")
 
 _TARGET: str | None = os.environ.get(ENV) or None
