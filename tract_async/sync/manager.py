@@ -36,6 +36,17 @@ step; otherwise it leaves (``number = 0``) without writing and campaigns again a
 poll. Evidence: ``tests/sync/test_election_pause.py`` (SIGSTOP at ``elect.ticket`` and at
 ``elect.decided``). What stays is the window between the last check and the store after it.
 
+Dead tickets. A candidate killed inside the election (crash points ``elect.ticket``,
+``elect.decided``) leaves ``choosing`` or ``number`` set in its line. The bakery skips a dead
+node, so the ticket blocks nobody, but nobody else would ever clear it (fsck: "dead node left
+choosing/number set" after the survivors recovered). So the manager clears both words of a dead
+node's line between its scan slices, under the same checks as a revocation (its fence deadline,
+its own term re-read). The line's other words stay as its node wrote them. A node judged dead
+while only paused inside an election leaves it at its next step without writing (election
+lapse), so the cleared ticket was not in use; a node that resumes and takes a fresh ticket in
+the window between the manager's dead verdict and its store has that ticket cleared -- the
+residual window of every check-then-store here.
+
 A live manager is pre-empted only when it stops granting: takeover happens on its death, its
 resignation (``run()`` cancelled), or its *stall*. While it manages, a node stamps ``scan_ns``
 in its own candidate line at the start of every scan slice (every ~10 ms busy, ~50 ms idle:
@@ -264,6 +275,8 @@ class LockManager:
         """Every term this node won, in order (tests check that no term has two winners)."""
         self.lapses = 0
         """Elections left without a write because this candidate paused inside them."""
+        self.tickets_cleared = 0
+        """Dead nodes' election tickets this node cleared while managing ("Dead tickets")."""
         self.stall_lease = True
         """Step down after a stall of the own scans, and fence grants at stamp + half (module
         docstring). Only the site-removal test of the term re-read turns it off: with it on, a
@@ -506,6 +519,9 @@ class LockManager:
             self._revoke_dead(nodes, fence_deadline)
             if self._term is None:
                 return
+            self._clear_dead_tickets(nodes, fence_deadline)
+            if self._term is None:
+                return
             # every node that may request can ring: the idle scan sleeps on the bell up to the
             # slice's end; else at most BELL_WAIT_MS (another host's request is seen no later)
             bell_ms = LOCAL_BELL_WAIT_MS if self._all_can_ring(nodes, me) else BELL_WAIT_MS
@@ -527,6 +543,31 @@ class LockManager:
             if rc == S.SLICE_SELF_FENCED:
                 self._self_fenced += 1
                 await asyncio.sleep(min(0.01, self.liveness_timeout_s / 20))
+
+    def _clear_dead_tickets(self, nodes: list[NodeInfo], fence_deadline: int) -> None:
+        """Clear ``choosing`` and ``number`` in the candidate line of every dead node that left
+        them set (module docstring, "Dead tickets")."""
+        m, geo = self._mem, self._geo
+        for j, n in enumerate(nodes):
+            if j == self.node_id or not n.dead:
+                continue
+            off = geo.cand_off(j)
+            if not (int(K.load_fresh(m, off + CHOOSING, S_CAND_READ))
+                    or int(K.load(m, off + NUMBER))):
+                continue
+            if time.time_ns() >= fence_deadline:
+                return
+            info = read_manager(self._region, geo, m)
+            if info.node_id != self.node_id or info.term != self._term:
+                self._step_down()
+                return
+            K.store(m, off + CHOOSING, 0)
+            K.store(m, off + NUMBER, 0)
+            K.flush(m, off, S_CAND_FLUSH)
+            K.full_fence(m)
+            self.tickets_cleared += 1
+            log.info("lock manager node %d term %d: cleared dead node %d's election ticket "
+                     "(heartbeat %.3f s old)", self.node_id, self._term, j, n.heartbeat_age_s)
 
     def _revoke_dead(self, nodes: list[NodeInfo], fence_deadline: int) -> None:
         m, geo = self._mem, self._geo
