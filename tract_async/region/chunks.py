@@ -26,7 +26,9 @@ node's blocks (the paused-fencing test: fsck "node 1 records 8 chunks, owns 7", 
 into a free chunk). Checked per step, it stops at its next step with LockRevoked and leaves a
 PENDING journal that the next holder undoes (a claim) or completes (a release or reclaim).
 What stays is the window between one check and the store right after it, a few instructions
-(the residual window of ``sync/slots.py``). A holder that dies or is revoked inside a batch leaves the journal PENDING, and whoever
+(the residual window of ``sync/slots.py``).
+
+A holder that dies or is revoked inside a batch leaves the journal PENDING, and whoever
 holds the lock next runs ``recover_journal``: a CLAIM is rolled back (its chunks were never
 handed out: the claimer only uses a chunk after IDLE and a second token check), a RELEASE or
 RECLAIM is rolled forward (the chunk was being given up anyway). Both are idempotent and end with
