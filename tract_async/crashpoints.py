@@ -19,10 +19,14 @@ protocol order (``POINTS``), each named after the step it follows:
 * ``evict.tombstoned`` (entries tombstoned, payload slots not yet freed);
 * ``abandon.started`` (a failed put evicts its own reservations: in its lane, without the lock;
   with one lane for all nodes, holding it);
-* ``claim.journaled``, ``claim.owner``, ``claim.bitmap`` (inside a chunk claim's journaled
-  batch), ``claim.done`` (the batch complete, its token not yet re-checked: a holder revoked
+* ``claim.found`` (a chunk claim's token check passed and its free run chosen, nothing stored:
+  a check and the store it guards, model finding A1), ``claim.journaled``, ``claim.owner``,
+  ``claim.bitmap`` (inside a chunk claim's journaled batch), ``claim.done`` (the batch complete, its token not yet re-checked: a holder revoked
   meanwhile must give the chunks back), ``release.journaled`` (a chunk release's batch);
 * ``reclaim.hooked`` (a dead node's index entries dropped, its chunks not yet released);
+* ``elect.ticket`` (a candidate's bakery ticket taken, before it waits for its rivals),
+  ``elect.decided`` (in the election's critical section: the manager line re-read and found
+  missing, the new term not yet written -- the manager's check-to-store window);
 * ``manager.takeover`` (a new term written, the lock lines not yet taken over),
   ``manager.granted`` (a scan slice that granted or released has returned).
 
@@ -40,8 +44,9 @@ ENV_ACTION = "TRACT_CRASH_ACTION"
 
 POINTS: tuple[str, ...] = (
     "reserve.locked", "reserve.allocated", "reserve.lockfree", "reserve.indexed", "put.copied",
-    "publish.layer", "evict.tombstoned", "abandon.started", "claim.journaled", "claim.owner", "claim.bitmap",
-    "claim.done", "release.journaled", "reclaim.hooked", "manager.takeover", "manager.granted")
+    "publish.layer", "evict.tombstoned", "abandon.started", "claim.found", "claim.journaled", "claim.owner", "claim.bitmap",
+    "claim.done", "release.journaled", "reclaim.hooked", "elect.ticket", "elect.decided", "manager.takeover",
+    "manager.granted")
 
 _TARGET: str | None = os.environ.get(ENV) or None
 if _TARGET is not None and _TARGET not in POINTS:

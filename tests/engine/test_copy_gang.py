@@ -185,9 +185,30 @@ async def test_workers_copy_while_the_loop_holds_the_gil(region: Region, gang: b
         done0 = int(copier._gang.board[:, G.J_DONE].sum()) if gang else 0
         started.clear()
         sys.setswitchinterval(10.0)
-        task = asyncio.ensure_future(copier.copy_in(plan, src.data_ptr(), nbytes))
-        asyncio.get_running_loop().call_soon(spin)    # runs right after the task's first step
+        if gang:
+            task = asyncio.ensure_future(copier.copy_in(plan, src.data_ptr(), nbytes))
+            asyncio.get_running_loop().call_soon(spin)    # right after the task's first step
+        else:
+            # the pool's spin starts inside the second submission, in the task's first step:
+            # run by call_soon it came one loop iteration later, after a select() that lets the
+            # GIL go, and beside two busy loops a woken pool thread was waiting for it there
+            # and ran its item's Python before the spin began ("a pool thread ran Python
+            # while the loop held the GIL", its call stamped before the spin's start)
+            pool = copier._copy_pool()
+            submit = pool.submit
+            posted = [0]
+
+            def submit_then_spin(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+                fut = submit(*a, **kw)
+                posted[0] += 1
+                if posted[0] == 2:
+                    spin()
+                return fut
+            pool.submit = submit_then_spin
+            task = asyncio.ensure_future(copier.copy_in(plan, src.data_ptr(), nbytes))
         await task
+        if not gang:
+            assert posted[0] == 2, f"the copy was posted as {posted[0]} items, not 2"
         if gang:
             assert seen["done"] == 2, f"the workers finished {seen['done']} of 2 groups"
         else:

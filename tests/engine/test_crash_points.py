@@ -144,10 +144,23 @@ def _table(rows: list[dict]) -> str:
 async def test_kill_at_every_crash_point(region_path: str) -> None:
     rows = []
     for i, point in enumerate(CP.POINTS):
-        rows.append(await _one_point(f"{region_path}.{i}", point))
-        for p in (f"{region_path}.{i}",):
-            if os.path.exists(p):
-                os.unlink(p)
+        # an election point is reached only if node 0 campaigns after it armed: node 2 must
+        # still manage then. Beside busy loops node 2 sometimes gave the role up during node
+        # 0's start (its stall lease: its manager thread starved for over half the timeout),
+        # node 0 took it over unarmed and never campaigned again ("not-reached"). Such a run
+        # set nothing up; it is run again on a fresh region (at most 3 runs). A run that
+        # reached its point is judged as any other and never run again.
+        tries = 3 if point.startswith("elect.") else 1
+        for attempt in range(tries):
+            path = f"{region_path}.{i}.{attempt}"
+            row = await _one_point(path, point)
+            if os.path.exists(path):
+                os.unlink(path)
+            if row.get("reached"):
+                break
+        if tries > 1:
+            row["point"] = f"{point} (run {attempt + 1})"
+        rows.append(row)
     table = _table(rows)
     times = sorted(r["recovery_s"] for r in rows if "recovery_s" in r)
     if times:   # the README's recovery figure: nearest-rank percentiles over the points

@@ -211,6 +211,7 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         t0 = time.perf_counter_ns()
     poffs = b.payload_offsets(res)
     try:
+        b.alloc.check_not_fenced()      # stores/region.py, "Fenced copies"
         copier = cpath.copier(tensors[0].device)
         dc = None
         if (cpath.registered and type(make_plan) is ContiguousPlan and len(todo) == len(keys)

@@ -389,7 +389,12 @@ class Allocator:
                                  f"{self.geo.chunk_bytes}); create the region with larger chunks "
                                  f"(EngineConfig.chunk_bytes)")
 
-    def _check_not_fenced(self) -> None:
+    def check_not_fenced(self) -> None:
+        """Raise NodeEvicted when this incarnation's chunks were reclaimed (it was judged dead,
+        perhaps only paused). One fresh load. Allocations and frees call it, and so does a put
+        right before its payload copy (``stores/region.py``, "Fenced copies"): a node paused
+        between its reservation and its copy must not copy into chunks that were reclaimed,
+        and perhaps claimed by another node, meanwhile."""
         ep = int(K.load_fresh(self._region.mem, self.geo.count_off(self.node_id) + 8, S_COUNT_READ))
         if ep >= self.epoch:
             raise NodeEvicted(f"node {self.node_id} (epoch {self.epoch}) was judged dead and its "
@@ -442,7 +447,7 @@ class Allocator:
         NodeEvicted.
         """
         cls = self.class_for(nbytes)
-        self._check_not_fenced()
+        self.check_not_fenced()
         if len(self._free[cls]) == 0:
             self.drain_returns()
         if rows and count >= TAKE_MIN_SLOTS:
@@ -604,7 +609,7 @@ class Allocator:
         want = min(-(-slots // (self.geo.chunk_bytes // cls)), max_chunks)
         if want <= 0:
             return 0
-        self._check_not_fenced()
+        self.check_not_fenced()
         self.recover_locked(lock, scan=False)
         done = 0
         while done < want:
@@ -752,7 +757,7 @@ class Allocator:
                 raise AllocationInvalid(f"{a!r} is not an allocation of {self._region.path}")
         if not allocations:
             return []
-        self._check_not_fenced()
+        self.check_not_fenced()
         result = [True] * len(allocations)
         local: dict[int, list[int]] = {}
         for j, a in enumerate(allocations):
@@ -835,7 +840,7 @@ class Allocator:
                 raise AllocationInvalid(f"free of chunk {c.index}: a slot is given twice in one "
                                         f"batch")
             plan.append((c.index, slots.tolist()))
-        self._check_not_fenced()
+        self.check_not_fenced()
         self._publish({chunk: self._release_slots(chunk, slots) for chunk, slots in plan})
         return [True] * len(allocations)
 

@@ -14,8 +14,21 @@ Invariants (checked by ``tract_async/fsck.py``):
 
 Journal. Each change is a *batch* under one fencing token: write the intent (op, node, epoch,
 token, chunk range) into the journal line, flush, set ``state = PENDING``, flush; do the stores,
-each line flushed; set ``state = IDLE``, flush. The holder calls ``lock.check_token()`` before a
-batch. A holder that dies or is revoked inside a batch leaves the journal PENDING, and whoever
+each line flushed; set ``state = IDLE``, flush.
+
+Fenced steps. The holder calls ``lock.check_token()`` before every step of a batch (the
+journal line, the owner records, the bitmap, the counts, IDLE; each chunk of a release,
+reclaim or recovery), not only before the batch. A holder paused after a check is judged
+dead, revoked and reclaimed while it cannot run, and the next holder may claim the very chunks
+it had chosen (issue 36, model finding A1). Checked once per batch, the resumed holder wrote
+its whole batch over the new owner's records and later released a chunk that held the other
+node's blocks (the paused-fencing test: fsck "node 1 records 8 chunks, owns 7", index entries
+into a free chunk). Checked per step, it stops at its next step with LockRevoked and leaves a
+PENDING journal that the next holder undoes (a claim) or completes (a release or reclaim).
+What stays is the window between one check and the store right after it, a few instructions
+(the residual window of ``sync/slots.py``).
+
+A holder that dies or is revoked inside a batch leaves the journal PENDING, and whoever
 holds the lock next runs ``recover_journal``: a CLAIM is rolled back (its chunks were never
 handed out: the claimer only uses a chunk after IDLE and a second token check), a RELEASE or
 RECLAIM is rolled forward (the chunk was being given up anyway). Both are idempotent and end with
@@ -444,14 +457,19 @@ class ChunkTable:
             return []
         first, count = run
         self._fault("claim.found")
+        check()                 # before every store of the batch ("Fenced steps")
         self._journal_begin(OP_CLAIM, node_id, epoch, token, first, count)
         self._fault("claim.journaled")
+        check()
         gens = self._set_owners(first, count, node_id + 1, epoch, token)
         self._fault("claim.owner")
+        check()
         self._set_bits(range(first, first + count), True)
         self._fault("claim.bitmap")
+        check()
         cur = int(self.counts()[node_id]["chunks"])
         self._write_counts({node_id: cur + count})
+        check()
         self._journal_end()
         self._fault("claim.done")
         got = list(zip(range(first, first + count), gens))
@@ -474,9 +492,12 @@ class ChunkTable:
         check()
         self._journal_begin(OP_RELEASE, node_id, epoch, token, chunk, 1)
         self._fault("release.journaled")
+        check()
         self._release_one(chunk)
+        check()
         cur = int(self.counts()[node_id]["chunks"])
         self._write_counts({node_id: max(0, cur - 1)})
+        check()
         self._journal_end()
 
     def _release_one(self, chunk: int) -> None:
@@ -491,6 +512,7 @@ class ChunkTable:
         check()
         if j.op == OP_CLAIM:
             for c in range(j.first_chunk, min(j.first_chunk + j.count, self.geo.nchunks)):
+                check()
                 o = self.owner(c)
                 if o.owner == j.node and o.claim_token == j.token:
                     self._release_one(c)
@@ -499,17 +521,20 @@ class ChunkTable:
             done = f"rolled back claim of chunk {j.first_chunk} by node {j.node}"
         elif j.op == OP_RELEASE:
             for c in range(j.first_chunk, min(j.first_chunk + j.count, self.geo.nchunks)):
+                check()
                 if self.owner(c).owner == j.node:
                     self._release_one(c)
                 else:
                     self._set_bit(c, False)
             done = f"completed release of chunk {j.first_chunk} by node {j.node}"
         elif j.op == OP_RECLAIM and j.node is not None:
-            self._reclaim_node(j.node, j.node_epoch)
+            self._reclaim_node(j.node, j.node_epoch, check)
             done = f"completed reclaim of node {j.node} (epoch {j.node_epoch})"
         else:
             done = f"cleared a journal with unknown op {j.op}"
+        check()
         self.recount()
+        check()
         self._journal_end()
         return done
 
@@ -544,9 +569,12 @@ class ChunkTable:
                 if on_reclaim is not None:
                     on_reclaim(node, spans)
                 self._fault("reclaim.hooked")
+                check()
                 self._journal_begin(OP_RECLAIM, node, ep, token, 0, 0)
-                done[node] = done.get(node, 0) + self._reclaim_node(node, ep)
+                done[node] = done.get(node, 0) + self._reclaim_node(node, ep, check)
+                check()
                 self.recount()
+                check()
                 self._journal_end()
         return done
 
@@ -555,11 +583,13 @@ class ChunkTable:
         return [int(c) for c in np.flatnonzero((own["owner"] == node + 1)
                                                & (own["owner_epoch"] == epoch))]
 
-    def _reclaim_node(self, node: int, epoch: int) -> int:
+    def _reclaim_node(self, node: int, epoch: int, check: Callable[[], None]) -> int:
         chunks = self._chunks_of(node, epoch)
         for c in chunks:
+            check()
             self._release_one(c)
         m, off = self._region.mem, self.geo.count_off(node) + 8
+        check()
         if int(K.load_fresh(m, off, S_COUNT_READ)) < epoch:
             K.store_flush(m, off, epoch, S_COUNT_FLUSH)
         return len(chunks)

@@ -45,6 +45,7 @@ lands in a slot that was handed out again, docs/design.md invariant 7).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -628,6 +629,10 @@ class BlockLifecycle:
                            else allocs)
         if CP.ARMED:
             CP.hit("reserve.lockfree")
+        # the entries and slot tags ``_place`` writes are stores into this node's chunks: a node
+        # paused since its slots were taken may have been reclaimed meanwhile (issue 36, A1);
+        # its slots are then another node's to carve, and nothing is left to free
+        self.alloc.check_not_fenced()
         self.stats.lockfree_reservations += 1
         return self._place(keys, words, positions, allocs) is None, []
 
@@ -768,6 +773,16 @@ class BlockLifecycle:
                 have = None
                 if CP.ARMED:
                     CP.hit("reserve.allocated")
+                try:
+                    # ``_place`` stores entries and slot tags under this hold: a holder paused
+                    # since its check may be revoked and reclaimed by now, its slots carved
+                    # into another node's blocks (issue 36, A1: the paused-fencing test saw a
+                    # resumed holder's tags turn another node's reads into misses)
+                    self.lock.check_token()
+                except BaseException:
+                    with contextlib.suppress(NodeEvicted):     # reclaimed: nothing to free
+                        self._free_allocs(allocs)
+                    raise
                 full = self._place(keys, words, positions, allocs)
                 if full is None:
                     return

@@ -11,7 +11,7 @@ protocol is new here, only the Python between the steps is gone.
 
 ``put_blocks`` (the lane owner, lock-free: index.py "Who writes what"):
 
-1. the fencing check (``Allocator._check_not_fenced``: this node was not judged dead);
+1. the fencing check (``Allocator.check_not_fenced``: this node was not judged dead);
 2. ``reserve_batch`` in this node's lane, with payload slots the caller took from its spares
    (``BlockLifecycle``: slots allocated ahead, in batches, from this node's free lists; a key
    already live anywhere is skipped, as the snapshot of the step-by-step path skipped it);

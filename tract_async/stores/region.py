@@ -38,6 +38,17 @@ a copy error, cancellation) waits for the copy in flight and abandons every stag
 far -- nothing is stored, as for an unstaged put. A key given twice in one put may then be
 copied twice into its one reservation (once per stage that holds it; the second copy wins where
 an unstaged put keeps the first): a key names its content, so both copies are the same bytes.
+
+Fenced copies. A put's payload copy is a store into slots of this node's chunks, guarded by
+the reservation made before it. A node paused between the two (issue 36: SIGSTOP at
+``reserve.indexed``) can be judged dead meanwhile: its entries are dropped, its chunks
+reclaimed, and another node may claim them and write its own blocks there. Resumed, the copy
+would overwrite that node's bytes (the paused-fencing test showed 4 of the other node's blocks
+changed). So each copy -- the unstaged one, each stage's, the CUDA DMA's enqueue -- is preceded
+by ``Allocator.check_not_fenced`` (one fresh load; NodeEvicted, and the put abandons its
+reservations), as the fused put checks inside its kernel. What stays is the window between
+that load and the end of the copy: a node paused inside it lands the rest of the copy late
+(the residual window of ``sync/slots.py``, bounded by one copy instead of one put).
 """
 from __future__ import annotations
 
@@ -225,6 +236,7 @@ class RegionStore:
                            layer)
         nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
         try:
+            b.alloc.check_not_fenced()      # "Fenced copies" (module docstring)
             await self.copy_in(plan, arrays.data_ptr(kv), nbytes)
         except BaseException:
             await b.abandon([keys[i] for i in todo])
@@ -299,6 +311,7 @@ class RegionStore:
                 stages.append((ks, todo, res, nbytes))
                 if copy is not None:
                     await copy                  # the copy threads take one stage at a time
+                b.alloc.check_not_fenced()      # "Fenced copies" (module docstring)
                 copy = asyncio.ensure_future(
                     self.copier.copy_in(plan, src, nbytes, loop_share=s1 >= n))
                 if s1 < n:

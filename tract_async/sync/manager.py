@@ -24,6 +24,29 @@ until the rivals' beat threads have run again, and a live rival in the critical 
 be passed (two candidates in the election at once). The node table reads its clock before
 the lines for the same reason (``region/nodes.py``, "Clock first").
 
+Election lapse (model finding A3, issue 36). The bakery skips a rival judged dead. A candidate
+paused inside the election (after its ticket, or in the critical section between its re-read
+of the manager line and its write) can be judged dead and skipped, and then resume: with its
+smaller ticket it does not wait for the rival that skipped it, or it writes the term it decided
+on before its pause, and two managers share one term. So a candidate takes a ticket only with
+a fresh heartbeat of its own, and watches itself through the election (``_ElectionWatch``):
+at every poll of the wait and right before the write it requires its own heartbeat younger
+than ``liveness_timeout_s / 2`` and less than ``liveness_timeout_s / 4`` since its previous
+step; otherwise it leaves (``number = 0``) without writing and campaigns again at its next
+poll. Evidence: ``tests/sync/test_election_pause.py`` (SIGSTOP at ``elect.ticket`` and at
+``elect.decided``). What stays is the window between the last check and the store after it.
+
+Dead tickets. A candidate killed inside the election (crash points ``elect.ticket``,
+``elect.decided``) leaves ``choosing`` or ``number`` set in its line. The bakery skips a dead
+node, so the ticket blocks nobody, but nobody else would ever clear it (fsck: "dead node left
+choosing/number set" after the survivors recovered). So the manager clears both words of a dead
+node's line between its scan slices, under the same checks as a revocation (its fence deadline,
+its own term re-read). The line's other words stay as its node wrote them. A node judged dead
+while only paused inside an election leaves it at its next step without writing (election
+lapse), so the cleared ticket was not in use; a node that resumes and takes a fresh ticket in
+the window between the manager's dead verdict and its store has that ticket cleared -- the
+residual window of every check-then-store here.
+
 A live manager is pre-empted only when it stops granting: takeover happens on its death, its
 resignation (``run()`` cancelled), or its *stall*. While it manages, a node stamps ``scan_ns``
 in its own candidate line at the start of every scan slice (every ~10 ms busy, ~50 ms idle:
@@ -177,6 +200,38 @@ def read_scan_ns(region, node_id: int, geo: S.LockGeometry | None = None,  # noq
                             geo.cand_off(node_id) + SCAN_NS, S_CAND_READ))
 
 
+class _ElectionWatch:
+    """A candidate's own liveness through one election (module docstring, "Election lapse").
+
+    ``ok`` is called at the doorway, at every poll of the bakery wait and last right before the
+    new term is written. It fails when this candidate's own heartbeat is ``liveness_timeout_s /
+    2`` old or more, or when ``liveness_timeout_s / 4`` or more passed since the previous call
+    (the manager's loop polls every millisecond: a gap that long is a pause or a starved
+    thread). Between two passing calls the heartbeat's age stays below 3/4 of the timeout, so
+    no rival can have judged this candidate dead (older than the whole timeout) and skipped its
+    ticket meanwhile."""
+
+    def __init__(self, mgr: "LockManager") -> None:
+        self._mgr = mgr
+        self._t = time.monotonic()
+
+    def ok(self, where: str) -> bool:
+        mgr = self._mgr
+        now = time.monotonic()
+        gap, self._t = now - self._t, now
+        age = mgr._region.nodes.info(mgr.node_id, timeout_s=mgr.liveness_timeout_s
+                                     ).heartbeat_age_s
+        t = mgr.liveness_timeout_s
+        if gap < t / 4 and age < t / 2:
+            return True
+        mgr.lapses += 1
+        log.warning("lock manager node %d: election left at the %s without a write: %.3f s "
+                    "since its previous step, own heartbeat %.3f s old (liveness timeout "
+                    "%.3f s): it may have been judged dead and skipped meanwhile", mgr.node_id,
+                    where, gap, age, t)
+        return False
+
+
 class LockManager:
     """Candidate for, and while elected the manager of, every global lock of ``region``.
 
@@ -216,6 +271,12 @@ class LockManager:
         thread and loop, ``ManagerThread``)."""
         self.stall_hook: Callable[[], None] | None = None
         """Test seam: called on the manager's thread before each slice (a test stalls it)."""
+        self.terms: list[int] = []
+        """Every term this node won, in order (tests check that no term has two winners)."""
+        self.lapses = 0
+        """Elections left without a write because this candidate paused inside them."""
+        self.tickets_cleared = 0
+        """Dead nodes' election tickets this node cleared while managing ("Dead tickets")."""
         self.stall_lease = True
         """Step down after a stall of the own scans, and fence grants at stamp + half (module
         docstring). Only the site-removal test of the term re-read turns it off: with it on, a
@@ -310,8 +371,12 @@ class LockManager:
             await asyncio.sleep(poll)
 
     async def _elect(self) -> bool:
-        """One bakery round; True when this node won a new term."""
+        """One bakery round; True when this node won a new term (module docstring,
+        "Election lapse": False without a write when this candidate paused inside it)."""
         me = self.node_id
+        watch = _ElectionWatch(self)
+        if not watch.ok("doorway"):       # a ticket only with a fresh heartbeat of its own
+            return False
         self._write_candidate(candidate=1, choosing=1, number=0)
         nodes = self._nodes()
         top = 0
@@ -321,11 +386,15 @@ class LockManager:
         mine = top + 1
         self._write_candidate(candidate=1, choosing=1, number=mine)
         self._write_candidate(candidate=1, choosing=0, number=mine)
+        if CP.ARMED:
+            CP.hit("elect.ticket")
         try:
             for j in range(self._geo.max_nodes):
                 if j == me:
                     continue
                 while True:
+                    if not watch.ok("bakery"):
+                        return False
                     # the whole table (not ``_nodes``: the same read, but tests observe that
                     # call as the start of the critical section): ``dead`` is counted over it
                     if self._region.nodes.all(timeout_s=self.liveness_timeout_s)[j].dead:
@@ -343,6 +412,10 @@ class LockManager:
             info = read_manager(self._region, self._geo, self._mem)
             if self._valid(info, nodes) or not nodes[me].live:
                 return False
+            if CP.ARMED:
+                CP.hit("elect.decided")
+            if not watch.ok("critical section"):   # the last check before the write
+                return False
             term = info.term + 1
             self._stamp_scan()     # before the line that makes it manager: never seen stale
             m, off = self._mem, self._geo.manager_offset
@@ -358,6 +431,7 @@ class LockManager:
         return True
 
     def _take_over(self, term: int) -> None:
+        self.terms.append(term)
         if CP.ARMED:
             CP.hit("manager.takeover")
         m, geo = self._mem, self._geo
@@ -445,6 +519,9 @@ class LockManager:
             self._revoke_dead(nodes, fence_deadline)
             if self._term is None:
                 return
+            self._clear_dead_tickets(nodes, fence_deadline)
+            if self._term is None:
+                return
             # every node that may request can ring: the idle scan sleeps on the bell up to the
             # slice's end; else at most BELL_WAIT_MS (another host's request is seen no later)
             bell_ms = LOCAL_BELL_WAIT_MS if self._all_can_ring(nodes, me) else BELL_WAIT_MS
@@ -466,6 +543,31 @@ class LockManager:
             if rc == S.SLICE_SELF_FENCED:
                 self._self_fenced += 1
                 await asyncio.sleep(min(0.01, self.liveness_timeout_s / 20))
+
+    def _clear_dead_tickets(self, nodes: list[NodeInfo], fence_deadline: int) -> None:
+        """Clear ``choosing`` and ``number`` in the candidate line of every dead node that left
+        them set (module docstring, "Dead tickets")."""
+        m, geo = self._mem, self._geo
+        for j, n in enumerate(nodes):
+            if j == self.node_id or not n.dead:
+                continue
+            off = geo.cand_off(j)
+            if not (int(K.load_fresh(m, off + CHOOSING, S_CAND_READ))
+                    or int(K.load(m, off + NUMBER))):
+                continue
+            if time.time_ns() >= fence_deadline:
+                return
+            info = read_manager(self._region, geo, m)
+            if info.node_id != self.node_id or info.term != self._term:
+                self._step_down()
+                return
+            K.store(m, off + CHOOSING, 0)
+            K.store(m, off + NUMBER, 0)
+            K.flush(m, off, S_CAND_FLUSH)
+            K.full_fence(m)
+            self.tickets_cleared += 1
+            log.info("lock manager node %d term %d: cleared dead node %d's election ticket "
+                     "(heartbeat %.3f s old)", self.node_id, self._term, j, n.heartbeat_age_s)
 
     def _revoke_dead(self, nodes: list[NodeInfo], fence_deadline: int) -> None:
         m, geo = self._mem, self._geo

@@ -30,9 +30,10 @@ clearing ``holder`` and recording ``last_revoked_token`` in that line; the next 
 the revoked process fails, and structure changes journaled under its token are rolled back by the
 next holder (``region/chunks.py``). Residual window: a process that passed ``check_token`` and then
 stalls longer than the liveness timeout before its next store can still land that store after the
-revocation; every metadata write batch therefore re-checks first, keeps its batch short, and the
-journal makes the batch undoable. The window cannot be closed on memory without atomics or
-device-side fencing; it is bounded by the batch length, not by the hold time.
+revocation; every metadata write batch therefore re-checks before each of its steps
+(``region/chunks.py``, "Fenced steps"), and the journal makes the batch undoable. The window
+cannot be closed on memory without atomics or device-side fencing; it is bounded by one step
+of a batch (one store group), not by the batch or the hold time.
 
 Polling: every wait loop here has a deadline (``monotonic_ns``) and a spin phase that calls
 ``sched_yield`` between polls, then sleeps with ``usleep`` growing up to a cap; the caller runs it
