@@ -31,10 +31,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _warm_numba_cache() -> None:
     """Compile every jitted path once before any test spawns workers.
 
-    With a cold cache (a fresh NUMBA_CACHE_DIR, as in CI) four spawned workers compiling the same
-    kernels at once on two cores take long enough to miss their own heartbeats and deadlines."""
-    from tract_async.warmup import warm_up
-    warm_up()
+    With a cold cache (a fresh NUMBA_CACHE_DIR) four spawned workers compiling the same kernels
+    at once on two cores take long enough to miss their own heartbeats and deadlines. A backend
+    whose warm-up already ran into this cache for this build (its stamp, as ``.ci/run``'s
+    ``python -m tract_async.warmup`` leaves it) is not run again: CI compiles once."""
+    import os
+    from tract_async.warmup import stamp_path, warm_up
+    cold = tuple(b for b in ("hw", "sim") if (p := stamp_path(b)) is None or not os.path.exists(p))
+    if cold:
+        warm_up(backends=cold)
     import mmap
     import numpy as np
     import tract_kernels as K
