@@ -3,7 +3,8 @@ the incoherent backend, while a supervisor kills them (-9) and restarts them.
 
 It finishes with three verdicts: zero wrong bytes (every get is bit-exact or a miss), zero fsck
 findings once everyone has closed, and bounded memory (each worker's RSS growth after its first
-report). ``tests/engine/test_soak.py`` runs it for CI (``TRACT_SOAK_S``, default 120 s) and
+report). ``tests/engine/test_soak.py`` runs it for CI bounded by counts (``kills``), and for
+``TRACT_SOAK_S`` (default 120 s) under the ``slow`` marker, and
 ``bench/soak.py`` for an hour, printing operations, kills and wrong bytes.
 
 Workers are node ids 1..``workers``; a killed one is restarted under the same id once its old
