@@ -181,10 +181,8 @@ async def _warm_kernels(region_dir: str) -> None:
             await eng.get_kv(keys, layer=1, timeout=5.0)
             await eng.get_kv(keys)
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
-        from tract_async.region import cpumarks
-        cpumarks.remove(path, None)
+        from tract_async.region.region import discard
+        discard(path)
 
 
 async def _main(args: argparse.Namespace, modes: list[str], seen: list[int]) -> int:

@@ -25,7 +25,8 @@ def _releases_gil(dispatcher: Any) -> bool:
 
 
 @pytest.mark.parametrize("kernel", [fused.put_blocks, fused.get_blocks, db.set_waiting,
-                                    db.publish_and_look, ix.snapshot_batch_held],
+                                    db.publish_and_look, ix.snapshot_batch_held,
+                                    ix.revalidate_batch_held],
                          ids=lambda k: k.py_func.__name__)
 def test_the_loops_short_kernels_hold_the_gil(kernel: Any) -> None:
     assert not _releases_gil(kernel)
@@ -40,7 +41,8 @@ def test_long_kernels_and_thread_polls_release_it(kernel: Any) -> None:
 
 async def test_small_snapshots_take_the_held_kernel(region_path: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A wait's re-check and a fused get's few keys: held; a large put's snapshot: released."""
+    """A wait's re-check, a fused get's few keys and a layer read of up to
+    ``SNAPSHOT_HOLD_GIL_KEYS`` blocks: held; a larger snapshot: released."""
     calls: list[tuple[str, int]] = []
     for name in ("snapshot_batch", "snapshot_batch_held"):
         real = getattr(ix, name)
@@ -53,8 +55,12 @@ async def test_small_snapshots_take_the_held_kernel(region_path: str,
     async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
         index = eng._store.index
         few = keys_to_words(eng.block_keys(range(TINY.block_tokens * 3)))
-        many = keys_to_words(eng.block_keys(range(TINY.block_tokens * 100)))
+        held = ix.SNAPSHOT_HOLD_GIL_KEYS
+        most = keys_to_words(eng.block_keys(range(TINY.block_tokens * held)))
+        many = keys_to_words(eng.block_keys(range(TINY.block_tokens * (held + 1))))
         calls.clear()
         assert (index.snapshot(few)[:, 0] < 0).all()
+        assert (index.snapshot(most)[:, 0] < 0).all()
         assert (index.snapshot(many)[:, 0] < 0).all()
-    assert calls == [("snapshot_batch_held", 3), ("snapshot_batch", 100)]
+    assert calls == [("snapshot_batch_held", 3), ("snapshot_batch_held", held),
+                     ("snapshot_batch", held + 1)]

@@ -374,6 +374,33 @@ def snapshot_batch_held(m, eoff, mask, max_probe, lanes, keys, out):
 
 
 @njit(cache=True, nogil=True)
+def refresh_layers_batch(m, eoff, out):
+    """Re-read line 1 (layer bits, flags) of the entries a snapshot found (``out``: its rows,
+    every one present), in place: one invalidation per entry, one fence, then loads whose
+    addresses are all known (no hash probe, no home group, no dependent chain).
+
+    Safe with line 0 as snapshotted earlier, for a read that revalidates after its copy: if an
+    entry was evicted and its slot reused since, these bits may be the new occupant's, the copy
+    then reads the new occupant's bytes, and the revalidation (version, slot tag) rejects them --
+    a miss, never wrong bytes."""
+    n = out.shape[0]
+    for i in range(n):
+        K.invalidate(m, eoff + out[i, 0] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
+    K.full_fence(m)
+    for i in range(n):
+        off = eoff + out[i, 0] * ENTRY_BYTES
+        out[i, 5] = np.int64(K.load(m, off + E_LLO))
+        out[i, 6] = np.int64(K.load(m, off + E_LHI))
+        out[i, 7] = np.int64(K.load(m, off + E_FLAGS))
+
+
+@njit(cache=True)            # holds the GIL (SNAPSHOT_HOLD_GIL_KEYS)
+def refresh_layers_batch_held(m, eoff, out):
+    """``refresh_layers_batch`` without releasing the GIL."""
+    refresh_layers_batch(m, eoff, out)
+
+
+@njit(cache=True, nogil=True)
 def revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok):
     """After a copy: ok[i] = entry i still holds the same key, version and payload, live, and
     the payload's slot tag still names this entry and version. Returns the number that failed.
@@ -1215,6 +1242,14 @@ class PrefixIndex:
         fn = (snapshot_batch_held if n <= SNAPSHOT_HOLD_GIL_KEYS else snapshot_batch)
         fn(self.region.mem, g.entries_offset, self.mask, g.max_probe, g.lanes, key_words, out)
         return out
+
+    def refresh_layers(self, snap: np.ndarray) -> None:
+        """Fresh layer bits and flags (columns 5-7) for the entries of an earlier ``snapshot``
+        whose rows are all present, in place (``refresh_layers_batch``): what a later layer's
+        read of the same blocks needs, for a line per block instead of a lookup."""
+        fn = (refresh_layers_batch_held if snap.shape[0] <= SNAPSHOT_HOLD_GIL_KEYS
+              else refresh_layers_batch)
+        fn(self.region.mem, self.geo.entries_offset, snap)
 
     def revalidate(self, slots: np.ndarray, versions: np.ndarray, poffs: np.ndarray,
                    key_words: np.ndarray, ok: np.ndarray) -> int:

@@ -795,6 +795,16 @@ def _uuid_hex_of(path: str) -> str | None:
     return uuid_mod.UUID(int=(int(hdr["uuid_hi"]) << 64) | int(hdr["uuid_lo"])).hex
 
 
+def discard(path: str) -> None:
+    """Delete a scratch region file this process made (the warm-up's, the demo's, a launched
+    rack's) and this host's record of its cached payload (``cpumarks``), whichever exist."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    cpumarks.remove(path, None)
+
+
 def remove(path: str) -> None:
     """Delete a file-backed region (a devdax device is wiped of its header instead).
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from tract_async.errors import TractError
-from tract_async.serving.prefetch import LayerReads
+from tract_async.serving.prefetch import LayerStream
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import (REGION_MODES, SALTED_MODES, DecodeRequest,
@@ -45,10 +44,11 @@ from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_i
 class DecodeWorker:
     """State of one decode worker; built and torn down by :func:`_resources`."""
 
-    PREFETCH_DEPTH = 2 if (os.cpu_count() or 1) > 4 else 1
-    """Layers read ahead of the decode step that needs them (``serving/prefetch.py``). One on
-    small hosts: each read of a layer not yet published polls in a thread, and more pollers
-    than cores turn microseconds into milliseconds."""
+    READ_AHEAD: int | None = None
+    """How many layers past the one the decode step needs its reader may read (``serving/
+    prefetch.py``, ``LayerStream``): None, every layer as soon as it is published. One reader
+    waits at a time, so no more pollers run than cores allow (``LayerReads``, the former
+    prefetch, started a read per layer ahead: two on hosts of more than 4 cores)."""
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
@@ -130,9 +130,10 @@ class DecodeWorker:
                 events.append((f"got_L{layer}", now()))
                 self.metrics.add_bytes_moved(layer_bytes, transport="region", direction="get")
                 return kv
-            # layer l+1 and l+2 are read while step l computes (serving/prefetch.py)
-            return past_len, LayerReads(read_layer, self.layout.num_layers,
-                                        depth=self.PREFETCH_DEPTH)
+            # every layer is read as soon as it is published, by one reader running ahead of
+            # the compute (serving/prefetch.py, LayerStream)
+            return past_len, LayerStream(read_layer, self.layout.num_layers,
+                                         ahead=self.READ_AHEAD)
 
         if req.kv_source is None:
             raise BadCompletionRequest(f"http mode: a {len(ids)}-token prompt needs kv_source")
@@ -210,7 +211,7 @@ class DecodeWorker:
                                              on_token=on_token, eos_token_id=eos,
                                              layer_timeout=self.cfg.layer_timeout_s)
             finally:
-                if isinstance(get_layer, LayerReads):
+                if isinstance(get_layer, LayerStream):
                     await get_layer.aclose()
                 queue.put_nowait(None)
 

@@ -190,11 +190,9 @@ class Rack:
             code = await stop_service(sp, timeout_s=self.stop_timeout_s)
             if code not in (0, -signal.SIGTERM):
                 problems.append(f"{sp.role} exited with status {code} (log {sp.log_path})")
-        if self.region and os.path.exists(self.region):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.region)
-            from tract_async.region import cpumarks
-            cpumarks.remove(self.region, None)
+        if self.region:
+            from tract_async.region.region import discard
+            discard(self.region)
         return problems
 
     async def __aenter__(self) -> Rack:

@@ -54,6 +54,10 @@ def machine_info() -> dict[str, Any]:
                                      capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         info["git"] = None
+    # a copy of the tree whose .git is stale or absent (the device hosts): the caller names it
+    if os.environ.get("TRACT_GIT_COMMIT"):
+        info["git_from_tree"] = info["git"]
+        info["git"] = os.environ["TRACT_GIT_COMMIT"]
     try:
         import torch
         info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

@@ -147,6 +147,10 @@ _SLOT_OF = attrgetter("slot")
 _OFFSET_OF = attrgetter("offset")
 
 
+KNOWN_ROWS = 8
+"""Layer reads whose slots ``prepare_read`` remembers (a few requests decoding at once)."""
+
+
 class FillBatch:
     """The blocks one ``_place`` call reserved, as arrays: while they are filled layer by
     layer, every one of their keys maps to this object in ``BlockLifecycle._reserved`` (it
@@ -254,6 +258,9 @@ class StoreStats(TransferStats):
     early_publishes: int = 0
     """Layer publishes stored by the CUDA poller's thread as the DMA landed (``publish_early``),
     before the loop's bookkeeping."""
+    known_slot_reads: int = 0
+    """Layer reads that took the slots of the previous layer's read of the same keys (layer
+    bits re-read at those slots, no lookup: ``prepare_read``)."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""
@@ -317,6 +324,12 @@ class BlockLifecycle:
         self.preclaimer = PreClaimer(self, (1 << 62) if pb is None else pb // self.layout.block_bytes)
         """The pre-claim task's state (``stores/preclaim.py``): puts and reads report to it."""
         self._read_words: tuple[list[bytes], list[bytes], np.ndarray] | None = None
+        self._read_rows: list[tuple[list[bytes], np.ndarray]] = []
+        """The last ``KNOWN_ROWS`` layer reads of more than ``SMALL_READ`` blocks that found
+        every block, newest first: a copy of the key list and the snapshot (``prepare_read``'s
+        known-slot path). Found by content (a list comparison: identity per key first), not by
+        the list's identity: a decode worker's requests interleave, and each operation's
+        checked key list is a new one once another list was checked in between."""
         """``read_words``' cache: the key list last read, a copy of its keys, their words."""
         self._puts_fresh = True
         """The last ``reserve`` found none of its keys present (``snapshot_for_put``)."""
@@ -1249,12 +1262,26 @@ class BlockLifecycle:
         of another layout: ``stores/layouts.py``)."""
         self.preclaimer.read_started()
         words = self.read_words(keys)
+        g = self.ageo
+        end = g.chunks_offset + g.nchunks * g.chunk_bytes
+        known = self._known_rows(keys) if layer is not None else None
+        if known is not None:
+            # a later layer of blocks read recently (a layer-streamed get): their entries'
+            # layer bits afresh at the slots found then, a line a block, instead of a lookup
+            # per block (whatever changed since is caught by this read's revalidation: see
+            # ``PrefixIndex.refresh_layers``); anything not fine takes the whole path below
+            snap = known.copy()
+            self.index.refresh_layers(snap)
+            lay = self.layouts
+            tag, mask = (lay.tag, NS_MASK) if lay is not None else (0, 0)
+            if rows_fine(snap, layer, self.layout.block_bytes, g.chunks_offset, end, tag,
+                         NS_SHIFT, mask):
+                self.stats.known_slot_reads += 1
+                return words, snap
         if timeout is not None and timeout > 0:
             snap = await self._wait_ready(words, self._first_look(words, layer), layer, timeout)
         else:
             snap = self.index.snapshot(words)
-        g = self.ageo
-        end = g.chunks_offset + g.nchunks * g.chunk_bytes
         if snap.shape[0] <= SMALL_READ:
             # a few blocks: the same checks on Python ints (each numpy op below costs ~1 µs; a
             # one-block layer read through numpy cost ~22 µs on the 2-core VM, ~4 µs this way)
@@ -1274,6 +1301,8 @@ class BlockLifecycle:
         tag, mask = (lay.tag, NS_MASK) if lay is not None else (0, 0)
         if rows_fine(snap, -1 if layer is None else layer, self.layout.block_bytes,
                      g.chunks_offset, end, tag, NS_SHIFT, mask):
+            if layer is not None:           # the next layer may take the known slots
+                self._remember_rows(keys, snap)
             return words, snap              # the common case in one pass (stores/snapcheck.py)
         self._check_available(keys, snap, layer)
         if self.layouts is not None:
@@ -1287,6 +1316,20 @@ class BlockLifecycle:
                                f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
                                f"changed during the read; treat as a miss")
         return words, snap
+
+    def _known_rows(self, keys: list[bytes]) -> np.ndarray | None:
+        """The remembered snapshot of exactly ``keys`` (``_read_rows``), or None."""
+        n = len(keys)
+        for ks, snap in self._read_rows:
+            if len(ks) == n and ks[0] is keys[0] and ks == keys:
+                return snap
+        return None
+
+    def _remember_rows(self, keys: list[bytes], snap: np.ndarray) -> None:
+        rows = [e for e in self._read_rows if not (len(e[0]) == len(keys) and e[0] == keys)]
+        rows.insert(0, (list(keys), snap.copy()))
+        del rows[KNOWN_ROWS:]
+        self._read_rows = rows
 
     def get_fused(self, keys: list[bytes], words: np.ndarray, dst: int,
                   tmpl: np.ndarray) -> np.ndarray | None:
@@ -1364,6 +1407,7 @@ class BlockLifecycle:
         st, n = self.stats, len(keys)
         st.gets += 1
         if bad:
+            self._read_rows = []            # the next reads look their keys up again
             st.validation_failures += 1
             st.misses += bad
             first = int(np.flatnonzero(~ok)[0])
