@@ -10,6 +10,10 @@ import pytest
 
 from tract_async import soak
 
+# issue 37: one xdist worker runs these racks of processes one after another (two at once on
+# two cores starved a decode service past its 10 s SIGTERM grace)
+pytestmark = pytest.mark.xdist_group("racks")
+
 SOAK_S = float(os.environ.get("TRACT_SOAK_S", "120"))
 """The long form's seconds (``slow``)."""
 SOAK_KILLS, SOAK_OPS_PER_KILL = 4, 300
