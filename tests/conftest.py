@@ -31,10 +31,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _warm_numba_cache() -> None:
     """Compile every jitted path once before any test spawns workers.
 
-    With a cold cache (a fresh NUMBA_CACHE_DIR, as in CI) four spawned workers compiling the same
-    kernels at once on two cores take long enough to miss their own heartbeats and deadlines."""
-    from tract_async.warmup import warm_up
-    warm_up()
+    With a cold cache (a fresh NUMBA_CACHE_DIR) four spawned workers compiling the same kernels
+    at once on two cores take long enough to miss their own heartbeats and deadlines. A backend
+    whose warm-up already ran into this cache for this build (its stamp, as ``.ci/run``'s
+    ``python -m tract_async.warmup`` leaves it) is not run again: CI compiles once. Under
+    pytest-xdist every worker is a session: the first to come compiles, under the warm-up's own
+    file lock (the one ``Engine.open``'s ``ensure_warm`` takes), and the others then find the
+    stamps and load."""
+    import fcntl
+    from tract_async.warmup import stamp_path, warm_up
+
+    def cold() -> tuple[str, ...]:
+        return tuple(b for b in ("hw", "sim")
+                     if (p := stamp_path(b)) is None or not os.path.exists(p))
+    if cold():
+        stamp = stamp_path("hw")
+        fd = None
+        if stamp is not None:
+            try:
+                os.makedirs(os.path.dirname(stamp), exist_ok=True)
+                fd = os.open(os.path.join(os.path.dirname(stamp), "tract-warm.lock"),
+                             os.O_RDWR | os.O_CREAT, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                fd = None
+        try:
+            if backends := cold():
+                warm_up(backends=backends)
+        finally:
+            if fd is not None:
+                os.close(fd)
     import mmap
     import numpy as np
     import tract_kernels as K

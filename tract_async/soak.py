@@ -3,7 +3,8 @@ the incoherent backend, while a supervisor kills them (-9) and restarts them.
 
 It finishes with three verdicts: zero wrong bytes (every get is bit-exact or a miss), zero fsck
 findings once everyone has closed, and bounded memory (each worker's RSS growth after its first
-report). ``tests/engine/test_soak.py`` runs it for CI (``TRACT_SOAK_S``, default 120 s) and
+report). ``tests/engine/test_soak.py`` runs it for CI bounded by counts (``kills``), and for
+``TRACT_SOAK_S`` (default 120 s) under the ``slow`` marker, and
 ``bench/soak.py`` for an hour, printing operations, kills and wrong bytes.
 
 Workers are node ids 1..``workers``; a killed one is restarted under the same id once its old
@@ -76,12 +77,13 @@ def worker(path: str, node_id: int, seed: int, q: Any, stop: Any, liveness_s: fl
             prompts = [eng.block_keys([p * 1000 + t for t in range(T * (1 + p % 6))])
                        for p in range(64)]
             c = {"puts": 0, "layer_puts": 0, "gets": 0, "exact": 0, "misses": 0, "wrong": 0,
-                 "lookups": 0, "evicts": 0, "full": 0}
+                 "lookups": 0, "evicts": 0, "full": 0, "ops": 0}
             last = time.monotonic()
             first_rss = _rss_kib()
             while not stop.is_set():
                 keys = prompts[rnd.randrange(len(prompts))]
                 op = rnd.random()
+                c["ops"] += 1
                 try:
                     if op < 0.35:
                         if eng.lookup(keys) < len(keys):
@@ -163,9 +165,17 @@ class SoakResult:
 
 
 def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.0,
-        liveness_s: float = 1.0, seed: int = 0, progress: Any = None) -> SoakResult:
+        liveness_s: float = 1.0, seed: int = 0, progress: Any = None, kills: int | None = None,
+        ops_per_kill: int = 200) -> SoakResult:
     """Create the region, run the soak for ``seconds``, stop everyone, fsck. The region file
-    is left for the caller to remove."""
+    is left for the caller to remove.
+
+    ``kills``: bounded by counts instead (CI: the same work on a slow or loaded machine): a
+    worker is killed each time every worker is up and its incarnation has done
+    ``ops_per_kill`` operations (a restarted one's first operations meet its predecessor's
+    leftovers), and the soak stops once ``kills`` kills are done and every worker is up again
+    with ``ops_per_kill`` operations of its own; ``seconds`` is then only a limit, and reaching
+    it is an error (``SoakResult.errors``). ``kill_every_s`` applies only to the timed form."""
     import tract_async as tract
     from tract_async.fsck import run_fsck
 
@@ -223,6 +233,11 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
             if time.monotonic() >= deadline:
                 return
 
+    def all_busy() -> bool:
+        """Every worker up, its incarnation past ``ops_per_kill`` operations (count form)."""
+        return not pending_restart and all(latest.get(n, {}).get("ops", 0) >= ops_per_kill
+                                           for n in procs)
+
     for n in range(1, workers + 1):
         start(n)
     t_end = time.monotonic() + seconds
@@ -236,7 +251,9 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
                 del pending_restart[n]
                 start(n)
                 res.restarts += 1
-        if now >= next_kill:
+        if kills is not None and res.kills >= kills and all_busy():
+            break
+        if (now >= next_kill) if kills is None else (res.kills < kills and all_busy()):
             alive = [n for n, p in procs.items() if p.is_alive() and n not in pending_restart]
             if alive:
                 n = rnd.choice(alive)
@@ -251,6 +268,10 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
             next_kill = now + kill_every_s
         if progress is not None:
             progress(res, latest, now)
+    else:
+        if kills is not None:
+            res.errors.append(f"{res.kills} of {kills} kills (ops per kill {ops_per_kill}) "
+                              f"within the {seconds:.0f} s limit")
     stop.set()
     # Keep reading while the workers stop: a worker blocked on a full pipe would never exit.
     deadline = time.monotonic() + 60

@@ -15,6 +15,10 @@ from tests.support.engine_util import TINY, cfg, kv_for_keys
 
 SPAWN = mp.get_context("spawn")
 STRESS_S = float(os.environ.get("TRACT_STRESS_S", "30"))
+"""The long form's seconds (``slow``)."""
+STRESS_OPS = 400
+"""Operations (a put or a get) per worker in the CI form: a count, so that a slow or loaded
+machine does the same work, not less."""
 
 
 async def _qget(q, timeout: float = 120.0):  # noqa: ANN001, ANN202
@@ -51,7 +55,7 @@ async def test_cross_process_put_get_and_layers(region_path: str, backend: str) 
         assert p.exitcode == 0
 
 
-async def _stress(region_path: str, validate: bool, seconds: float) -> list[dict]:
+async def _stress(region_path: str, validate: bool, budget: float | int) -> list[dict]:
     # a small region (3 MiB of 256 KiB chunks for 32 KiB blocks) forces constant eviction
     c = cfg(region_path, 0, create=True, backend="sim", region_bytes=3 << 20, chunk_bytes=256 << 10)
     async with tract.Engine.open(c):
@@ -59,14 +63,15 @@ async def _stress(region_path: str, validate: bool, seconds: float) -> list[dict
     q = SPAWN.Queue()
     stop = SPAWN.Event()
     procs = [SPAWN.Process(target=P.stress_worker,
-                           args=(region_path, "sim", n, seconds, 80, validate, 100 + n, q, stop))
+                           args=(region_path, "sim", n, budget, 80, validate, 100 + n, q, stop))
              for n in range(1, 5)]
     for p in procs:
         p.start()
     results = []
     try:
         for _ in procs:
-            kind, node, res = await _qget(q, timeout=seconds + 240)
+            kind, node, res = await _qget(q, timeout=(300 if isinstance(budget, int) else budget)
+                                          + 240)
             assert kind == "result", f"node {node}: {res}"
             results.append(res)
     finally:
@@ -77,8 +82,7 @@ async def _stress(region_path: str, validate: bool, seconds: float) -> list[dict
     return results
 
 
-async def test_torn_read_stress_zero_wrong_bytes(region_path: str) -> None:
-    results = await _stress(region_path, validate=True, seconds=STRESS_S)
+def _assert_stressed_clean(results: list[dict]) -> None:
     total = {k: sum(r[k] for r in results) for k in results[0]}
     print("stress (validated):", total)
     assert total["wrong_blocks"] == 0
@@ -88,6 +92,19 @@ async def test_torn_read_stress_zero_wrong_bytes(region_path: str) -> None:
     # ... on the lock-free put path (index lanes), with all four processes evicting meanwhile
     assert total["lockfree_reservations"] > 0 and total["evicting_nodes"] == 4, total
     assert all(r["lockfree_reservations"] > 0 for r in results), results
+
+
+async def test_torn_read_stress_zero_wrong_bytes(region_path: str) -> None:
+    """The CI form: STRESS_OPS operations per worker, four workers."""
+    results = await _stress(region_path, validate=True, budget=STRESS_OPS)
+    assert all(r["ops"] == STRESS_OPS for r in results), results
+    _assert_stressed_clean(results)
+
+
+@pytest.mark.slow
+async def test_torn_read_stress_zero_wrong_bytes_long(region_path: str) -> None:
+    """The long form: STRESS_S seconds (default 30)."""
+    _assert_stressed_clean(await _stress(region_path, validate=True, budget=STRESS_S))
 
 
 @pytest.mark.slow
@@ -103,7 +120,7 @@ async def test_torn_read_stress_negative_control(region_path: str) -> None:
     validated run catches a few dozen evictions-during-read per 30 s; about one in twenty of
     those is also rewritten in time), so this run stops at the first wrong block and may take
     up to 120 s (about 20 s typically) to find one."""
-    results = await _stress(region_path, validate=False, seconds=max(STRESS_S, 120.0))
+    results = await _stress(region_path, validate=False, budget=max(STRESS_S, 120.0))
     total = {k: sum(r[k] for r in results) for k in results[0]}
     print("stress (validation off):", total)
     assert total["wrong_blocks"] > 0, "negative control passed: the stress cannot detect torn reads"

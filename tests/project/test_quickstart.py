@@ -13,9 +13,15 @@ QUICKSTART = ROOT / "examples" / "quickstart.py"
 def test_quickstart_runs_twice_and_cleans_up(region_path: str) -> None:
     """Twice at one path: the region it creates must not outlive it (remove_on_close), or the
     second run fails with RegionExists, as the old README snippet's did."""
+    # the tree under test, as every other test process imports it (pytest's pythonpath, the
+    # spawned workers): run as a script, the example would import the installed copy, which with
+    # a non-editable install (.ci/run's) is other source files, cold in Numba's cache, and its
+    # Engine.open ran the whole warm-up scenario again (139 s of a loaded clean-clone CI)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     for _ in range(2):
         res = subprocess.run([sys.executable, str(QUICKSTART), region_path], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, env=env)
         assert res.returncode == 0, res.stdout + res.stderr
         assert "prefix hit 6/10 blocks" in res.stdout and "bit-exact" in res.stdout, res.stdout
         assert not os.path.exists(region_path)

@@ -242,12 +242,29 @@ async def test_freeing_a_stale_prompt_again_frees_nothing(region_path: str) -> N
 
 
 STRESS_S = float(os.environ.get("TRACT_DISAGREE_S", "12"))
+"""The long form's seconds (``slow``)."""
+STRESS_ROUNDS = 250
+"""Node 0's rounds in the CI form: a count, so that a slow or loaded machine does the same
+work, not less."""
 
 
 async def test_disagreement_stress_zero_wrong_bytes(region_path: str) -> None:
+    """The CI form: STRESS_ROUNDS rounds of node 0."""
+    await _disagreement_stress(region_path, STRESS_ROUNDS)
+
+
+@pytest.mark.slow
+async def test_disagreement_stress_zero_wrong_bytes_long(region_path: str) -> None:
+    """The long form: STRESS_S seconds (default 12)."""
+    await _disagreement_stress(region_path, STRESS_S)
+
+
+async def _disagreement_stress(region_path: str, budget: float | int) -> None:
     """Node 0 keeps making stale entries on purpose (stores a prompt, frees its slots behind
     the index, stores another prompt into them) while two reader processes get random prompts,
-    stale or not, under the incoherent backend. Every read is bit-exact or a miss."""
+    stale or not, under the incoherent backend. Every read is bit-exact or a miss. ``budget``:
+    a float is seconds of wall time, an int a count of node 0's rounds."""
+    by_count = isinstance(budget, int)
     universe = 48
     async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim",
                                      region_bytes=8 << 20, chunk_bytes=256 << 10)) as eng:
@@ -265,8 +282,10 @@ async def test_disagreement_stress_zero_wrong_bytes(region_path: str) -> None:
         try:
             for _ in readers:
                 assert (await _qget(q))[0] == "ready"
-            t_end = time.monotonic() + STRESS_S
-            while time.monotonic() < t_end:
+            t_end = time.monotonic() + (0 if by_count else budget)
+            rounds = 0
+            while rounds < budget if by_count else time.monotonic() < t_end:
+                rounds += 1
                 ia, ib = rnd.sample(range(universe), 2)
                 a, b = prompts[ia], prompts[ib]
                 try:
@@ -293,7 +312,7 @@ async def test_disagreement_stress_zero_wrong_bytes(region_path: str) -> None:
             for r in readers:
                 r.join(30)
         total = {k: sum(r[k] for r in results) for k in results[0]}
-        print("disagreement stress:", total, "stale blocks made:", made_stale)
+        print("disagreement stress:", total, "stale blocks made:", made_stale, "rounds:", rounds)
         assert total["wrong_blocks"] == 0
         assert made_stale > 50 and total["gets_ok"] > 20 and total["misses"] > 0
         assert total["tag_misses"] > 0, "no read ever met a reused slot: the stress proved nothing"

@@ -19,6 +19,10 @@ import pytest
 from tract_async.cli import build_parser
 from tract_async.serving.loadbench import SYSTEM_NAMES, loads, resolve_args
 
+# issue 37: one xdist worker runs these racks of processes one after another (two at once on
+# two cores starved a decode service past its 10 s SIGTERM grace)
+pytestmark = pytest.mark.xdist_group("racks")
+
 
 def test_bench_serve_is_a_cli_subcommand_that_passes_its_options_on():
     args = build_parser().parse_args(["bench", "serve", "--size", "cpu", "--rates", "1,2",

@@ -11,6 +11,10 @@ import pytest
 
 from tract_async.cli import build_parser
 
+# issue 37: one xdist worker runs these racks of processes one after another (two at once on
+# two cores starved a decode service past its 10 s SIGTERM grace)
+pytestmark = pytest.mark.xdist_group("racks")
+
 
 def test_demo_is_a_cli_subcommand_with_its_options():
     args = build_parser().parse_args(["demo", "--modes", "http,region-cache", "--turns", "2",

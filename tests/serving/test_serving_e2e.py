@@ -21,6 +21,10 @@ from tract_async.serving.protocol import REGION_MODES
 from tract_async.serving.workload import ChatWorkload, Conversation, complete_streaming
 from tests.support.engine_http_util import needs_nixl
 
+# issue 37: one xdist worker runs these racks of processes one after another (two at once on
+# two cores starved a decode service past its 10 s SIGTERM grace)
+pytestmark = pytest.mark.xdist_group("racks")
+
 T = 16          # block tokens
 EOS = 257
 MAX_NEW = 6

@@ -67,13 +67,17 @@ def consumer(path: str, backend: str, node_id: int, token_ids: list[int], q_out,
     tract.run(main())
 
 
-def stress_worker(path: str, backend: str, node_id: int, seconds: float, universe: int,
+def stress_worker(path: str, backend: str, node_id: int, budget: float | int, universe: int,
                   validate: bool, seed: int, q_out, stop) -> None:  # noqa: ANN001
-    """Put / get / (implicitly) evict random prompts; count every wrong byte seen."""
+    """Put / get / (implicitly) evict random prompts; count every wrong byte seen. ``budget``:
+    a float is seconds of wall time (the long forms), an int a count of operations (a put or a
+    get: the CI form, the same work on a slow or loaded machine)."""
     import faulthandler
     import sys
+    by_count = isinstance(budget, int)
     # a worker that outlives its budget by minutes prints every thread's stack (diagnosis)
-    faulthandler.dump_traceback_later(seconds + 150, exit=False, file=sys.stderr)
+    faulthandler.dump_traceback_later((150 if by_count else budget) + 150, exit=False,
+                                      file=sys.stderr)
 
     async def main() -> dict:
         rnd = random.Random(seed)
@@ -84,8 +88,11 @@ def stress_worker(path: str, backend: str, node_id: int, seconds: float, univers
                        for p in range(universe)]
             res = {"puts": 0, "gets_ok": 0, "misses": 0, "wrong_blocks": 0, "full": 0}
             from tests.support.engine_util import kv_for_keys
-            t_end = time.monotonic() + seconds
-            while time.monotonic() < t_end and not stop.is_set():
+            t_end = time.monotonic() + (0 if by_count else budget)
+            ops = 0
+            while (ops < budget if by_count else time.monotonic() < t_end) \
+                    and not stop.is_set():
+                ops += 1
                 keys = prompts[rnd.randrange(universe)]
                 if rnd.random() < 0.6 and eng.lookup(keys) < len(keys):
                     try:
@@ -112,6 +119,7 @@ def stress_worker(path: str, backend: str, node_id: int, seconds: float, univers
             res["lockfree_reservations"] = st["lockfree_reservations"]
             res["lock_acquisitions"] = st["lock_acquisitions"]
             res["evicting_nodes"] = int(st["evictions"] > 0)
+            res["ops"] = ops
             return res
     try:
         q_out.put(("result", node_id, tract.run(main())))

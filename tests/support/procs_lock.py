@@ -145,13 +145,15 @@ async def _counter(r: Region, h, node_id: int, cycles: int, use_lock: bool, star
 
 # ---- allocator stress ----------------------------------------------------------------------------
 
-def alloc_worker(path: str, backend: str, node_id: int, seconds: float, start, done,  # noqa: ANN001
+def alloc_worker(path: str, backend: str, node_id: int, budget: float | int, start, done,  # noqa: ANN001
                  q, inbox, outboxes, liveness_s: float, seed: int, use_lock: bool,
                  claim_delay_us: int) -> None:
+    """``budget``: a float is seconds of wall time (the long form), an int a count of operations
+    (alloc, hand-over or free: the CI form, which does the same work on a slow or loaded machine)."""
     r = attach(path, backend, node_id, 1 / 256, -1)
     try:
         h = r.nodes.join(node_id, timeout_s=liveness_s)
-        asyncio.run(_alloc(r, h, node_id, seconds, start, done, q, inbox, outboxes, liveness_s,
+        asyncio.run(_alloc(r, h, node_id, budget, start, done, q, inbox, outboxes, liveness_s,
                            seed, use_lock, claim_delay_us))
     except BaseException as e:
         q.put(("error", node_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -189,7 +191,7 @@ def _read_stamp(m, a: Allocation) -> tuple[int, int]:  # noqa: ANN001
     return int(out[0]), int(out[1])
 
 
-async def _alloc(r: Region, h, node_id: int, seconds: float, start, done, q, inbox,  # noqa: ANN001
+async def _alloc(r: Region, h, node_id: int, budget: float | int, start, done, q, inbox,  # noqa: ANN001
                  outboxes, liveness_s: float, seed: int, use_lock: bool,
                  claim_delay_us: int) -> None:
     rng = random.Random(seed * 1000 + node_id)
@@ -214,8 +216,11 @@ async def _alloc(r: Region, h, node_id: int, seconds: float, start, done, q, inb
     async with asyncio.TaskGroup() as tg:
         services = await _node_services(r, h, liveness_s, tg, manager=use_lock)
         await asyncio.to_thread(_bwait, start)
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not violations:
+        by_count = isinstance(budget, int)
+        end = time.monotonic() + (0 if by_count else budget)
+        ops = 0
+        while (ops < budget if by_count else time.monotonic() < end) and not violations:
+            ops += 1
             # slots handed over by other nodes: check their stamp, free them (through the rings)
             while not inbox.empty():
                 a, stamp = inbox.get_nowait()
@@ -261,6 +266,7 @@ async def _alloc(r: Region, h, node_id: int, seconds: float, start, done, q, inb
         problems = al.self_check()
         released = await al.close(lock, timeout=10) if use_lock else 0
         st = al.statistics()
+        counts["ops"] = ops
         q.put(("done", node_id, {"violations": violations, "problems": problems,
                                  "counts": counts, "released": released,
                                  "left_used": st.slots_used, "left_chunks": st.chunks,
