@@ -140,7 +140,7 @@ class Engine:
             return await self._start_http(region_uuid=None)
         if want_http:
             from .stores.fallback import FallbackStore
-            from .stores.http import network_store
+            from .stores.network import network_store
             try:
                 self._http = network_store(cfg, region_uuid=str(self._region.uuid))
                 await self._http.open()
@@ -150,7 +150,7 @@ class Engine:
                 raise
 
     async def _start_http(self, *, region_uuid: str | None) -> None:
-        from .stores.http import network_store
+        from .stores.network import network_store
         try:
             self._http = network_store(self.cfg, region_uuid=region_uuid)
             await self._http.open()

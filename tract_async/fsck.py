@@ -56,7 +56,7 @@ from .region.index import READY, RESERVED, TOMBSTONE, PrefixIndex, evict_batch, 
 from .region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
 from .region.region import Region
 from .sync import slots as S
-from .sync.manager import manager_valid, read_manager
+from .sync.manager_line import manager_valid, read_manager
 
 S_FSCK_READ = K.site("fsck.read.invalidate")
 S_FSCK_FLUSH = K.site("fsck.repair.flush")

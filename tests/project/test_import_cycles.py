@@ -1,4 +1,4 @@
-"""The transport and region packages have no import cycles (issue 16).
+"""The transport, region, sync and integrations packages have no import cycles (issues 16, 37).
 
 A cycle that happens to import today (one side imports the other lazily inside a function, or
 only under ``if TYPE_CHECKING:``) is still a two-way dependency: neither module can be read,
@@ -31,7 +31,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = {"tract_async": ROOT / "tract_async", "tract_kernels": ROOT / "kernels"}
 """Top-level package name -> its directory (the kernels install as ``tract_kernels``)."""
 
-ACYCLIC = ("tract_async.transport", "tract_async.region")
+ACYCLIC = ("tract_async.transport", "tract_async.region", "tract_async.sync",
+           "tract_async.integrations")
 
 Graph = dict[str, set[str]]
 

@@ -84,15 +84,6 @@ class _Peer:
     alive: bool = True
 
 
-def network_store(cfg: EngineConfig, *, region_uuid: str | None) -> HttpStore:
-    """The store of ``cfg.transport``: HttpStore, or NixlStore (which imports nixl).
-    Raises NixlUnavailable, NixlError (NIXL could not start)."""
-    if cfg.transport == "nixl":
-        from .nixl import NixlStore
-        return NixlStore(cfg, region_uuid=region_uuid)
-    return HttpStore(cfg, region_uuid=region_uuid)
-
-
 class HttpStore:
     """put / get / lookup over agents for one engine. Created and owned by the Engine.
 

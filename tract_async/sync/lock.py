@@ -363,7 +363,7 @@ class GlobalLock:
         import numpy as np
 
         import tract_kernels as K
-        from .manager import manager_valid, read_manager, read_scan_ns
+        from .manager_line import manager_valid, read_manager, read_scan_ns
         try:
             m, geo = self._region.mem, self._geo
             nodes = self._region.nodes.all(confirm=False)

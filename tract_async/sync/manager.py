@@ -114,15 +114,13 @@ from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo, all_on_host
 from . import slots as S
 from .bell import BELL_AFTER_S, BELL_WAIT_MS, LOCAL_BELL_WAIT_MS, ManagerBell
 from .lock import run_slice
+from .manager_line import (CAND_EPOCH, CANDIDATE, CHOOSING, NUMBER, S_CAND_READ, SCAN_NS,
+                           ManagerInfo, manager_valid, read_manager, read_scan_ns)
 
 log = logging.getLogger(__name__)
 
 S_CAND_FLUSH = K.site("lock.election.candidate.flush")
-S_CAND_READ = K.site("lock.election.candidate.invalidate")
 S_MGR_FLUSH = K.site("lock.election.manager.flush")
-S_MGR_READ = K.site("lock.election.manager.invalidate")
-
-CHOOSING, NUMBER, CANDIDATE, CAND_EPOCH, SCAN_NS = 0, 8, 16, 24, 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,15 +134,6 @@ class ManagerPolicy:
     (at most ``liveness_timeout_s / 16``): the Python between slices (the scan stamp, the node
     table, revocations) was ~1.1 % of a core at 100 slices a second in an idle engine on the
     2-core VM. Grants inside the slice are not delayed by it; the scan stamp is."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ManagerInfo:
-    """The manager line as read from memory."""
-    node_id: int | None
-    term: int
-    epoch: int
-    since_ns: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,41 +152,6 @@ class ManagerStatistics:
     """Sleeps on the bell while idle (``sync/bell.py``), rung or timed out."""
     bell_rings: int = 0
     """Of those, the ones a ring ended."""
-
-
-def read_manager(region, geo: S.LockGeometry | None = None,  # noqa: ANN001
-                 mem: K.Mem | None = None) -> ManagerInfo:
-    """The manager line of ``region`` (fresh from memory)."""
-    geo = geo or S.geometry(region)
-    raw = np.zeros(64, dtype=np.uint8)
-    K.read_bytes(mem if mem is not None else region.mem, geo.manager_offset, raw.ctypes.data, 64, S_MGR_READ)
-    rec = raw.view(L.MANAGER.dtype)[0]
-    mgr = int(rec["manager"])
-    return ManagerInfo(node_id=mgr - 1 if mgr else None, term=int(rec["term"]),
-                       epoch=int(rec["epoch"]), since_ns=int(rec["since_ns"]))
-
-
-def manager_valid(info: ManagerInfo, nodes: list[NodeInfo], *, scan_ns: int | None = None,
-                  timeout_s: float | None = None) -> bool:
-    """True while the recorded manager's node is not dead (``NodeInfo.dead``) and has the
-    recorded epoch; with ``scan_ns`` (the manager node's candidate stamp) and ``timeout_s``,
-    also only while that stamp is younger than ``timeout_s`` (not stalled)."""
-    if info.node_id is None or info.node_id >= len(nodes):
-        return False
-    n = nodes[info.node_id]
-    if n.dead or n.epoch != info.epoch:
-        return False
-    if scan_ns is not None and timeout_s is not None:
-        return time.time_ns() - scan_ns < timeout_s * 1e9
-    return True
-
-
-def read_scan_ns(region, node_id: int, geo: S.LockGeometry | None = None,  # noqa: ANN001
-                 mem: K.Mem | None = None) -> int:
-    """The ``scan_ns`` stamp of ``node_id``'s candidate line (fresh from memory)."""
-    geo = geo or S.geometry(region)
-    return int(K.load_fresh(mem if mem is not None else region.mem,
-                            geo.cand_off(node_id) + SCAN_NS, S_CAND_READ))
 
 
 class _ElectionWatch:

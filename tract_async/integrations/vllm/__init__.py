@@ -16,21 +16,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .connector import TractConnector, TractConnectorMetadata
 
-EXTRA_HINT = ("install the 'vllm' extra: pip install 'tract-async[vllm]' "
-              "(from a checkout: pip install -e '.[vllm]')")
+from .requirement import EXTRA_HINT, require_vllm  # noqa: F401 (the package's face)
+
 _LAZY = ("TractConnector", "TractConnectorMetadata", "BlockTransfer")
-
-
-def require_vllm() -> None:
-    """Raise MissingExtra naming the extra when vLLM is not installed."""
-    from ...errors import MissingExtra
-    try:
-        import vllm  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "vllm":
-            raise
-        raise MissingExtra(f"the vLLM connector needs vllm, which the core install leaves "
-                           f"out: {EXTRA_HINT}") from None
 
 
 def __getattr__(name: str) -> Any:

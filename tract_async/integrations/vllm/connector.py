@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import require_vllm
+from .requirement import require_vllm
 
 require_vllm()   # MissingExtra naming the extra, before vLLM's own imports fail bare
 
