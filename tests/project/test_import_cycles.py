@@ -1,4 +1,5 @@
-"""The transport, region, sync and integrations packages have no import cycles (issues 16, 37).
+"""The transport, region, sync, stores and integrations packages have no import cycles (issues
+16, 37).
 
 A cycle that happens to import today (one side imports the other lazily inside a function, or
 only under ``if TYPE_CHECKING:``) is still a two-way dependency: neither module can be read,
@@ -31,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = {"tract_async": ROOT / "tract_async", "tract_kernels": ROOT / "kernels"}
 """Top-level package name -> its directory (the kernels install as ``tract_kernels``)."""
 
-ACYCLIC = ("tract_async.transport", "tract_async.region", "tract_async.sync",
+ACYCLIC = ("tract_async.transport", "tract_async.region", "tract_async.sync", "tract_async.stores",
            "tract_async.integrations")
 
 Graph = dict[str, set[str]]

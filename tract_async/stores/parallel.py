@@ -41,7 +41,7 @@ words of each group, and after the groups: the counters and LRU touches of a goo
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,8 +53,20 @@ from ..region import gangcopy as G
 from . import plan as kvplan
 from .cpucopy import LOOP_SHARE_MAX_BYTES, NT_READ_BYTES, threads_for
 
-if TYPE_CHECKING:
-    from .region import RegionStore
+
+
+class ParallelHost(Protocol):
+    """What the parallel reads use of their ``RegionStore`` (``stores/region.py``): typed here
+    so that this module need not import that one, which imports this one (an import cycle,
+    issue 37)."""
+    layout: Any
+    blocks: Any
+    copier: Any
+    geo: Any
+    index: Any
+    mem: Any
+    phases: Any
+    region: Any
 
 PARALLEL_MIN_BLOCKS = 32
 """Reads of fewer blocks keep the step-by-step path (a group of a few blocks saves less
@@ -64,7 +76,7 @@ metadata time than its worker's hand-off costs)."""
 class ParallelReads:
     """The parallel read of one region store (module docstring)."""
 
-    def __init__(self, store: "RegionStore") -> None:
+    def __init__(self, store: ParallelHost) -> None:
         self.store = store
         self.enabled = True
         """Off: every read takes the step-by-step path (benchmarks compare the two)."""

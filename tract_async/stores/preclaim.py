@@ -35,14 +35,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
 from ..errors import LockTimeout, RegionFull, TransferTimeout
 
-if TYPE_CHECKING:
-    from .blocks import BlockLifecycle
+
+
+class PreclaimHost(Protocol):
+    """What the pre-claim task uses of its node's block lifecycle (``stores/blocks.py``'s
+    ``BlockLifecycle``): a seam typed here, so that this module need not import that one (which
+    imports this one: an import cycle, issue 37)."""
+    cfg: Any
+    layout: Any
+    alloc: Any
+    lock: Any
+    region: Any
+    stats: Any
+    closing: bool
+
+    @property
+    def in_flight(self) -> int: ...
+    def others_ask(self) -> bool: ...
+    async def hold_lock(self, timeout: float | None) -> None: ...
+    def evict_lru_locked(self, k: int, *, only_own: bool = ...) -> int: ...
 
 PRECLAIM_IDLE_S = 0.0005
 """The task claims only after this node started no put for this long (and none is in
@@ -64,7 +81,7 @@ class PreClaimer:
     """The pre-claim task of one node's ``BlockLifecycle`` (module docstring): its measure of
     idleness, its headroom (the largest put so far, capped), and the claim itself."""
 
-    def __init__(self, blocks: BlockLifecycle, cap_blocks: int) -> None:
+    def __init__(self, blocks: PreclaimHost, cap_blocks: int) -> None:
         self._b = blocks
         self.headroom = 0
         """Free slots the task keeps: the largest put so far, at most ``cap_blocks``."""

@@ -31,7 +31,7 @@ import struct
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,8 +39,21 @@ from ..keys import KEY_BYTES, BlockKey
 from . import fused
 from .cpucopy import INLINE_COPY_BYTES
 
-if TYPE_CHECKING:
-    from .region import RegionStore
+
+
+class SmallHost(Protocol):
+    """What the one-block path uses of its ``RegionStore`` (``stores/region.py``): typed here so
+    that this module need not import that one, which imports this one (an import cycle, issue
+    37)."""
+    cfg: Any
+    layout: Any
+    blocks: Any
+    phases: Any
+    yield_to_lock: bool
+
+    def _template(self, n: int) -> np.ndarray: ...
+    def put_fused(self, keys: list[bytes], words: np.ndarray, src: int,
+                  tmpl: np.ndarray) -> int | None: ...
 
 _WORDS = struct.Struct("<4Q")
 _KEY_TYPES = (bytes, BlockKey)
@@ -50,7 +63,7 @@ _KEY_TYPES = (bytes, BlockKey)
 class SmallPath:
     """The one-block fast path over one ``RegionStore`` (module docstring)."""
 
-    def __init__(self, store: "RegionStore") -> None:
+    def __init__(self, store: SmallHost) -> None:
         self.store = store
         self.blocks = store.blocks
         layout = store.layout
