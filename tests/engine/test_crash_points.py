@@ -17,7 +17,6 @@ The table of points x outcomes is printed (``pytest -s``) and kept in the assert
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import multiprocessing as mp
 import os
@@ -33,6 +32,8 @@ from tract_async.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_engine as P
+from tests.support.paused import (assert_region_clean, end_worker, in_thread, report,
+                                  stopped)
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, until
 
 SPAWN = mp.get_context("spawn")
@@ -41,21 +42,6 @@ REGION = dict(region_bytes=8 << 20, chunk_bytes=256 << 10)
 NODE2_IDS = list(range(9_000_000, 9_000_000 + 16 * 8))
 
 
-async def _in_thread(fn, *args):  # noqa: ANN001, ANN002, ANN202
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-async def _report(q, procs: list, timeout: float):  # noqa: ANN001, ANN202
-    """The next report on ``q``; if none comes within ``timeout``, every child's stacks go to
-    the captured stderr (``procs_engine.dump_and_kill``) and the test fails naming the wait."""
-    import queue
-    try:
-        return await _in_thread(q.get, True, timeout)
-    except queue.Empty:
-        for p in procs:
-            await _in_thread(P.dump_and_kill, p)
-        raise AssertionError(f"no report within {timeout} s; the children's stacks are in the "
-                             f"captured stderr") from None
 
 
 async def _one_point(path: str, point: str) -> dict:
@@ -66,7 +52,7 @@ async def _one_point(path: str, point: str) -> dict:
     n2.start()
     worker = None
     try:
-        assert (await _report(q2, [n2], 120))[0] == "stored"
+        assert (await report(q2, [n2], 120))[0] == "stored"
         # preclaim_bytes=0: the recovery step below is a put that needs the lock and a chunk
         # (pre-claimed chunks would serve it lock-free; maintenance then reclaims the dead
         # nodes' chunks instead: test_preclaim.py checks that path)
@@ -80,12 +66,12 @@ async def _one_point(path: str, point: str) -> dict:
                 worker.start()
             finally:
                 del os.environ[CP.ENV]
-            kind, _, n_before = await _report(q_out, [worker, n2], 120)
+            kind, _, n_before = await report(q_out, [worker, n2], 120)
             assert kind == "before", (kind, n_before)
             os.kill(n2.pid, signal.SIGKILL)
-            await _in_thread(n2.join, 30)
+            await in_thread(n2.join, 30)
             q_in.put("go")
-            await _in_thread(worker.join, 180)
+            await in_thread(worker.join, 180)
             t_dead = time.monotonic()
             row["reached"] = worker.exitcode == -signal.SIGKILL
             if not row["reached"]:
@@ -96,7 +82,7 @@ async def _one_point(path: str, point: str) -> dict:
             more = eng.block_keys(range(8_500_000, 8_500_000 + 16 * 4))
             await eng.put_kv(more, kv_for_keys(more), timeout=30)
             row["recovery_s"] = round(time.monotonic() - t_dead, 3)
-            rep = await _in_thread(lambda: run_fsck(path, liveness_timeout_s=LIVENESS_S))
+            rep = await in_thread(lambda: run_fsck(path, liveness_timeout_s=LIVENESS_S))
             row["fsck_live"] = "clean" if rep.clean else "; ".join(rep.problems)[:300]
             before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * n_before))
             exact = miss = wrong = 0
@@ -113,7 +99,7 @@ async def _one_point(path: str, point: str) -> dict:
             row.update(before_exact=exact, before_miss=miss, wrong=wrong)
             assert exact + miss + wrong == n_before == len(before)
             row["own_exact"] = all(block_matches(own + more, await eng.get_kv(own + more)))
-        rep = await _in_thread(lambda: run_fsck(path, liveness_timeout_s=LIVENESS_S))
+        rep = await in_thread(lambda: run_fsck(path, liveness_timeout_s=LIVENESS_S))
         row["fsck_after"] = "clean" if rep.clean else "; ".join(rep.problems)[:300]
         with Region.attach(path, readonly=True) as r:
             row["leaked_chunks"] = int(ChunkTable(r).bitmap().sum())
@@ -171,11 +157,6 @@ async def test_kill_at_every_crash_point(region_path: str) -> None:
     assert all(_ok(r) for r in rows), table
 
 
-def _stopped(pid: int) -> bool:
-    """The process is stopped (state T in /proc: it stopped itself at its point)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
 
 @pytest.mark.parametrize("reclaim", [True, False], ids=["reclaimed", "revoked-only"])
 @pytest.mark.parametrize("point", ["reserve.locked", "claim.done"])
@@ -202,7 +183,7 @@ async def test_a_paused_holder_is_fenced_without_leaks(region_path: str, point: 
         finally:
             del os.environ[CP.ENV], os.environ[CP.ENV_ACTION]
         try:
-            kind, _, n_before = await _report(q_out, [worker], 120)
+            kind, _, n_before = await report(q_out, [worker], 120)
             assert kind == "before", (kind, n_before)
             revoked = eng._lock.statistics().revocations
             table = eng._store.blocks.alloc.table
@@ -210,29 +191,29 @@ async def test_a_paused_holder_is_fenced_without_leaks(region_path: str, point: 
             if not reclaim:     # this node's maintenance would reclaim the paused node at once
                 eng._store.blocks.reclaims_dead = lambda: False
             q_in.put("go")
-            assert await until(lambda: _stopped(worker.pid), timeout=60), "never reached its point"
+            assert await until(lambda: stopped(worker.pid), timeout=60), "never reached its point"
             # judged dead: its token revoked by this node's manager (a liveness timeout and the
             # silence count later), with the worker still stopped
             assert await until(lambda: eng._lock.statistics().revocations > revoked, timeout=30)
-            assert _stopped(worker.pid)
+            assert stopped(worker.pid)
             if reclaim:         # by this node's maintenance (the manager's), or here
                 if not await until(lambda: int(table.counts()["chunks"][0]) == 0, timeout=2):
                     await eng.recover(timeout=10)
                 assert int(table.counts()["chunks"][0]) == 0
             else:
                 assert int(table.counts()["chunks"][0]) > 0
-            assert _stopped(worker.pid)
+            assert stopped(worker.pid)
             os.kill(worker.pid, signal.SIGCONT)
-            kind, counts, wrong = await _report(q_out, [worker], 120)
+            kind, counts, wrong = await report(q_out, [worker], 120)
             assert kind == "done", (kind, counts)
-            await _in_thread(worker.join, 30)
+            await in_thread(worker.join, 30)
             print(f"\npaused holder at {point} ({'reclaimed' if reclaim else 'revoked only'}): "
                   f"{counts}")
             assert counts.get("stopped") == 1 and wrong == 0, (counts, wrong)
             # before this node's maintenance may reclaim what a LEFT node still holds
             assert int(table.counts()["chunks"][0]) == 0, "its close left chunks claimed"
             eng._store.blocks.reclaims_dead = reclaims
-            rep = await _in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
+            rep = await in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
             assert rep.clean, rep.text()
             before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * n_before))
             for k in before:            # the paused node's blocks: exact or a miss
@@ -245,11 +226,5 @@ async def test_a_paused_holder_is_fenced_without_leaks(region_path: str, point: 
             more = eng.block_keys(range(8_500_000, 8_500_000 + 16 * 4))
             await eng.put_kv(more, kv_for_keys(more), timeout=30)
         finally:
-            if worker.is_alive():
-                os.kill(worker.pid, signal.SIGCONT)
-                worker.kill()
-                worker.join(10)
-    rep = await _in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
-    assert rep.clean, rep.text()
-    with Region.attach(region_path, readonly=True) as r:
-        assert int(ChunkTable(r).bitmap().sum()) == 0, "chunks left claimed after both closed"
+            end_worker(worker)
+    await assert_region_clean(region_path, LIVENESS_S)

@@ -22,7 +22,6 @@ left claimed once both closed.
 """
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -33,9 +32,9 @@ import tract_async as tract
 from tract_async import crashpoints as CP
 from tract_async import errors as E
 from tract_async.fsck import run_fsck
-from tract_async.region import Region
-from tract_async.region.chunks import ChunkTable
 from tests.support import procs_engine as P
+from tests.support.paused import (assert_region_clean, end_worker, in_thread, report,
+                                  stopped)
 from tests.support.engine_util import block_matches, cfg, kv_for_keys, until
 
 SPAWN = mp.get_context("spawn")
@@ -45,24 +44,7 @@ POINTS = ["claim.found", "claim.journaled", "claim.owner", "claim.bitmap", "rese
           "reserve.lockfree", "reserve.indexed", "put.copied"]
 
 
-async def _in_thread(fn, *args):  # noqa: ANN001, ANN002, ANN202
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-
-async def _report(q, procs: list, timeout: float):  # noqa: ANN001, ANN202
-    import queue
-    try:
-        return await _in_thread(q.get, True, timeout)
-    except queue.Empty:
-        for p in procs:
-            await _in_thread(P.dump_and_kill, p)
-        raise AssertionError(f"no report within {timeout} s; the children's stacks are in the "
-                             f"captured stderr") from None
-
-
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -78,11 +60,11 @@ async def test_paused_between_check_and_store(region_path: str, point: str) -> N
             del os.environ[CP.ENV], os.environ[CP.ENV_ACTION]
         table = eng._store.blocks.alloc.table
         try:
-            kind, _, n_before = await _report(q_out, [worker], 120)
+            kind, _, n_before = await report(q_out, [worker], 120)
             assert kind == "before", (kind, n_before)
             revoked = eng._lock.statistics().revocations
             q_in.put("go")
-            assert await until(lambda: _stopped(worker.pid), timeout=60), "never reached its point"
+            assert await until(lambda: stopped(worker.pid), timeout=60), "never reached its point"
             held = int(table.counts()["chunks"][0])
             holder = eng._lock.statistics().holder == 0
             if holder:      # judged dead and revoked by this node's manager
@@ -96,28 +78,28 @@ async def test_paused_between_check_and_store(region_path: str, point: str) -> N
             if not await until(lambda: int(table.counts()["chunks"][0]) == 0, timeout=2):
                 await eng.recover(timeout=10)
             assert int(table.counts()["chunks"][0]) == 0
-            assert _stopped(worker.pid)
+            assert stopped(worker.pid)
             # take the free chunks, those node 0 had (reclaimed) or chose (claim.found) first:
             # a late store of node 0 would land in this node's blocks
             mine = eng.block_keys(range(8_000_000, 8_000_000 + 16 * 64))
             for i in range(0, len(mine), 16):
                 await eng.put_kv(mine[i:i + 16], kv_for_keys(mine[i:i + 16]), timeout=30)
             assert all(block_matches(mine, await eng.get_kv(mine)))
-            assert _stopped(worker.pid)
+            assert stopped(worker.pid)
             print(f"\n{point}: node 0 held "
                   f"{held} chunks{' and the lock' if holder else ''} at its stop; node 1 holds "
                   f"{int(table.counts()['chunks'][1])}")
             os.kill(worker.pid, signal.SIGCONT)
-            kind, counts, wrong = await _report(q_out, [worker], 120)
+            kind, counts, wrong = await report(q_out, [worker], 120)
             assert kind == "done", (kind, counts)
-            await _in_thread(worker.join, 30)
+            await in_thread(worker.join, 30)
             print(f"node 0 after it resumed: {counts}")
             assert counts.get("stopped") == 1 and wrong == 0, (counts, wrong)
             got = await eng.get_kv(mine)
             bad = [i for i, ok in enumerate(block_matches(mine, got)) if not ok]
             assert not bad, f"{len(bad)} of node 1's blocks changed after node 0 resumed"
             assert int(table.counts()["chunks"][0]) == 0, "node 0's close left chunks claimed"
-            rep = await _in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
+            rep = await in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
             assert rep.clean, rep.text()
             before = eng.block_keys(range(7_000_000, 7_000_000 + 16 * n_before))
             for k in before:            # node 0's blocks from before its stop: exact or a miss
@@ -127,11 +109,5 @@ async def test_paused_between_check_and_store(region_path: str, point: str) -> N
                     continue
                 assert block_matches([k], got)[0]
         finally:
-            if worker.is_alive():
-                os.kill(worker.pid, signal.SIGCONT)
-                worker.kill()
-                worker.join(10)
-    rep = await _in_thread(lambda: run_fsck(region_path, liveness_timeout_s=LIVENESS_S))
-    assert rep.clean, rep.text()
-    with Region.attach(region_path, readonly=True) as r:
-        assert int(ChunkTable(r).bitmap().sum()) == 0, "chunks left claimed after both closed"
+            end_worker(worker)
+    await assert_region_clean(region_path, LIVENESS_S)

@@ -285,7 +285,7 @@ def absent_reason(system: System) -> str | None:
 
 def ucx_env(system: System, device: str) -> dict[str, str]:
     """The workers' UCX settings for a nixl row (``System.ucx_tls``)."""
-    if system.ucx_tls is None or not system.ucx_tls:
+    if not system.ucx_tls:
         return {}
     tls = system.ucx_tls
     if device.startswith("cuda") and "cuda_copy" not in tls:

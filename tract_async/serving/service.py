@@ -196,33 +196,27 @@ def kv_layout(cfg: ServiceConfig, model: Any) -> Any:
 def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
     import tract_async as tract
     from tract_async.serving.protocol import NET_MODES, engine_mode
+    common = dict(layout=layout, node_id=cfg.node_id, max_nodes=cfg.max_nodes,
+                  namespace=cfg.namespace, mode=engine_mode(cfg.mode),
+                  liveness_timeout_s=cfg.liveness_timeout_s,
+                  heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4),
+                  wait_spin_us=cfg.wait_spin_us,
+                  # a decode's last-layer read does not wait for the global lock to free what
+                  # it consumed (BlockLifecycle.consume)
+                  defer_consume=True)
     if cfg.mode in NET_MODES:
         # no region: the engine's pool and its agent on this host, peers named by the launcher
         # (the decode names the prefill; peering is symmetric); authenticated with the rack's
         # secret (SECRET_ENV)
-        secret = agent_secret()
         peers = tuple(u for u in (cfg.kv_peers or "").split(",") if u)
-        return tract.EngineConfig(layout=layout, region=None, node_id=cfg.node_id,
-                                  max_nodes=cfg.max_nodes, namespace=cfg.namespace,
-                                  mode=engine_mode(cfg.mode), transport=cfg.mode,
+        return tract.EngineConfig(**common, region=None, transport=cfg.mode,
                                   listen_host=cfg.host, listen_port=0, peers=peers,
-                                  secret=secret, http_pool_bytes=cfg.kv_pool_bytes,
-                                  liveness_timeout_s=cfg.liveness_timeout_s,
-                                  heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4),
-                                  wait_spin_us=cfg.wait_spin_us, defer_consume=True)
+                                  secret=agent_secret(), http_pool_bytes=cfg.kv_pool_bytes)
     chunk = 2 << 20
     while chunk < layout.block_bytes:
         chunk <<= 1
-    return tract.EngineConfig(layout=layout, region=cfg.region, region_bytes=cfg.region_bytes,
-                              create=cfg.create_region, node_id=cfg.node_id,
-                              max_nodes=cfg.max_nodes, namespace=cfg.namespace,
-                              mode=engine_mode(cfg.mode), chunk_bytes=chunk,
-                              liveness_timeout_s=cfg.liveness_timeout_s,
-                              heartbeat_interval_s=min(0.1, cfg.liveness_timeout_s / 4),
-                              wait_spin_us=cfg.wait_spin_us,
-                              # a decode's last-layer read does not wait for the global lock
-                              # to free what it consumed (BlockLifecycle.consume)
-                              defer_consume=True)
+    return tract.EngineConfig(**common, region=cfg.region, region_bytes=cfg.region_bytes,
+                              create=cfg.create_region, chunk_bytes=chunk)
 
 
 async def open_engine(cfg: ServiceConfig, layout: Any, *, attach_timeout_s: float = 60.0) -> Any:
