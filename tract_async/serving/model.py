@@ -181,6 +181,10 @@ def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+#: The attention implementations :func:`build_model` takes.
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa")
+
+
 def build_model(
     config: LlamaConfig,
     seed: int,
@@ -188,6 +192,7 @@ def build_model(
     dtype: torch.dtype | None = None,
     *,
     init_device: str | torch.device = "cpu",
+    attn: str = "eager",
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` in eval mode with deterministic random weights.
 
@@ -202,15 +207,22 @@ def build_model(
     their scale through the layers and a random model emits varied tokens instead of a constant;
     RMSNorm weights 1.
 
+    ``attn`` is transformers' attention implementation: ``"eager"`` (the default: one
+    well-defined matmul-softmax-matmul, reproducible, what the CPU tests compare against) or
+    ``"sdpa"`` (PyTorch's fused scaled-dot-product attention: flash or memory-efficient kernels on
+    a GPU, no materialized attention matrix; what a GPU serving run wants, see issue 38).
+
     Raises:
-        ValueError: the config is not a Llama config.
+        ValueError: the config is not a Llama config, or ``attn`` is neither eager nor sdpa.
     """
     if not isinstance(config, LlamaConfig):
         raise ValueError(f"build_model needs a LlamaConfig, got {type(config).__name__}")
     dtype = dtype or _config_dtype(config)
     device = torch.device(device)
     config = copy.deepcopy(config)  # the caller's config is left as it was
-    config._attn_implementation = "eager"
+    if attn not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn must be one of {ATTN_IMPLEMENTATIONS}, got {attn!r}")
+    config._attn_implementation = attn
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype=dtype).to_empty(device=device)
