@@ -39,7 +39,7 @@ from tract_async.serving import (
     tiny_llama_config,
     weights_digest,
 )
-from tract_async.serving.streaming import _Abort, _run_in_thread
+from tract_async.serving.streaming import Abort, _run_in_thread
 
 SEED = 1234
 PROMPT_LEN = 80
@@ -371,7 +371,7 @@ async def test_decode_streaming_cancel_stops_the_thread(model, full):
 async def test_cancelled_thread_run_returns_only_after_the_thread_stopped():
     """Honest cancellation: the awaiting task sees CancelledError only once the compute thread
     has noticed the abort and returned (an abandoned thread would keep computing)."""
-    abort = _Abort()
+    abort = Abort()
     running, finished = threading.Event(), threading.Event()
 
     def work() -> None:

@@ -19,6 +19,11 @@ the KV arrived, as in vLLM's disaggregated serving. Layer ``i`` of that pass wai
 * rdma-model: the whole KV in one region get once the prefill has finished (the router waits
   for it), its arrival held back to a modelled RDMA transfer (:mod:`.rdma_model`);
 * recompute: no KV arrives; the first forward pass computes the whole prompt here.
+
+Requests share the compute (``ServiceConfig.decode_batch``, default 8): each one's first forward
+pass runs alone, then its steps run batched with the others' (:mod:`.batching`, static cache and
+CUDA graphs in :mod:`.fast_decode`). ``decode_batch=0`` serves one request at a time through
+transformers' step, as before.
 """
 from __future__ import annotations
 
@@ -75,6 +80,11 @@ class DecodeWorker:
         self.tasks = TaskOwner()
         self.compute = asyncio.Semaphore(1)
         self.early = asyncio.Semaphore(cfg.early_reads)
+        # decode_batch > 0: one compute thread batches every request's steps (serving/
+        # batching.py); requests read their layers as soon as they arrive, up to decode_batch +
+        # early_reads of them at a time (the KV they hold in memory)
+        self.batcher: Any = None
+        self.readers = asyncio.Semaphore(cfg.decode_batch + cfg.early_reads)
         self.gclog: GcLog | None = None       # TRACT_PHASES=1: collections on the timeline
         self.served = 0
 
@@ -90,6 +100,11 @@ class DecodeWorker:
             out["engine"] = {k: st.get(k) for k in ("hits", "misses", "bytes_got", "consumed",
                                                     "layer_waits", "lock_wait_s",
                                                     "lock_acquisitions")}
+        if self.batcher is not None:
+            out["batch"] = {"max_batch": self.batcher.max_batch, "steps": self.batcher.steps,
+                            "max_seen_batch": self.batcher.max_seen_batch,
+                            "graphs": self.batcher.decoder.graphs,
+                            "captures": self.batcher.decoder.captures}
         return out
 
     def _kv_device(self) -> Any:
@@ -198,6 +213,24 @@ class DecodeWorker:
             return kv[layer]
         return get_layer
 
+    async def generate_batched(self, req: DecodeRequest, past_len: int, get_layer: Any,
+                               events: list[tuple[str, float]],
+                               on_token: Any, eos: int | None) -> None:
+        """The request's generation in the worker's batch (``serving/batching.py``). Its layer
+        reads start now (bounded by ``readers``); it joins a running batch once they are done,
+        or at once, reading layer by layer, when nobody is decoding."""
+        stream = get_layer if isinstance(get_layer, LayerStream) else None
+        async with self.readers:
+            if stream is not None:
+                events.append(("early_reads", now()))
+                stream.start()
+            await self.batcher.generate(
+                list(req.prompt_ids), get_layer=get_layer, past_len=past_len,
+                max_new_tokens=req.max_tokens, on_token=on_token, eos_token_id=eos,
+                layer_timeout=self.cfg.layer_timeout_s,
+                ready=(lambda: stream.settled) if stream is not None else None,
+                on_start=lambda: events.append(("decode_compute_start", now())))
+
     async def stream(self, req: DecodeRequest, resp: web.StreamResponse) -> None:
         """Generate and write NDJSON lines to ``resp`` (already prepared)."""
         from tract_async.serving.streaming import generate_streaming
@@ -222,6 +255,9 @@ class DecodeWorker:
                 if past_len and get_layer is None:
                     read = self.read_modelled if self.cfg.mode == "rdma-model" else self.read_http
                     get_layer = await read(req, events)
+                if self.batcher is not None:
+                    await self.generate_batched(req, past_len, get_layer, events, on_token, eos)
+                    return
                 early = False
                 if isinstance(get_layer, LayerStream) and not self.early.locked():
                     # read while waiting for the compute slot (EARLY_READS)
@@ -279,6 +315,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     w.model = await asyncio.to_thread(load_model, cfg)
     w.layout = kv_layout(cfg, w.model)
     async with contextlib.AsyncExitStack() as stack:
+        if cfg.decode_batch > 0:
+            from tract_async.serving.batching import DecodeBatcher
+            max_len = min(cfg.decode_max_len, w.model.config.max_position_embeddings)
+            w.batcher = await asyncio.to_thread(DecodeBatcher, w.model,
+                                                max_batch=cfg.decode_batch, max_len=max_len)
+            stack.push_async_callback(w.batcher.aclose)
         if cfg.mode == "http":
             from tract_async.serving.http_kv import KVImporter
             from tract_async.transport.http import Agent

@@ -94,6 +94,13 @@ class LayerStream:
             f = self._results[layer] = asyncio.get_running_loop().create_future()
         return f
 
+    @property
+    def settled(self) -> bool:
+        """Every layer's read has ended (a value or an error): a consumer asking for any layer
+        now does not wait. Safe to read from another thread (it only reads futures' states), so
+        the decode batcher's compute thread asks it before admitting a request."""
+        return all(f is not None and f.done() for f in self._results)
+
     def start(self) -> None:
         """Begin reading now, before any layer is asked for (the decode worker calls it when a
         request arrives, so its reads overlap its wait for the compute slot). With ``ahead``

@@ -54,11 +54,12 @@ PutLayer = Callable[[int, torch.Tensor, "torch.cuda.Event | None"], Awaitable[ob
 GetLayer = Callable[[int], Awaitable[torch.Tensor]]
 
 
-class _Aborted(Exception):
-    """Raised inside the compute thread to unwind it; never escapes this module."""
+class Aborted(Exception):
+    """Raised inside a compute thread to unwind it; never escapes to a caller (this module
+    and ``serving.batching`` turn it into a cancellation)."""
 
 
-class _Abort:
+class Abort:
     """A stop flag shared by the loop and the compute thread, plus the loop futures the thread is
     blocked on, so that stopping also wakes a thread waiting for a layer."""
 
@@ -74,29 +75,32 @@ class _Abort:
         for fut in waits:
             fut.cancel()
 
+    def is_set(self) -> bool:
+        return self._set
+
     def check(self) -> None:
-        """Raise _Aborted in the thread if the loop asked it to stop."""
+        """Raise Aborted in the thread if the loop asked it to stop."""
         if self._set:
-            raise _Aborted()
+            raise Aborted()
 
     def submit(self, coro: Awaitable[torch.Tensor], loop: asyncio.AbstractEventLoop) -> torch.Tensor:
         """Run ``coro`` on ``loop`` and block this (non-loop) thread for its result."""
         with self._lock:
             if self._set:
                 coro.close()  # type: ignore[attr-defined]
-                raise _Aborted()
+                raise Aborted()
             fut = asyncio.run_coroutine_threadsafe(coro, loop)  # type: ignore[arg-type]
             self._waits.add(fut)
         try:
             return fut.result()
         except concurrent.futures.CancelledError:
-            raise _Aborted() from None
+            raise Aborted() from None
         finally:
             with self._lock:
                 self._waits.discard(fut)
 
 
-async def _run_in_thread(fn: Callable[[], T], abort: _Abort) -> T:
+async def _run_in_thread(fn: Callable[[], T], abort: Abort) -> T:
     """Run ``fn`` in the loop's default executor; on cancellation, stop it and wait for it.
 
     Waiting matters: an abandoned thread would keep computing and, in prefill, keep producing
@@ -110,20 +114,20 @@ async def _run_in_thread(fn: Callable[[], T], abort: _Abort) -> T:
         abort.set()
         await asyncio.wait({fut})
         if not fut.cancelled():
-            fut.exception()  # retrieved: the thread's _Aborted is expected here
+            fut.exception()  # retrieved: the thread's Aborted is expected here
         raise
 
 
 def _unwrap_group(group: BaseExceptionGroup) -> BaseException:
     """The error to raise for a failed TaskGroup: the first that is not our own unwinding.
 
-    A put that fails makes the thread raise _Aborted and the task group cancel; the caller wants
+    A put that fails makes the thread raise Aborted and the task group cancel; the caller wants
     the put's error, not the group.
     """
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             return _unwrap_group(exc)
-        if not isinstance(exc, (_Aborted, asyncio.CancelledError)):
+        if not isinstance(exc, (Aborted, asyncio.CancelledError)):
             return exc
     return group.exceptions[0]
 
@@ -148,7 +152,7 @@ async def prefill_streaming(
         whatever ``put_layer`` raises: the first failing put stops the compute at its next layer.
     """
     loop = asyncio.get_running_loop()
-    abort = _Abort()
+    abort = Abort()
     queue: asyncio.Queue[tuple[int, torch.Tensor, torch.cuda.Event | None] | None] = asyncio.Queue()
 
     def on_layer(layer_index: int, kv_layer: torch.Tensor) -> None:
@@ -182,12 +186,12 @@ async def prefill_streaming(
     return result
 
 
-def _layer_fetcher(
+def layer_fetcher(
     model: LlamaForCausalLM,
     get_layer: GetLayer,
     past_len: int,
     layer_timeout: float | None,
-    abort: _Abort,
+    abort: Abort,
     loop: asyncio.AbstractEventLoop,
 ) -> Callable[[int], torch.Tensor]:
     """The thread-side ``fetch(i)`` of a cache whose past arrives layer by layer: it runs
@@ -252,8 +256,8 @@ async def decode_streaming(
     if max_new_tokens == 0:
         return []
     loop = asyncio.get_running_loop()
-    abort = _Abort()
-    fetch = _layer_fetcher(model, get_layer, prompt_len, layer_timeout, abort, loop)
+    abort = Abort()
+    fetch = layer_fetcher(model, get_layer, prompt_len, layer_timeout, abort, loop)
 
     def compute() -> list[int]:
         cache = build_cache(cfg.num_hidden_layers, pending_past_len=prompt_len, fetch=fetch)
@@ -262,7 +266,7 @@ async def decode_streaming(
 
     try:
         return await _run_in_thread(compute, abort)
-    except _Aborted:
+    except Aborted:
         # The thread only aborts when a fetch failed or we were cancelled; a cancellation is
         # re-raised by _run_in_thread itself, so reaching here means a fetch future was cancelled
         # from the outside (e.g. the loop is closing).
@@ -309,11 +313,11 @@ async def generate_streaming(
     if max_new_tokens == 0:
         return []
     loop = asyncio.get_running_loop()
-    abort = _Abort()
+    abort = Abort()
     num_layers = model.config.num_hidden_layers
     device = model.lm_head.weight.device
     if past_len > 0:
-        fetch = _layer_fetcher(model, get_layer, past_len, layer_timeout, abort, loop)
+        fetch = layer_fetcher(model, get_layer, past_len, layer_timeout, abort, loop)
         cache = build_cache(num_layers, pending_past_len=past_len, fetch=fetch)
     else:
         cache = build_cache(num_layers)
@@ -333,5 +337,5 @@ async def generate_streaming(
 
     try:
         return await _run_in_thread(compute, abort)
-    except _Aborted:
+    except Aborted:
         raise asyncio.CancelledError() from None

@@ -1,0 +1,288 @@
+"""Batched greedy decode steps over a static KV cache, replayed as CUDA graphs on a GPU.
+
+Why not transformers' own step: on the H100 its decode step of the Llama-3-8B geometry took
+36.5 ms (eager attention) and 84 ms (SDPA) at batch 1 against a weight-read floor of 5.0 ms
+(``bench/results/gpu-20261206-s39/call1-model-speed-h100-fd2819f.json``): the step is host-bound
+(hundreds of kernel launches from Python, a cache that concatenates every step) and serves one
+request at a time, so a decode worker with a queue makes every queued request wait for whole
+generations (issue 38). This module keeps the model's weights and modules and replaces only the
+step:
+
+* **Static cache.** K and V of every layer live in two tensors
+  ``(num_layers, max_batch, kv_heads, max_len, head_dim)`` (transformers' head-major order, so a
+  layer of a slot is one strided view); a request occupies one *slot* from its first generated
+  token to its last. Active requests always hold slots ``0 .. B-1`` (a finished one's slot is
+  refilled by moving the last slot into it), so a step of B requests reads a prefix of the
+  batch axis.
+* **One step, many requests.** The matmuls of a step (the weight reads that set its floor) run
+  once for the batch; attention runs per request over its own length, masked within a bucket of
+  the cache (``bucket(len)``: a power of two from 256, at most ``max_len``), with the query
+  heads grouped by KV head so K and V are read once, not repeated per query head.
+* **CUDA graphs.** On a GPU each ``(batch bucket, length bucket)`` is captured once, on first use,
+  into one memory pool, and replayed: a step is then one launch instead of ~500.
+
+The arithmetic is transformers' eager Llama step (its RMSNorm, projections, MLP and rotary
+modules are called as they are; RoPE, the fp32 softmax and the masking follow
+``eager_attention_forward``), so tokens equal :func:`~tract_async.serving.model.reference_generate`
+up to the few-ulp differences a GEMM gives for another row count (``serving/model.py``,
+Numerics).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: The shortest attention span a step is built for; longer spans double from it.
+MIN_BUCKET = 256
+#: The batch sizes a step is built for (a batch of 3 runs the step of 4 with a row idle).
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+
+def bucket(n: int, *, minimum: int = MIN_BUCKET) -> int:
+    """The smallest power-of-two multiple of ``minimum`` that is >= ``n``."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+class DecodeCapacityError(ValueError):
+    """A request does not fit the decoder (too long for ``max_len``, or no free slot)."""
+
+
+class BatchDecoder:
+    """Greedy steps for up to ``max_batch`` requests of up to ``max_len`` tokens each.
+
+    Not thread-safe: one thread (the decode worker's compute thread) calls every method.
+
+    Byte layout of the cache (device memory, not the region): ``k`` and ``v`` are each
+    ``num_layers x max_batch x kv_heads x max_len x head_dim`` elements of the model's dtype,
+    row-major; slot ``s``'s token ``t`` of layer ``l`` and head ``h`` is at
+    ``[l, s, h, t, :]``. ``lens[s]`` tokens of slot ``s`` are valid.
+    """
+
+    def __init__(self, model: Any, *, max_batch: int, max_len: int,
+                 graphs: bool | None = None) -> None:
+        cfg = model.config
+        if max_batch < 1 or max_len < 2:
+            raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
+        self.model = model
+        self.num_layers = cfg.num_hidden_layers
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.groups = self.heads // self.kv_heads
+        self.scaling = self.head_dim ** -0.5
+        weight = model.lm_head.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.max_batch = max_batch
+        self.max_len = -(-max_len // MIN_BUCKET) * MIN_BUCKET    # whole buckets of the smallest
+        shape = (self.num_layers, max_batch, self.kv_heads, self.max_len, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.lens = [0] * max_batch
+        self.active = 0                      # slots 0 .. active-1 hold requests
+        self.graphs = (self.device.type == "cuda") if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a model on a CUDA device")
+        # static inputs and output of the step (graph capture reads and writes these)
+        self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._out = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._rows = torch.arange(max_batch, device=self.device)
+        self._spans = torch.arange(self.max_len, device=self.device)
+        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
+        self.captures = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def free_slots(self) -> int:
+        return self.max_batch - self.active
+
+    # --- slots -----------------------------------------------------------------------------
+    def admit(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Copy a request's KV (per layer ``(keys, values)``, each ``(1, kv_heads, n, head_dim)``:
+        a transformers cache layer after the request's first forward pass) into the next free
+        slot; returns the slot. Raises DecodeCapacityError when no slot is free or ``n`` leaves
+        no room to generate."""
+        if self.active >= self.max_batch:
+            raise DecodeCapacityError(f"all {self.max_batch} decode slots are busy")
+        n = int(layers[0][0].shape[-2])
+        if n >= self.max_len:
+            raise DecodeCapacityError(f"a {n}-token context leaves no room in max_len {self.max_len}")
+        s = self.active
+        for i, (keys, values) in enumerate(layers):
+            self.k[i, s, :, :n].copy_(keys[0])
+            self.v[i, s, :, :n].copy_(values[0])
+        self.lens[s] = n
+        self.active += 1
+        return s
+
+    def room(self, slot: int) -> int:
+        """How many more tokens slot ``slot`` can take."""
+        return self.max_len - self.lens[slot]
+
+    def release(self, slot: int) -> int | None:
+        """Free ``slot``; the last active slot moves into it. Returns the slot that moved (whose
+        request now lives at ``slot``), or None."""
+        last = self.active - 1
+        if not 0 <= slot <= last:
+            raise IndexError(f"slot {slot} is not active (active {self.active})")
+        moved = None
+        if slot != last:
+            n = self.lens[last]
+            self.k[:, slot, :, :n].copy_(self.k[:, last, :, :n])
+            self.v[:, slot, :, :n].copy_(self.v[:, last, :, :n])
+            self.lens[slot] = n
+            moved = last
+        self.lens[last] = 0
+        self.active -= 1
+        return moved
+
+    # --- the step --------------------------------------------------------------------------
+    def step(self, tokens: list[int]) -> list[int]:
+        """One greedy step of every active request: ``tokens[s]`` is slot ``s``'s newest token
+        (at position ``lens[s]``); returns each slot's next token and grows every slot by one."""
+        b = self.active
+        if len(tokens) != b or b == 0:
+            raise ValueError(f"step needs one token per active slot ({b}), got {len(tokens)}")
+        for s in range(b):
+            if self.lens[s] >= self.max_len:
+                raise DecodeCapacityError(f"slot {s} is full ({self.max_len} tokens)")
+        bb = next(x for x in BATCH_BUCKETS + (self.max_batch,) if x >= b)
+        bb = min(bb, self.max_batch)
+        span = min(bucket(max(self.lens[:b]) + 1), self.max_len)
+        host_tok = torch.zeros(bb, dtype=torch.long)
+        host_tok[:b] = torch.tensor(tokens, dtype=torch.long)
+        host_pos = torch.zeros(bb, dtype=torch.long)
+        host_pos[:b] = torch.tensor(self.lens[:b], dtype=torch.long)
+        self._tok[:bb].copy_(host_tok, non_blocking=False)
+        self._pos[:bb].copy_(host_pos, non_blocking=False)
+        if self.graphs:
+            self._replay(bb, span)
+        else:
+            with torch.no_grad():
+                self._compute(bb, span)
+        out = self._out[:b].tolist()
+        for s in range(b):
+            self.lens[s] += 1
+        return out
+
+    def _replay(self, bb: int, span: int) -> None:
+        g = self._captured.get((bb, span))
+        if g is None:
+            g = self._capture(bb, span)
+        g.replay()
+
+    def _capture(self, bb: int, span: int) -> torch.cuda.CUDAGraph:
+        """Capture the step of ``bb`` rows over ``span`` positions. The warm-up runs write K/V of
+        the current inputs at the current positions, which the replay rewrites identically, and
+        rows past the active ones only touch free slots."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):
+                self._compute(bb, span)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g, pool=self._pool):
+            self._compute(bb, span)
+        self._captured[(bb, span)] = g
+        self.captures += 1
+        return g
+
+    def _compute(self, bb: int, span: int) -> None:
+        """The step's arithmetic on the static buffers (no host sync, so it can be captured)."""
+        m = self.model.model
+        tok, pos, rows = self._tok[:bb], self._pos[:bb], self._rows[:bb]
+        h = m.embed_tokens(tok)                                          # (bb, hidden)
+        cos, sin = m.rotary_emb(h, pos[:, None])                         # (bb, 1, head_dim)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]                # (bb, 1, 1, d)
+        # additive mask over the span: 0 up to each row's position, dtype-min after (as eager)
+        allowed = self._spans[:span][None, :] <= pos[:, None]            # (bb, span)
+        mask = torch.zeros((bb, span), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        mask = mask[:, None, None, :]                                    # (bb, 1, 1, span)
+        kvh, g, d = self.kv_heads, self.groups, self.head_dim
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(bb, kvh, g, d)
+            k = attn.k_proj(x).view(bb, kvh, 1, d)
+            v = attn.v_proj(x).view(bb, kvh, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = (k * cos + _rotate_half(k) * sin).view(bb, kvh, d)
+            self.k[i, rows, :, pos] = k
+            self.v[i, rows, :, pos] = v
+            keys = self.k[i, :bb, :, :span]                              # (bb, kvh, span, d)
+            values = self.v[i, :bb, :, :span]
+            scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # (bb, kvh, g, span)
+            scores = scores + mask
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+            o = torch.matmul(probs, values).reshape(bb, kvh * g * d)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = m.norm(h)
+        logits = self.model.lm_head(h)
+        self._out[:bb].copy_(torch.argmax(logits, dim=-1))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def cache_bytes_for(model: Any, max_batch: int, max_len: int) -> int:
+    """Device bytes a :class:`BatchDecoder` of these sizes allocates for its cache."""
+    cfg = model.config
+    itemsize = model.lm_head.weight.element_size()
+    max_len = -(-max_len // MIN_BUCKET) * MIN_BUCKET
+    return (2 * cfg.num_hidden_layers * max_batch * cfg.num_key_value_heads * max_len
+            * cfg.head_dim * itemsize)
+
+
+def bench_rows(model: Any, *, context: int, steps: int, batches: list[int],
+               floor_ms: float) -> list[dict[str, Any]]:
+    """TPOT of the batched step at each batch size, with and without CUDA graphs, after a
+    ``context``-token prompt of random KV (``bench/model_speed.py``)."""
+    import time
+    rows: list[dict[str, Any]] = []
+    cfg = model.config
+    for graphs in (False, True):
+        for b in batches:
+            dec = BatchDecoder(model, max_batch=max(batches), max_len=context + steps + 8,
+                               graphs=graphs)
+            shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
+            layers = [(torch.randn(shape, dtype=dec.dtype, device=dec.device),
+                       torch.randn(shape, dtype=dec.dtype, device=dec.device))
+                      for _ in range(cfg.num_hidden_layers)]
+            for _ in range(b):
+                dec.admit(layers)
+            del layers
+            toks = [1] * b
+            for _ in range(3):
+                toks = dec.step(toks)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                toks = dec.step(toks)
+            tpot = (time.perf_counter() - t0) / steps * 1e3
+            rows.append({"what": "decode-batched", "attn": "grouped", "batch": b,
+                         "context": context, "graphs": graphs, "tpot_ms": tpot,
+                         "x_floor": tpot / floor_ms, "captures": dec.captures,
+                         "cache_gib": dec.cache_bytes / 2**30})
+            print(f"decode-batched graphs={graphs} batch={b}: {tpot:.2f} ms/step "
+                  f"({tpot / floor_ms:.2f}x floor)", flush=True)
+            del dec
+            torch.cuda.empty_cache()
+    return rows
+
+
+__all__ = ["BatchDecoder", "DecodeCapacityError", "bucket", "cache_bytes_for", "bench_rows",
+           "MIN_BUCKET", "BATCH_BUCKETS"]
