@@ -32,8 +32,8 @@ def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
 def first_pass(model: torch.nn.Module, ids: list[int]) -> tuple[int, list]:
     cache = build_cache(model.config.num_hidden_layers)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), **cache_kwargs(model, cache), use_cache=True,
-                    logits_to_keep=1)
+        out = model(input_ids=torch.tensor([ids], device=model.lm_head.weight.device),
+                    **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     return int(out.logits[0, -1].argmax()), [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -71,6 +71,14 @@ def test_batch_decoder_matches_reference_with_staggered_joins(model: torch.nn.Mo
     assert seen_batch == 4
     for i, ref in enumerate(refs):
         assert out[i][:N_NEW] == ref, f"prompt {i}"
+
+
+def test_buckets_cover_every_step(model: torch.nn.Module) -> None:
+    dec = BatchDecoder(model, max_batch=8, max_len=9000)
+    assert dec.max_len == 9216                 # whole smallest buckets
+    spans = [256, 512, 1024, 2048, 4096, 8192, 9216]
+    assert dec.buckets() == [(b, s) for b in (1, 2, 4, 8) for s in spans]
+    assert dec.capture_all() == 0              # the CPU runs steps eagerly
 
 
 def test_batch_decoder_capacity(model: torch.nn.Module) -> None:
@@ -190,6 +198,23 @@ def test_cuda_graph_steps_equal_eager_steps() -> None:
     runs = []
     for graphs in (False, True):
         dec = BatchDecoder(model, max_batch=4, max_len=1024, graphs=graphs)
+        if graphs:   # a capture on another thread while this one keeps launching work
+            import threading
+            stop = threading.Event()
+
+            def other_work() -> None:
+                x = torch.ones(1 << 20, device="cuda")
+                while not stop.is_set():
+                    x.mul_(1.0)
+                    torch.cuda.current_stream().query()
+
+            worker = threading.Thread(target=other_work)
+            worker.start()
+            try:
+                assert dec.capture_all() == len(dec.buckets()) == 3 * 3   # batches 1,2,4 x spans
+            finally:
+                stop.set()
+                worker.join()
         tokens = []
         for p in ps:
             t, layers = first_pass(model, p)
@@ -199,5 +224,5 @@ def test_cuda_graph_steps_equal_eager_steps() -> None:
             for seq, t in zip(tokens, dec.step([seq[-1] for seq in tokens])):
                 seq.append(t)
         runs.append(tokens)
-        assert dec.captures == (1 if graphs else 0)    # one (batch 4, span 512) graph
+        assert dec.captures == (9 if graphs else 0)    # no capture while serving
     assert runs[0] == runs[1]

@@ -172,6 +172,32 @@ class BatchDecoder:
             self.lens[s] += 1
         return out
 
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every ``(batch, span)`` a step of this decoder can use."""
+        batches = sorted({min(x, self.max_batch) for x in BATCH_BUCKETS + (self.max_batch,)})
+        spans: list[int] = []
+        span = MIN_BUCKET
+        while True:
+            spans.append(min(span, self.max_len))
+            if span >= self.max_len:
+                break
+            span *= 2
+        return [(b, s) for b in batches for s in spans]
+
+    def capture_all(self) -> int:
+        """Capture the step of every bucket now (a worker does it before it serves: a capture
+        costs ~100 ms of the GPU on the 8B geometry, which would land on some request's
+        TPOT). Returns how many were captured; a CPU decoder captures none."""
+        if not self.graphs:
+            return 0
+        n = 0
+        for key in self.buckets():
+            if key not in self._captured:
+                self._capture(*key)
+                n += 1
+        torch.cuda.synchronize(self.device)
+        return n
+
     def _replay(self, bb: int, span: int) -> None:
         g = self._captured.get((bb, span))
         if g is None:
@@ -191,7 +217,12 @@ class BatchDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(g, pool=self._pool):
+        # thread_local: the worker's other threads (the engine's copies and event queries on
+        # the event loop) keep using CUDA while this thread captures; in the default global
+        # mode their calls fail (cudaErrorStreamCaptureUnsupported) and void the capture, as
+        # the first H100 serving run of the batcher showed
+        with torch.no_grad(), torch.cuda.graph(g, pool=self._pool,
+                                               capture_error_mode="thread_local"):
             self._compute(bb, span)
         self._captured[(bb, span)] = g
         self.captures += 1
