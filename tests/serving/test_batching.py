@@ -77,8 +77,28 @@ def test_buckets_cover_every_step(model: torch.nn.Module) -> None:
     dec = BatchDecoder(model, max_batch=8, max_len=9000)
     assert dec.max_len == 9216                 # whole smallest buckets
     spans = [256, 512, 1024, 2048, 4096, 8192, 9216]
-    assert dec.buckets() == [(b, s) for b in (1, 2, 4, 8) for s in spans]
+    assert dec.buckets() == ([("step", b, s) for b in (1, 2, 4, 8) for s in spans]
+                             + [("extend", n, s) for n in (1, 2, 4, 8, 16) for s in spans])
     assert dec.capture_all() == 0              # the CPU runs steps eagerly
+
+
+def test_extend_matches_reference_and_checks_its_tail(model: torch.nn.Module) -> None:
+    dec = BatchDecoder(model, max_batch=2, max_len=MIN_BUCKET)
+    for n in (40, 47, 33):                     # tails of 8, 15 and 1 tokens after 32 past
+        ids = prompts(n, seed=n)[0]
+        ref = reference_generate(model, ids, 6)
+        token = dec.admit_extend(list(prefill(model, ids[:32]).kv), 32, ids[32:])
+        out = [token]
+        while len(out) < 6:
+            out.append(dec.step([out[-1]])[0])
+        assert out == ref, n
+        dec.release(0)
+    kv = list(prefill(model, prompts(60)[0]).kv)
+    with pytest.raises(ValueError, match="1..16 tokens"):
+        dec.admit_extend(kv, 32, list(range(17)))
+    with pytest.raises(DecodeCapacityError, match="no room"):
+        dec.admit_extend(kv, MIN_BUCKET - 4, [1, 2, 3])
+    assert dec.extends == 3 and dec.active == 0
 
 
 def test_batch_decoder_capacity(model: torch.nn.Module) -> None:
@@ -167,6 +187,27 @@ async def test_batcher_failure_and_cancellation_stay_with_their_request(
         await batcher.aclose()
 
 
+async def test_batcher_streams_layers_when_the_kv_is_not_in_hand(model: torch.nn.Module) -> None:
+    """Not ``ready()`` and nobody decoding: transformers' pass waits layer by layer (overlapping
+    a prefill still producing), not the extend, which needs every layer first."""
+    ids = prompts(70, seed=5)[0]
+    asked: list[int] = []
+    source = layer_source(model, ids, 64, delay=0.002)
+
+    async def get_layer(i: int) -> torch.Tensor:
+        asked.append(i)
+        return await source(i)
+    batcher = DecodeBatcher(model, max_batch=2, max_len=512)
+    try:
+        got = await batcher.generate(ids, get_layer=get_layer, past_len=64,
+                                     max_new_tokens=N_NEW, ready=lambda: False)
+    finally:
+        await batcher.aclose()
+    assert got == reference_generate(model, ids, N_NEW)
+    assert asked == list(range(model.config.num_hidden_layers))
+    assert batcher.decoder.extends == 0 and batcher.decoder.active == 0
+
+
 async def test_batcher_long_request_runs_alone_and_eos_ends_early(model: torch.nn.Module) -> None:
     batcher = DecodeBatcher(model, max_batch=2, max_len=MIN_BUCKET)
     try:
@@ -211,18 +252,23 @@ def test_cuda_graph_steps_equal_eager_steps() -> None:
             worker = threading.Thread(target=other_work)
             worker.start()
             try:
-                assert dec.capture_all() == len(dec.buckets()) == 3 * 3   # batches 1,2,4 x spans
+                # steps of batches 1, 2, 4 and extends of 1..16 tokens, x spans 256-1024
+                assert dec.capture_all() == len(dec.buckets()) == 3 * 3 + 5 * 3
             finally:
                 stop.set()
                 worker.join()
         tokens = []
-        for p in ps:
-            t, layers = first_pass(model, p)
-            dec.admit(layers)
+        for p in ps:   # the first through transformers' pass, the others through extends
+            if not tokens:
+                t, layers = first_pass(model, p)
+                dec.admit(layers)
+            else:
+                past = (len(p) - 1) // 16 * 16
+                t = dec.admit_extend(list(prefill(model, p[:past]).kv), past, p[past:])
             tokens.append([t])
         for _ in range(20):
             for seq, t in zip(tokens, dec.step([seq[-1] for seq in tokens])):
                 seq.append(t)
         runs.append(tokens)
-        assert dec.captures == (9 if graphs else 0)    # no capture while serving
+        assert dec.captures == (24 if graphs else 0)   # no capture while serving
     assert runs[0] == runs[1]

@@ -43,13 +43,15 @@ def long_prompt(model) -> tuple[list[int], list[int]]:
     pytest.fail("no candidate prompt decodes LONG tokens without the EOS")
 
 
+@pytest.mark.parametrize("first_pass", ["stream", "extend"])
 async def test_a_waiting_request_holds_its_kv_before_it_gets_the_compute_slot(
-        model, region_path, tmp_path) -> None:
+        model, region_path, tmp_path, first_pass) -> None:
     from tract_async.serving.model import reference_generate
     first, first_ref = long_prompt(model)
     second = [256] + [(11 * i + 3) % 250 for i in range(4 * T - 1)]
     rack = Rack(mode="region-transfer", region=region_path, log_dir=str(tmp_path), seed=0,
-                block_tokens=T, region_bytes=64 << 20, torch_threads=1, layer_timeout_s=60.0)
+                block_tokens=T, region_bytes=64 << 20, torch_threads=1, layer_timeout_s=60.0,
+                first_pass=first_pass)
     async with rack, aiohttp.ClientSession() as session:
         url = rack.router_url
         started = asyncio.Event()

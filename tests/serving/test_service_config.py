@@ -66,3 +66,19 @@ def test_load_benchmark_service_options_reach_the_racks() -> None:
         resolve_args(["--size", "smoke", "--service-opt", "nosuch=1"])
     args = resolve_args(["--size", "smoke", "--service-opt", "decode:early_reads=0"])
     assert args.service_opt == ["decode:early_reads=0"]
+
+
+@pytest.mark.parametrize("bad", [{"attn": "flash"}, {"decode_batch": -1}, {"decode_max_len": 1},
+                                 {"first_pass": "eager"}])
+def test_bad_model_and_batch_options_are_refused(bad) -> None:
+    with pytest.raises(ServiceConfigError):
+        ServiceConfig(role="decode", mode="recompute", **bad)
+
+
+def test_attention_is_sdpa_on_cuda_and_eager_on_the_cpu() -> None:
+    from tract_async.serving.service import attn_implementation
+    assert attn_implementation(ServiceConfig(role="decode", mode="recompute")) == "eager"
+    assert attn_implementation(ServiceConfig(role="decode", mode="recompute",
+                                             device="cuda:0")) == "sdpa"
+    assert attn_implementation(ServiceConfig(role="decode", mode="recompute", device="cuda",
+                                             attn="eager")) == "eager"

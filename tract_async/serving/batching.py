@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from tract_async.serving.errors import NothingToCompute
-from tract_async.serving.fast_decode import BatchDecoder
+from tract_async.serving.fast_decode import EXTEND_BUCKETS, BatchDecoder
 from tract_async.serving.kv_cache import build_cache
 from tract_async.serving.model import _as_ids, cache_kwargs, greedy_continue
-from tract_async.serving.streaming import GetLayer, Abort, Aborted, layer_fetcher
+from tract_async.serving.streaming import GetLayer, Abort, Aborted, layer_reader
 
 
 class _Job:
@@ -43,6 +43,7 @@ class _Job:
 
     def __init__(self, ids: list[int], past_len: int, max_new_tokens: int,
                  eos_token_id: int | None, fetch: Callable[[int], torch.Tensor] | None,
+                 fetch_all: Callable[[], list[torch.Tensor]] | None,
                  emit: Callable[[int], None], ready: Callable[[], bool] | None,
                  on_start: Callable[[], None] | None, abort: Abort) -> None:
         self.ids = ids
@@ -50,6 +51,7 @@ class _Job:
         self.max_new_tokens = max_new_tokens
         self.eos = eos_token_id
         self.fetch = fetch
+        self.fetch_all = fetch_all
         self.emit = emit
         self.ready = ready
         self.on_start = on_start
@@ -120,17 +122,30 @@ class DecodeBatcher:
             return []
         loop = asyncio.get_running_loop()
         abort = Abort()
-        fetch = None
+        fetch: Callable[[int], torch.Tensor] | None = None
+        fetch_all: Callable[[], list[torch.Tensor]] | None = None
         if past_len > 0:
             if get_layer is None:
                 raise ValueError("past_len > 0 needs get_layer")
-            fetch = layer_fetcher(self.model, get_layer, past_len, layer_timeout, abort, loop)
+            read = layer_reader(self.model, get_layer, past_len, layer_timeout)
+            num_layers = self.model.config.num_hidden_layers
+
+            async def read_all() -> list[torch.Tensor]:
+                return [await read(i) for i in range(num_layers)]
+
+            def fetch_one(i: int) -> torch.Tensor:          # one layer, thread side
+                return abort.submit(read(i), loop)
+
+            def fetch_every() -> list[torch.Tensor]:        # every layer in one round trip
+                return abort.submit(read_all(), loop)       # type: ignore[arg-type,return-value]
+
+            fetch, fetch_all = fetch_one, fetch_every
 
         def emit(token: int) -> None:
             if on_token is not None:
                 loop.call_soon_threadsafe(on_token, token)
 
-        job = _Job(ids, past_len, max_new_tokens, eos_token_id, fetch, emit,
+        job = _Job(ids, past_len, max_new_tokens, eos_token_id, fetch, fetch_all, emit,
                    ready if past_len > 0 else None, on_start, abort)
         self._start()
         with self._cond:
@@ -212,11 +227,27 @@ class DecodeBatcher:
                 job.fail(exc)
 
     def _first_pass(self, job: _Job, *, alone: bool) -> None:
-        """The prompt tokens after ``past_len`` (waiting for each layer's KV), the first token,
-        then a slot, or, for ``alone``, the whole generation with transformers' step."""
+        """The prompt tokens after ``past_len``, the first token, then a slot; for ``alone``,
+        the whole generation with transformers' step.
+
+        Two forms. With the KV in hand (``ready()``, or a source that has it all) and a tail of
+        at most ``EXTEND_BUCKETS[-1]`` tokens, the decoder's extend (one graph replay on a GPU).
+        Otherwise transformers' pass, whose layer ``i`` waits for layer ``i``'s KV: it overlaps
+        a prefill still producing layers (only run while no batch is waiting on this thread)
+        and computes a whole prompt in recompute mode (SDPA: compute-bound, not launch-bound).
+        """
         model = self.model
         if job.on_start is not None:
             job.on_start()
+        tail_len = len(job.ids) - job.past_len
+        if (not alone and job.fetch_all is not None and tail_len <= EXTEND_BUCKETS[-1]
+                and (job.ready is None or job.ready())):
+            past = job.fetch_all()
+            job.add(self.decoder.admit_extend(past, job.past_len, job.ids[job.past_len:]))
+            self._slots.append(job)
+            if job.finished:
+                self._release(len(self._slots) - 1).succeed()
+            return
         num_layers = model.config.num_hidden_layers
         if job.fetch is not None:
             cache = build_cache(num_layers, pending_past_len=job.past_len, fetch=job.fetch)

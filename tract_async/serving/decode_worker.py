@@ -224,6 +224,8 @@ class DecodeWorker:
             if stream is not None:
                 events.append(("early_reads", now()))
                 stream.start()
+                if self.cfg.first_pass == "extend":
+                    await stream.all_read()
             await self.batcher.generate(
                 list(req.prompt_ids), get_layer=get_layer, past_len=past_len,
                 max_new_tokens=req.max_tokens, on_token=on_token, eos_token_id=eos,

@@ -37,6 +37,9 @@ import torch
 MIN_BUCKET = 256
 #: The batch sizes a step is built for (a batch of 3 runs the step of 4 with a row idle).
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+#: Token counts an extend (a request's first pass after its transferred blocks: the partial
+#: last block and the last prompt token) is built for; a longer tail takes transformers' pass.
+EXTEND_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
 
 
 def bucket(n: int, *, minimum: int = MIN_BUCKET) -> int:
@@ -91,10 +94,16 @@ class BatchDecoder:
         self._pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._out = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._rows = torch.arange(max_batch, device=self.device)
+        ne = EXTEND_BUCKETS[-1]
+        self._etok = torch.zeros(ne, dtype=torch.long, device=self.device)
+        self._epos = torch.zeros(ne, dtype=torch.long, device=self.device)
+        self._eslot = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._elast = torch.zeros(1, dtype=torch.long, device=self.device)
         self._spans = torch.arange(self.max_len, device=self.device)
-        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._captured: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.captures = 0
+        self.extends = 0                     # first passes run here (admit_extend)
 
     @property
     def cache_bytes(self) -> int:
@@ -121,6 +130,45 @@ class BatchDecoder:
         self.lens[s] = n
         self.active += 1
         return s
+
+    def admit_extend(self, past: list[torch.Tensor], past_len: int, tail: list[int]) -> int:
+        """A request's first pass on the decoder: copy its transferred KV (per layer, engine
+        layout ``(2, >= past_len, kv_heads, head_dim)``) into the next free slot, compute the
+        ``tail`` tokens after it (the partial last block and the last prompt token; at most
+        ``EXTEND_BUCKETS[-1]``) and return the first generated token. On a GPU that is one
+        graph replay where transformers' pass costs 50-110 ms of Python launches once the KV
+        is in hand (the H100 serving run at 3beb584). Raises DecodeCapacityError when no slot
+        is free or the tail does not fit, ValueError for a tail outside the buckets."""
+        n = len(tail)
+        if not 1 <= n <= EXTEND_BUCKETS[-1]:
+            raise ValueError(f"an extend takes 1..{EXTEND_BUCKETS[-1]} tokens, got {n}")
+        if self.active >= self.max_batch:
+            raise DecodeCapacityError(f"all {self.max_batch} decode slots are busy")
+        nb = next(x for x in EXTEND_BUCKETS if x >= n)
+        if past_len + nb >= self.max_len:
+            raise DecodeCapacityError(f"a {past_len + n}-token context leaves no room in "
+                                      f"max_len {self.max_len}")
+        s = self.active
+        for i, kv in enumerate(past):
+            self.k[i, s, :, :past_len].copy_(kv[0, :past_len].transpose(0, 1))
+            self.v[i, s, :, :past_len].copy_(kv[1, :past_len].transpose(0, 1))
+        host_tok = torch.zeros(nb, dtype=torch.long)
+        host_tok[:n] = torch.tensor(tail, dtype=torch.long)
+        self._etok[:nb].copy_(host_tok)
+        self._epos[:nb].copy_(torch.arange(past_len, past_len + nb, dtype=torch.long))
+        self._eslot.fill_(s)
+        self._elast.fill_(n - 1)
+        span = min(bucket(past_len + nb), self.max_len)
+        if self.graphs:
+            self._replay("extend", nb, span)
+        else:
+            with torch.no_grad():
+                self._compute_extend(nb, span)
+        token = int(self._out[0].item())
+        self.extends += 1
+        self.lens[s] = past_len + n
+        self.active += 1
+        return token
 
     def room(self, slot: int) -> int:
         """How many more tokens slot ``slot`` can take."""
@@ -163,7 +211,7 @@ class BatchDecoder:
         self._tok[:bb].copy_(host_tok, non_blocking=False)
         self._pos[:bb].copy_(host_pos, non_blocking=False)
         if self.graphs:
-            self._replay(bb, span)
+            self._replay("step", bb, span)
         else:
             with torch.no_grad():
                 self._compute(bb, span)
@@ -172,8 +220,9 @@ class BatchDecoder:
             self.lens[s] += 1
         return out
 
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every ``(batch, span)`` a step of this decoder can use."""
+    def buckets(self) -> list[tuple[str, int, int]]:
+        """Every ``(kind, rows, span)`` this decoder can run: kind ``step`` (rows: the batch)
+        and ``extend`` (rows: the tail's tokens)."""
         batches = sorted({min(x, self.max_batch) for x in BATCH_BUCKETS + (self.max_batch,)})
         spans: list[int] = []
         span = MIN_BUCKET
@@ -182,7 +231,8 @@ class BatchDecoder:
             if span >= self.max_len:
                 break
             span *= 2
-        return [(b, s) for b in batches for s in spans]
+        return ([("step", b, s) for b in batches for s in spans]
+                + [("extend", n, s) for n in EXTEND_BUCKETS for s in spans if n < s])
 
     def capture_all(self) -> int:
         """Capture the step of every bucket now (a worker does it before it serves: a capture
@@ -198,21 +248,23 @@ class BatchDecoder:
         torch.cuda.synchronize(self.device)
         return n
 
-    def _replay(self, bb: int, span: int) -> None:
-        g = self._captured.get((bb, span))
+    def _replay(self, kind: str, rows: int, span: int) -> None:
+        g = self._captured.get((kind, rows, span))
         if g is None:
-            g = self._capture(bb, span)
+            g = self._capture(kind, rows, span)
         g.replay()
 
-    def _capture(self, bb: int, span: int) -> torch.cuda.CUDAGraph:
-        """Capture the step of ``bb`` rows over ``span`` positions. The warm-up runs write K/V of
-        the current inputs at the current positions, which the replay rewrites identically, and
-        rows past the active ones only touch free slots."""
+    def _capture(self, kind: str, rows: int, span: int) -> torch.cuda.CUDAGraph:
+        """Capture the step (or extend) of ``rows`` rows over ``span`` positions. The warm-up
+        runs write K/V of the current inputs at the current positions, which the replay
+        rewrites identically, and rows past the real ones only touch free slots or positions
+        past a slot's length."""
+        compute = self._compute if kind == "step" else self._compute_extend
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(2):
-                self._compute(bb, span)
+                compute(rows, span)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -223,8 +275,8 @@ class BatchDecoder:
         # the first H100 serving run of the batcher showed
         with torch.no_grad(), torch.cuda.graph(g, pool=self._pool,
                                                capture_error_mode="thread_local"):
-            self._compute(bb, span)
-        self._captured[(bb, span)] = g
+            compute(rows, span)
+        self._captured[(kind, rows, span)] = g
         self.captures += 1
         return g
 
@@ -262,6 +314,46 @@ class BatchDecoder:
         h = m.norm(h)
         logits = self.model.lm_head(h)
         self._out[:bb].copy_(torch.argmax(logits, dim=-1))
+
+
+    def _compute_extend(self, nb: int, span: int) -> None:
+        """``nb`` tokens of one slot (``_eslot``) at positions ``_epos``, causal among
+        themselves and attending to the slot's cache; the logits of row ``_elast`` give
+        ``_out[0]``. Rows past the tail's end compute unused values and write K/V past the
+        slot's length, which later steps overwrite."""
+        m = self.model.model
+        tok, pos, slot = self._etok[:nb], self._epos[:nb], self._eslot
+        h = m.embed_tokens(tok)                                          # (nb, hidden)
+        cos, sin = m.rotary_emb(h, pos[None, :])                         # (1, nb, d)
+        cos, sin = cos[0][:, None, None, :], sin[0][:, None, None, :]    # (nb, 1, 1, d)
+        allowed = self._spans[:span][None, :] <= pos[:, None]            # (nb, span)
+        mask = torch.zeros((nb, span), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        mask = mask[None, :, None, :]                                    # (1, nb, 1, span)
+        slots = slot.expand(nb)
+        kvh, g, d = self.kv_heads, self.groups, self.head_dim
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(nb, kvh, g, d)
+            k = attn.k_proj(x).view(nb, kvh, 1, d)
+            v = attn.v_proj(x).view(nb, kvh, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = (k * cos + _rotate_half(k) * sin).view(nb, kvh, d)
+            self.k[i, slots, :, pos] = k
+            self.v[i, slots, :, pos] = v
+            keys = self.k[i, :, :, :span].index_select(0, slot)[0]         # (kvh, span, d)
+            values = self.v[i, :, :, :span].index_select(0, slot)[0]
+            qh = q.permute(1, 0, 2, 3).reshape(kvh, nb * g, d)
+            scores = torch.matmul(qh, keys.transpose(1, 2)) * self.scaling  # (kvh, nb*g, span)
+            scores = scores.view(kvh, nb, g, span) + mask
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+            o = torch.matmul(probs.view(kvh, nb * g, span), values)         # (kvh, nb*g, d)
+            o = o.view(kvh, nb, g, d).permute(1, 0, 2, 3).reshape(nb, kvh * g * d)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = m.norm(h.index_select(0, self._elast))                     # (1, hidden)
+        self._out[:1].copy_(torch.argmax(self.model.lm_head(last), dim=-1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -316,4 +408,4 @@ def bench_rows(model: Any, *, context: int, steps: int, batches: list[int],
 
 
 __all__ = ["BatchDecoder", "DecodeCapacityError", "bucket", "cache_bytes_for", "bench_rows",
-           "MIN_BUCKET", "BATCH_BUCKETS"]
+           "MIN_BUCKET", "BATCH_BUCKETS", "EXTEND_BUCKETS"]

@@ -101,6 +101,12 @@ class LayerStream:
         the decode batcher's compute thread asks it before admitting a request."""
         return all(f is not None and f.done() for f in self._results)
 
+    async def all_read(self) -> None:
+        """Wait until :attr:`settled` (starting the reader if needed); never raises a layer's
+        error (whoever asks for that layer gets it)."""
+        self.start()
+        await asyncio.wait([self._future(j) for j in range(self.num_layers)])
+
     def start(self) -> None:
         """Begin reading now, before any layer is asked for (the decode worker calls it when a
         request arrives, so its reads overlap its wait for the compute slot). With ``ahead``

@@ -48,7 +48,14 @@ class ServiceConfig:
     5 ms). On the H100 serving run of 2026-12-06 at 3aec45b (``bench/results/gpu-20261206-s38``)
     the decode worker, reading queued requests' layers while it generated, had a TPOT 19 %
     above rdma-model's, and layers of the request it streamed reached it 50-115 ms after their
-    publication."""
+    publication.
+
+    ``first_pass`` is what a decode worker with nobody decoding does with a request whose
+    prefill is still producing layers: ``stream`` computes its first pass layer by layer as the
+    KV lands (the last layer's compute is all that is left when it arrives, but the pass runs
+    beside the prefill on a shared GPU); ``extend`` waits for every layer and then runs the
+    batch decoder's extend (one graph replay). A request joining a running batch always
+    extends."""
 
     role: str
     mode: str = "region-cache"
@@ -65,6 +72,7 @@ class ServiceConfig:
     attn: str = "auto"                # auto: sdpa on a CUDA device, eager on the CPU
     decode_batch: int = 8             # decode: requests one step serves (0: one at a time)
     decode_max_len: int = 9216        # decode: tokens (prompt + generated) a batch slot holds
+    first_pass: str = "stream"        # decode, idle: stream (layer by layer) or extend (see below)
     # the region (region modes)
     region: str | None = None
     region_bytes: int = 256 << 20
@@ -105,6 +113,8 @@ class ServiceConfig:
             raise ServiceConfigError(f"block_tokens must be positive, got {self.block_tokens}")
         if self.attn not in ("auto", "eager", "sdpa"):
             raise ServiceConfigError(f"attn must be auto, eager or sdpa, got {self.attn!r}")
+        if self.first_pass not in ("stream", "extend"):
+            raise ServiceConfigError(f"first_pass must be stream or extend, got {self.first_pass!r}")
         if self.decode_batch < 0 or self.decode_max_len < 2:
             raise ServiceConfigError(f"decode_batch must be >= 0 and decode_max_len >= 2, got "
                                      f"{self.decode_batch} and {self.decode_max_len}")

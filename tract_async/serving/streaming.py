@@ -186,21 +186,18 @@ async def prefill_streaming(
     return result
 
 
-def layer_fetcher(
+def layer_reader(
     model: LlamaForCausalLM,
     get_layer: GetLayer,
     past_len: int,
     layer_timeout: float | None,
-    abort: Abort,
-    loop: asyncio.AbstractEventLoop,
-) -> Callable[[int], torch.Tensor]:
-    """The thread-side ``fetch(i)`` of a cache whose past arrives layer by layer: it runs
-    ``get_layer(i)`` on the loop under ``layer_timeout``, checks the tensor and keeps the first
-    ``past_len`` tokens."""
+) -> Callable[[int], Awaitable[torch.Tensor]]:
+    """The loop-side ``await read(i)``: ``get_layer(i)`` under ``layer_timeout``, the tensor
+    checked against the model's geometry and cut to the first ``past_len`` tokens."""
     cfg = model.config
     dtype = model.lm_head.weight.dtype
 
-    async def fetch_layer(layer_index: int) -> torch.Tensor:
+    async def read(layer_index: int) -> torch.Tensor:
         try:
             async with asyncio.timeout(layer_timeout):
                 kv_layer = await get_layer(layer_index)
@@ -214,8 +211,23 @@ def layer_fetcher(
                  dtype=dtype, min_tokens=past_len, what=f"get_layer({layer_index})")
         return kv_layer[:, :past_len]
 
+    return read
+
+
+def layer_fetcher(
+    model: LlamaForCausalLM,
+    get_layer: GetLayer,
+    past_len: int,
+    layer_timeout: float | None,
+    abort: Abort,
+    loop: asyncio.AbstractEventLoop,
+) -> Callable[[int], torch.Tensor]:
+    """The thread-side ``fetch(i)`` of a cache whose past arrives layer by layer: it runs
+    :func:`layer_reader`'s ``read(i)`` on the loop and blocks the calling thread for it."""
+    read = layer_reader(model, get_layer, past_len, layer_timeout)
+
     def fetch(layer_index: int) -> torch.Tensor:
-        return abort.submit(fetch_layer(layer_index), loop)
+        return abort.submit(read(layer_index), loop)
 
     return fetch
 
