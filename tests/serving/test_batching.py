@@ -101,6 +101,28 @@ def test_extend_matches_reference_and_checks_its_tail(model: torch.nn.Module) ->
     assert dec.extends == 3 and dec.active == 0
 
 
+def test_streamed_extend_equals_whole_extend(model: torch.nn.Module) -> None:
+    dec = BatchDecoder(model, max_batch=2, max_len=MIN_BUCKET)
+    ids = prompts(45, seed=9)[0]
+    past = list(prefill(model, ids[:32]).kv)
+    whole = dec.admit_extend(past, 32, ids[32:])
+    with pytest.raises(RuntimeError, match="no extend is streaming"):
+        dec.stream_layer(0, past[0])
+    dec.stream_begin(32, ids[32:])
+    with pytest.raises(RuntimeError, match="already streaming"):
+        dec.stream_begin(32, ids[32:])
+    for i, kv in enumerate(past):
+        dec.stream_layer(i, kv)
+    assert dec.stream_end() == whole == reference_generate(model, ids, 1)[0]
+    assert dec.active == 2 and dec.lens[:2] == [45, 45]
+    a, b = dec.step([whole, whole])
+    assert a == b == reference_generate(model, ids, 2)[1]
+    dec.release(1)
+    dec.stream_begin(32, ids[32:])
+    dec.stream_abort()                         # the reserved slot was never made active
+    assert dec.active == 1 and dec.streams == 1
+
+
 def test_batch_decoder_capacity(model: torch.nn.Module) -> None:
     dec = BatchDecoder(model, max_batch=1, max_len=MIN_BUCKET)
     _, layers = first_pass(model, prompts(MIN_BUCKET)[0])
@@ -188,8 +210,8 @@ async def test_batcher_failure_and_cancellation_stay_with_their_request(
 
 
 async def test_batcher_streams_layers_when_the_kv_is_not_in_hand(model: torch.nn.Module) -> None:
-    """Not ``ready()`` and nobody decoding: transformers' pass waits layer by layer (overlapping
-    a prefill still producing), not the extend, which needs every layer first."""
+    """Not ``ready()`` and nobody decoding: the extend runs layer by layer as the KV lands
+    (overlapping a prefill still producing) instead of waiting for every layer."""
     ids = prompts(70, seed=5)[0]
     asked: list[int] = []
     source = layer_source(model, ids, 64, delay=0.002)
@@ -205,7 +227,8 @@ async def test_batcher_streams_layers_when_the_kv_is_not_in_hand(model: torch.nn
         await batcher.aclose()
     assert got == reference_generate(model, ids, N_NEW)
     assert asked == list(range(model.config.num_hidden_layers))
-    assert batcher.decoder.extends == 0 and batcher.decoder.active == 0
+    assert batcher.decoder.streams == batcher.decoder.extends == 1
+    assert batcher.decoder.active == 0
 
 
 async def test_batcher_long_request_runs_alone_and_eos_ends_early(model: torch.nn.Module) -> None:
@@ -233,7 +256,9 @@ async def test_batcher_long_request_runs_alone_and_eos_ends_early(model: torch.n
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_steps_equal_eager_steps() -> None:
-    """The Llama-3-8B geometry in bf16: graph replays give the eager step's tokens."""
+    """The Llama-3-8B geometry in bf16: graph replays give the eager step's tokens, for a
+    request admitted after transformers' pass, one extended whole and one extended layer by
+    layer."""
     model = build_model(llama3_8b_config(), SEED, device="cuda", init_device="cuda", attn="sdpa")
     ps = [list(range(1000 + 7 * j, 1000 + 7 * j + n)) for j, n in enumerate((40, 300, 129))]
     runs = []
@@ -252,23 +277,30 @@ def test_cuda_graph_steps_equal_eager_steps() -> None:
             worker = threading.Thread(target=other_work)
             worker.start()
             try:
-                # steps of batches 1, 2, 4 and extends of 1..16 tokens, x spans 256-1024
-                assert dec.capture_all() == len(dec.buckets()) == 3 * 3 + 5 * 3
+                n = dec.capture_all(stream=True)
             finally:
                 stop.set()
                 worker.join()
+            # steps of batches 1, 2, 4 and extends of 1..16 tokens over spans 256-1024, and
+            # the streaming parts: prologues, 32 layers and heads
+            assert n == len(dec.buckets(stream=True)) == 3 * 3 + 5 * 3 + 5 * 3 + 32 * 5 * 3 + 5
         tokens = []
-        for p in ps:   # the first through transformers' pass, the others through extends
-            if not tokens:
+        for j, p in enumerate(ps):
+            past = (len(p) - 1) // 16 * 16
+            if j == 0:
                 t, layers = first_pass(model, p)
                 dec.admit(layers)
-            else:
-                past = (len(p) - 1) // 16 * 16
+            elif j == 1:
                 t = dec.admit_extend(list(prefill(model, p[:past]).kv), past, p[past:])
+            else:
+                dec.stream_begin(past, p[past:])
+                for i, kv in enumerate(prefill(model, p[:past]).kv):
+                    dec.stream_layer(i, kv)
+                t = dec.stream_end()
             tokens.append([t])
         for _ in range(20):
             for seq, t in zip(tokens, dec.step([seq[-1] for seq in tokens])):
                 seq.append(t)
         runs.append(tokens)
-        assert dec.captures == (24 if graphs else 0)   # no capture while serving
+        assert dec.captures == (n if graphs else 0)     # no capture while serving
     assert runs[0] == runs[1]

@@ -230,20 +230,31 @@ class DecodeBatcher:
         """The prompt tokens after ``past_len``, the first token, then a slot; for ``alone``,
         the whole generation with transformers' step.
 
-        Two forms. With the KV in hand (``ready()``, or a source that has it all) and a tail of
-        at most ``EXTEND_BUCKETS[-1]`` tokens, the decoder's extend (one graph replay on a GPU).
-        Otherwise transformers' pass, whose layer ``i`` waits for layer ``i``'s KV: it overlaps
-        a prefill still producing layers (only run while no batch is waiting on this thread)
-        and computes a whole prompt in recompute mode (SDPA: compute-bound, not launch-bound).
+        Three forms. A tail of at most ``EXTEND_BUCKETS[-1]`` tokens after transferred KV runs
+        on the decoder: with the KV in hand (``ready()``, or a source that has it all) as one
+        extend; otherwise (only while no batch waits on this thread) layer by layer as the KV
+        lands, overlapping a prefill still producing. Anything else (a whole prompt in
+        recompute mode, a long tail, ``alone``) takes transformers' pass (SDPA on a GPU:
+        compute-bound at those lengths), whose layer ``i`` also waits for layer ``i``'s KV.
         """
         model = self.model
+        dec = self.decoder
         if job.on_start is not None:
             job.on_start()
-        tail_len = len(job.ids) - job.past_len
-        if (not alone and job.fetch_all is not None and tail_len <= EXTEND_BUCKETS[-1]
-                and (job.ready is None or job.ready())):
-            past = job.fetch_all()
-            job.add(self.decoder.admit_extend(past, job.past_len, job.ids[job.past_len:]))
+        tail = job.ids[job.past_len:]
+        if not alone and job.fetch is not None and len(tail) <= EXTEND_BUCKETS[-1]:
+            if job.ready is None or job.ready():
+                token = dec.admit_extend(job.fetch_all(), job.past_len, tail)  # type: ignore[misc]
+            else:
+                dec.stream_begin(job.past_len, tail)
+                try:
+                    for i in range(model.config.num_hidden_layers):
+                        dec.stream_layer(i, job.fetch(i))
+                    token = dec.stream_end()
+                except BaseException:
+                    dec.stream_abort()
+                    raise
+            job.add(token)
             self._slots.append(job)
             if job.finished:
                 self._release(len(self._slots) - 1).succeed()

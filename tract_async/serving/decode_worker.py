@@ -322,7 +322,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             max_len = min(cfg.decode_max_len, w.model.config.max_position_embeddings)
             w.batcher = await asyncio.to_thread(DecodeBatcher, w.model,
                                                 max_batch=cfg.decode_batch, max_len=max_len)
-            await asyncio.to_thread(w.batcher.decoder.capture_all)   # before serving
+            # every graph before serving; the per-layer ones only where a request may stream
+            await asyncio.to_thread(w.batcher.decoder.capture_all,
+                                    stream=cfg.first_pass == "stream")
             stack.push_async_callback(w.batcher.aclose)
         if cfg.mode == "http":
             from tract_async.serving.http_kv import KVImporter

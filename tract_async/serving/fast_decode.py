@@ -99,11 +99,20 @@ class BatchDecoder:
         self._epos = torch.zeros(ne, dtype=torch.long, device=self.device)
         self._eslot = torch.zeros(1, dtype=torch.long, device=self.device)
         self._elast = torch.zeros(1, dtype=torch.long, device=self.device)
+        hidden = cfg.hidden_size
+        # the tail's hidden state: layer i reads _eh[i % 2] and writes _eh[(i + 1) % 2], so that
+        # running a layer twice (a capture's warm-up) gives the same result as once
+        self._eh = torch.zeros(2, ne, hidden, dtype=self.dtype, device=self.device)
+        self._ecos = torch.zeros(ne, 1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        self._esin = torch.zeros_like(self._ecos)
+        self._emask = torch.zeros(1, ne, 1, self.max_len, dtype=self.dtype, device=self.device)
+        self._stream: tuple[int, int, int, int, int] | None = None   # slot, past, n, nb, span
         self._spans = torch.arange(self.max_len, device=self.device)
         self._captured: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.captures = 0
         self.extends = 0                     # first passes run here (admit_extend)
+        self.streams = 0                     # ... of which layer by layer (stream_*)
 
     @property
     def cache_bytes(self) -> int:
@@ -139,6 +148,46 @@ class BatchDecoder:
         graph replay where transformers' pass costs 50-110 ms of Python launches once the KV
         is in hand (the H100 serving run at 3beb584). Raises DecodeCapacityError when no slot
         is free or the tail does not fit, ValueError for a tail outside the buckets."""
+        s, nb, span = self._prepare_extend(past_len, tail)
+        for i, kv in enumerate(past):
+            self._copy_past(i, s, kv, past_len)
+        self._run("extend", nb, span)
+        return self._finish_extend(s, past_len + len(tail))
+
+    def stream_begin(self, past_len: int, tail: list[int]) -> None:
+        """Start an extend whose past arrives layer by layer: ``stream_layer(i, kv)`` for
+        every layer in order, then ``stream_end()`` for the first token (or
+        ``stream_abort()``). Each layer is one graph replay on a GPU, so when the last layer
+        lands only its own compute and the logits are left (~1 ms), where a whole extend
+        waits for every layer; the slot is reserved until the end or the abort. Raises as
+        :meth:`admit_extend`."""
+        if self._stream is not None:
+            raise RuntimeError("an extend is already streaming")
+        s, nb, span = self._prepare_extend(past_len, tail)
+        self._stream = (s, past_len, len(tail), nb, span)
+        self._run("xpro", nb, span)
+
+    def stream_layer(self, i: int, kv: torch.Tensor) -> None:
+        if self._stream is None:
+            raise RuntimeError("no extend is streaming")
+        s, past_len, _, nb, span = self._stream
+        self._copy_past(i, s, kv, past_len)
+        self._run(f"xlayer{i}", nb, span)
+
+    def stream_end(self) -> int:
+        if self._stream is None:
+            raise RuntimeError("no extend is streaming")
+        s, past_len, n, nb, _ = self._stream
+        self._stream = None
+        self._run("xhead", nb, 0)
+        self.streams += 1
+        return self._finish_extend(s, past_len + n)
+
+    def stream_abort(self) -> None:
+        """Forget a streaming extend (its slot was never made active)."""
+        self._stream = None
+
+    def _prepare_extend(self, past_len: int, tail: list[int]) -> tuple[int, int, int]:
         n = len(tail)
         if not 1 <= n <= EXTEND_BUCKETS[-1]:
             raise ValueError(f"an extend takes 1..{EXTEND_BUCKETS[-1]} tokens, got {n}")
@@ -149,24 +198,22 @@ class BatchDecoder:
             raise DecodeCapacityError(f"a {past_len + n}-token context leaves no room in "
                                       f"max_len {self.max_len}")
         s = self.active
-        for i, kv in enumerate(past):
-            self.k[i, s, :, :past_len].copy_(kv[0, :past_len].transpose(0, 1))
-            self.v[i, s, :, :past_len].copy_(kv[1, :past_len].transpose(0, 1))
         host_tok = torch.zeros(nb, dtype=torch.long)
         host_tok[:n] = torch.tensor(tail, dtype=torch.long)
         self._etok[:nb].copy_(host_tok)
         self._epos[:nb].copy_(torch.arange(past_len, past_len + nb, dtype=torch.long))
         self._eslot.fill_(s)
         self._elast.fill_(n - 1)
-        span = min(bucket(past_len + nb), self.max_len)
-        if self.graphs:
-            self._replay("extend", nb, span)
-        else:
-            with torch.no_grad():
-                self._compute_extend(nb, span)
+        return s, nb, min(bucket(past_len + nb), self.max_len)
+
+    def _copy_past(self, i: int, s: int, kv: torch.Tensor, past_len: int) -> None:
+        self.k[i, s, :, :past_len].copy_(kv[0, :past_len].transpose(0, 1))
+        self.v[i, s, :, :past_len].copy_(kv[1, :past_len].transpose(0, 1))
+
+    def _finish_extend(self, s: int, length: int) -> int:
         token = int(self._out[0].item())
         self.extends += 1
-        self.lens[s] = past_len + n
+        self.lens[s] = length
         self.active += 1
         return token
 
@@ -210,19 +257,16 @@ class BatchDecoder:
         host_pos[:b] = torch.tensor(self.lens[:b], dtype=torch.long)
         self._tok[:bb].copy_(host_tok, non_blocking=False)
         self._pos[:bb].copy_(host_pos, non_blocking=False)
-        if self.graphs:
-            self._replay("step", bb, span)
-        else:
-            with torch.no_grad():
-                self._compute(bb, span)
+        self._run("step", bb, span)
         out = self._out[:b].tolist()
         for s in range(b):
             self.lens[s] += 1
         return out
 
-    def buckets(self) -> list[tuple[str, int, int]]:
+    def buckets(self, *, stream: bool = False) -> list[tuple[str, int, int]]:
         """Every ``(kind, rows, span)`` this decoder can run: kind ``step`` (rows: the batch)
-        and ``extend`` (rows: the tail's tokens)."""
+        and ``extend`` (rows: the tail's tokens); with ``stream``, the parts of a streaming
+        extend too (``xpro``, ``xlayer<i>``, ``xhead``)."""
         batches = sorted({min(x, self.max_batch) for x in BATCH_BUCKETS + (self.max_batch,)})
         spans: list[int] = []
         span = MIN_BUCKET
@@ -231,22 +275,50 @@ class BatchDecoder:
             if span >= self.max_len:
                 break
             span *= 2
-        return ([("step", b, s) for b in batches for s in spans]
-                + [("extend", n, s) for n in EXTEND_BUCKETS for s in spans if n < s])
+        out = ([("step", b, s) for b in batches for s in spans]
+               + [("extend", n, s) for n in EXTEND_BUCKETS for s in spans if n < s])
+        if stream:
+            out += [("xpro", n, s) for n in EXTEND_BUCKETS for s in spans if n < s]
+            out += [(f"xlayer{i}", n, s) for i in range(self.num_layers)
+                    for n in EXTEND_BUCKETS for s in spans if n < s]
+            out += [("xhead", n, 0) for n in EXTEND_BUCKETS]
+        return out
 
-    def capture_all(self) -> int:
+    def capture_all(self, *, stream: bool = False) -> int:
         """Capture the step of every bucket now (a worker does it before it serves: a capture
         costs ~100 ms of the GPU on the 8B geometry, which would land on some request's
         TPOT). Returns how many were captured; a CPU decoder captures none."""
         if not self.graphs:
             return 0
         n = 0
-        for key in self.buckets():
+        for key in self.buckets(stream=stream):
             if key not in self._captured:
                 self._capture(*key)
                 n += 1
         torch.cuda.synchronize(self.device)
         return n
+
+    def _run(self, kind: str, rows: int, span: int) -> None:
+        if self.graphs:
+            self._replay(kind, rows, span)
+        else:
+            with torch.no_grad():
+                self._part(kind)(rows, span)
+
+    def _part(self, kind: str) -> Any:
+        """The function a kind of graph captures, as ``fn(rows, span)``."""
+        if kind == "step":
+            return self._compute
+        if kind == "extend":
+            return self._compute_extend
+        if kind == "xpro":
+            return self._extend_prologue
+        if kind == "xhead":
+            return lambda rows, span: self._extend_head(rows)
+        if kind.startswith("xlayer"):
+            i = int(kind[len("xlayer"):])
+            return lambda rows, span: self._extend_layer(i, rows, span)
+        raise ValueError(f"unknown graph kind {kind!r}")
 
     def _replay(self, kind: str, rows: int, span: int) -> None:
         g = self._captured.get((kind, rows, span))
@@ -259,7 +331,7 @@ class BatchDecoder:
         runs write K/V of the current inputs at the current positions, which the replay
         rewrites identically, and rows past the real ones only touch free slots or positions
         past a slot's length."""
-        compute = self._compute if kind == "step" else self._compute_extend
+        compute = self._part(kind)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), torch.cuda.stream(side):
@@ -320,39 +392,63 @@ class BatchDecoder:
         """``nb`` tokens of one slot (``_eslot``) at positions ``_epos``, causal among
         themselves and attending to the slot's cache; the logits of row ``_elast`` give
         ``_out[0]``. Rows past the tail's end compute unused values and write K/V past the
-        slot's length, which later steps overwrite."""
+        slot's length, which later steps overwrite. The parts are separate so that a request
+        whose KV is still arriving runs them layer by layer (``stream_*``)."""
+        self._extend_prologue(nb, span)
+        for i in range(self.num_layers):
+            self._extend_layer(i, nb, span)
+        self._extend_head(nb)
+
+    def _extend_prologue(self, nb: int, span: int) -> None:
+        """Embeddings, rotary angles and the causal mask of the tail into static buffers."""
         m = self.model.model
-        tok, pos, slot = self._etok[:nb], self._epos[:nb], self._eslot
+        tok, pos = self._etok[:nb], self._epos[:nb]
         h = m.embed_tokens(tok)                                          # (nb, hidden)
         cos, sin = m.rotary_emb(h, pos[None, :])                         # (1, nb, d)
-        cos, sin = cos[0][:, None, None, :], sin[0][:, None, None, :]    # (nb, 1, 1, d)
+        self._eh[0, :nb].copy_(h)
+        self._ecos[:nb].copy_(cos[0][:, None, None, :])                  # (nb, 1, 1, d)
+        self._esin[:nb].copy_(sin[0][:, None, None, :])
         allowed = self._spans[:span][None, :] <= pos[:, None]            # (nb, span)
         mask = torch.zeros((nb, span), dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        mask = mask[None, :, None, :]                                    # (1, nb, 1, span)
-        slots = slot.expand(nb)
+        self._emask[0, :nb, 0, :span].copy_(mask)
+
+    def _extend_layer(self, i: int, nb: int, span: int) -> None:
+        """Layer ``i`` of the tail: its K/V into the slot, attention over the slot's first
+        ``span`` positions, the MLP; hidden state from ``_eh[i % 2]`` to ``_eh[(i + 1) % 2]``."""
+        layer = self.model.model.layers[i]
+        attn = layer.self_attn
+        h = self._eh[i % 2, :nb]
+        cos, sin = self._ecos[:nb], self._esin[:nb]
+        mask = self._emask[:, :nb, :, :span]                             # (1, nb, 1, span)
+        slot = self._eslot
+        pos = self._epos[:nb]
         kvh, g, d = self.kv_heads, self.groups, self.head_dim
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(nb, kvh, g, d)
-            k = attn.k_proj(x).view(nb, kvh, 1, d)
-            v = attn.v_proj(x).view(nb, kvh, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = (k * cos + _rotate_half(k) * sin).view(nb, kvh, d)
-            self.k[i, slots, :, pos] = k
-            self.v[i, slots, :, pos] = v
-            keys = self.k[i, :, :, :span].index_select(0, slot)[0]         # (kvh, span, d)
-            values = self.v[i, :, :, :span].index_select(0, slot)[0]
-            qh = q.permute(1, 0, 2, 3).reshape(kvh, nb * g, d)
-            scores = torch.matmul(qh, keys.transpose(1, 2)) * self.scaling  # (kvh, nb*g, span)
-            scores = scores.view(kvh, nb, g, span) + mask
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            o = torch.matmul(probs.view(kvh, nb * g, span), values)         # (kvh, nb*g, d)
-            o = o.view(kvh, nb, g, d).permute(1, 0, 2, 3).reshape(nb, kvh * g * d)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = m.norm(h.index_select(0, self._elast))                     # (1, hidden)
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(nb, kvh, g, d)
+        k = attn.k_proj(x).view(nb, kvh, 1, d)
+        v = attn.v_proj(x).view(nb, kvh, d)
+        q = q * cos + _rotate_half(q) * sin
+        k = (k * cos + _rotate_half(k) * sin).view(nb, kvh, d)
+        slots = slot.expand(nb)
+        self.k[i, slots, :, pos] = k
+        self.v[i, slots, :, pos] = v
+        keys = self.k[i, :, :, :span].index_select(0, slot)[0]         # (kvh, span, d)
+        values = self.v[i, :, :, :span].index_select(0, slot)[0]
+        qh = q.permute(1, 0, 2, 3).reshape(kvh, nb * g, d)
+        scores = torch.matmul(qh, keys.transpose(1, 2)) * self.scaling  # (kvh, nb*g, span)
+        scores = scores.view(kvh, nb, g, span) + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        o = torch.matmul(probs.view(kvh, nb * g, span), values)         # (kvh, nb*g, d)
+        o = o.view(kvh, nb, g, d).permute(1, 0, 2, 3).reshape(nb, kvh * g * d)
+        h = h + attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self._eh[(i + 1) % 2, :nb].copy_(h)
+
+    def _extend_head(self, nb: int) -> None:
+        """The last real row's logits -> ``_out[0]``."""
+        h = self._eh[self.num_layers % 2, :nb]
+        last = self.model.model.norm(h.index_select(0, self._elast))
         self._out[:1].copy_(torch.argmax(self.model.lm_head(last), dim=-1))
 
 
