@@ -299,6 +299,7 @@ async def test_closed_loop_keeps_n_in_flight_and_records_everything(fake_router)
     assert len(ok) == 8 and recs[4].error.startswith("HTTP 503")
     for r in ok:
         assert r.output_tokens == 3 and r.hit_blocks == 2 and r.full_blocks == 3
+        assert len(r.output_ids) == 3
         assert r.kv_bytes == 4096 and r.router_ttft_ms == 1.5 and r.events_ms["first_token"] == 1.4
         assert 0 < r.ttft_s < r.e2e_s and r.tpot_s > 0.015
     assert not math.isnan(recs[4].end_s)
@@ -340,3 +341,24 @@ def test_resummarize_recomputes_a_run_from_its_records(tmp_path):
     assert "| http | chat | 8 req/s | 2/2 | 50.0 |" in (tmp_path / "summary.md").read_text()
     # Python's json (NaN stays NaN, as in the repo's other result files)
     assert json.loads((tmp_path / "results.json").read_text())["resummarized"]["git"]
+
+
+def test_output_agreement_compares_requests_across_systems():
+    from tract_async.serving.loadreport import output_agreement
+
+    def phase(outputs: list[list[int] | None]) -> dict:
+        recs = []
+        for i, ids in enumerate(outputs):
+            r = _rec(i, 0.0, [0.01, 0.02], prompt=10, hit=0, full=1).to_json()
+            r.update(output_ids=ids or [], error=None if ids else "boom")
+            recs.append(r)
+        return {"phase": 1, "workload": "chat", "label": "1 req/s", "records": recs}
+    report = {"systems": {"a": {"phases": [phase([[1, 2], [3, 4], [5], None])]},
+                          "b": {"phases": [phase([[1, 2], [3, 5], [5], [7]])]},
+                          "c": {"phases": [phase([[1, 2], [3, 4], None, None])]}}}
+    got = output_agreement(report)
+    # request 3 was served by b alone: not compared; request 1 differs in b
+    assert got["compared"] == 3 and got["agree"] == 2
+    assert got["differ"] == [{"workload": "chat", "load": "1 req/s", "index": 1,
+                              "reference": "a", "differ": ["b"]}]
+    assert output_agreement({"systems": {}}) == {"compared": 0, "agree": 0, "differ": []}

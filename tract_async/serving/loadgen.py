@@ -80,6 +80,7 @@ class RequestRecord:
     end_s: float = math.nan
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     output_tokens: int = 0
+    output_ids: list[int] = dataclasses.field(default_factory=list)   # greedy: equal everywhere
     error: str | None = None
     # from the router's final chunk (``tract``): its own TTFT, the prefix hit, the events
     router_ttft_ms: float = math.nan
@@ -164,6 +165,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: bytes, rec: Re
                     if not rec.output_tokens:
                         rec.first_token_s = t
                     rec.output_tokens += len(ids)
+                    rec.output_ids += [int(i) for i in ids]
                     rec.token_times_s += [t] * len(ids)
                 tract = msg.get("tract")
                 if tract:

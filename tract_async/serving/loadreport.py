@@ -147,6 +147,13 @@ def markdown_summary(report: dict[str, Any]) -> str:
     if errors:
         lines += ["", "Request errors:", ""]
         lines += [f"- `{n}` {load}: {'; '.join(errs)}" for n, load, errs in errors]
+    agreement = output_agreement(report)
+    if agreement["compared"]:
+        lines += ["", f"Greedy outputs: {agreement['agree']} of {agreement['compared']} requests "
+                      f"served by several systems got the same tokens from every one."]
+        lines += [f"- differ: `{d['workload']}` {d['load']} request {d['index']}: "
+                  f"{', '.join(d['differ'])} unlike {d['reference']}"
+                  for d in agreement["differ"][:10]]
     tel = report.get("telemetry", {})
     lines += ["", "GPU PCIe telemetry: " + (
         f"{tel.get('samples')} NVML samples; RX max {_num(tel.get('pcie_rx_mbs_max', math.nan), 0)}"
@@ -173,12 +180,37 @@ def print_summary_table(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def output_agreement(report: dict[str, Any]) -> dict[str, Any]:
+    """Whether every system generated the same tokens for the same request (same seed, same
+    prompts: greedy outputs must not depend on how the KV travelled, issue 38). Compares the
+    completed requests of each ``(workload, load, index)`` that at least two systems served;
+    records without ``output_ids`` (runs before they were kept) are not compared."""
+    outs: dict[tuple[str, str, int], dict[str, list[int]]] = {}
+    for name, entry in report["systems"].items():
+        for p in entry.get("phases", []):
+            for r in p.get("records", []):
+                if r.get("error") is None and r.get("output_ids"):
+                    outs.setdefault((p["workload"], p["label"], r["index"]), {})[name] = \
+                        r["output_ids"]
+    compared = {k: v for k, v in outs.items() if len(v) >= 2}
+    differ = []
+    for (workload, load, index), by_system in sorted(compared.items()):
+        first_name, first = next(iter(by_system.items()))    # the report's first system
+        odd = sorted(n for n, ids in by_system.items() if ids != first)
+        if odd:
+            differ.append({"workload": workload, "load": load, "index": index,
+                           "reference": first_name, "differ": odd})
+    return {"compared": len(compared), "agree": len(compared) - len(differ), "differ": differ}
+
+
 def write_results(report: dict[str, Any], out_dir: str) -> str:
     """``results.json``: everything but the per-request records (small enough to commit next
     to the README); written atomically, so a reader never sees half a file."""
     slim = {**report, "systems": {n: {**e, "phases": [
         {k: v for k, v in p.items() if k != "records"} for p in e.get("phases", [])]}
         for n, e in report["systems"].items()}}
+    if any(p.get("records") for e in report["systems"].values() for p in e.get("phases", [])):
+        slim["outputs"] = output_agreement(report)
     path = os.path.join(out_dir, "results.json")
     with open(path + ".tmp", "w") as f:
         json.dump(slim, f, indent=1, default=str)
@@ -242,5 +274,5 @@ def resummarize(out_dir: str) -> dict[str, Any]:
     return report
 
 
-__all__ = ["machine_info", "markdown_summary", "phase_rows", "print_summary_table", "resummarize",
+__all__ = ["machine_info", "markdown_summary", "output_agreement", "phase_rows", "print_summary_table", "resummarize",
            "write_records", "write_report", "write_results"]
