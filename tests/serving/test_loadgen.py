@@ -362,3 +362,58 @@ def test_output_agreement_compares_requests_across_systems():
     assert got["differ"] == [{"workload": "chat", "load": "1 req/s", "index": 1,
                               "reference": "a", "differ": ["b"]}]
     assert output_agreement({"systems": {}}) == {"compared": 0, "agree": 0, "differ": []}
+
+
+def _write_run(path, systems: list[str], *, seed: int = 0, host: str = "h1") -> None:
+    from tract_async.serving.loadreport import machine_info
+    path.mkdir()
+    machine = {**machine_info(), "hostname": host}
+    report = {"bench": "serve_load", "machine": machine, "seed": seed, "status": "ok",
+              "label": "test", "args": {"ttft_slo_ms": 50.0, "seed": seed, "requests": 2},
+              "systems": {}}
+    lines = []
+    for k, name in enumerate(systems):
+        report["systems"][name] = {"status": "ok", "phases": [
+            {"phase": 1, "workload": "chat", "loop": "open", "value": 8.0, "label": "8 req/s",
+             "summary": {"ideal_hit_rate": 0.25, "wall_s": 1.0}, "engine": {}}]}
+        for r in (_rec(0, 0.0, [0.010 * (k + 1), 0.020 * (k + 1)], prompt=100, hit=0, full=6),
+                  _rec(1, 0.1, [0.19, 0.2], prompt=200, hit=0, full=12)):
+            d = {"system": name, "phase": 1, "load": "8 req/s", **r.to_json(),
+                 "output_ids": [1, 2]}
+            lines.append(orjson.dumps(d).decode() + "\n")
+    (path / "results.json").write_text(orjson.dumps(report).decode())
+    (path / "records.jsonl").write_text("".join(lines))
+
+
+def test_merge_makes_one_report_of_parts_and_refuses_what_does_not_fit(tmp_path):
+    from tract_async.serving.loadbench import main
+    from tract_async.serving.loadmerge import MergeError, merge_runs
+    _write_run(tmp_path / "a", ["http", "rdma-model"], host="h1")
+    _write_run(tmp_path / "b", ["region-transfer"], host="h2")
+    out = merge_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "m"))
+    assert sorted(out["systems"]) == ["http", "rdma-model", "region-transfer"]
+    assert out["systems"]["region-transfer"]["part"] == 1 and not out["parts_same_host"]
+    s = out["systems"]["rdma-model"]["phases"][0]["summary"]
+    assert s["ttft_mean_ms"] == pytest.approx((20.0 + 90.0) / 2)    # recomputed from records
+    md = (tmp_path / "m" / "summary.md").read_text()
+    assert "Merged from 2 runs" in md and "different hosts" in md
+    assert "| region-transfer | chat | 8 req/s | 2/2 |" in md
+    assert "Greedy outputs: 2 of 2 requests" in md
+    assert len((tmp_path / "m" / "records.jsonl").read_text().splitlines()) == 6
+    with pytest.raises(MergeError, match="already holds a run"):
+        merge_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "m"))
+    _write_run(tmp_path / "c", ["http"])
+    with pytest.raises(MergeError, match="'http' is in"):
+        merge_runs([str(tmp_path / "a"), str(tmp_path / "c")], str(tmp_path / "m2"))
+    _write_run(tmp_path / "d", ["recompute"], seed=1)
+    with pytest.raises(MergeError, match="seed = 1 there, 0 here"):
+        merge_runs([str(tmp_path / "a"), str(tmp_path / "d")], str(tmp_path / "m3"))
+    with pytest.raises(MergeError, match="not a finished run"):
+        merge_runs([str(tmp_path / "a"), str(tmp_path / "nope")], str(tmp_path / "m4"))
+    with pytest.raises(MergeError, match="two or more"):
+        merge_runs([str(tmp_path / "a")], str(tmp_path / "m5"))
+    # the command line: 0 on a merge, 2 with the reason on a refusal
+    assert main(["--merge", str(tmp_path / "b"), str(tmp_path / "c"),
+                 "--out-dir", str(tmp_path / "m6")]) == 0
+    assert main(["--merge", str(tmp_path / "a"), str(tmp_path / "c"),
+                 "--out-dir", str(tmp_path / "m7")]) == 2

@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resummarize", metavar="DIR", default=None,
                    help="run nothing: recompute a finished run's metrics from its records.jsonl "
                         "and rewrite its results.json, summary.md and plots")
+    p.add_argument("--merge", metavar="DIR", nargs="+", default=None,
+                   help="run nothing: merge finished runs (parts of one evaluation: the same "
+                        "workload options, each system in one part) into --out-dir and "
+                        "recompute its results.json, summary.md and plots")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="start every rack first, then run each phase on every system before "
                         "the next phase (robust to a shared host's changing load, for hosts "
@@ -614,6 +618,16 @@ def main(argv: list[str] | None = None) -> int:
         report = resummarize(args.resummarize)
         print(print_summary_table(report))
         print(f"recomputed {args.resummarize} from its records")
+        return 0
+    if args.merge:
+        from tract_async.serving.loadmerge import MergeError, merge_runs
+        try:
+            report = merge_runs(args.merge, args.out_dir)
+        except MergeError as exc:
+            print(f"tract bench serve --merge: {exc}", file=sys.stderr)
+            return 2
+        print(print_summary_table(report))
+        print(f"merged {len(args.merge)} runs into {args.out_dir}")
         return 0
     import tract_async as tract
     args.out_dir = os.path.abspath(args.out_dir)

@@ -28,7 +28,8 @@ _VERSIONED = ("torch", "transformers", "numpy", "numba", "aiohttp", "orjson", "u
 def machine_info() -> dict[str, Any]:
     """What a reader needs to compare two runs: CPU, cores, memory, GPU, versions, commit."""
     from importlib.metadata import PackageNotFoundError, version
-    info: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+    info: dict[str, Any] = {"hostname": platform.node(),
+                            "python": sys.version.split()[0], "platform": platform.platform(),
                             "cores": os.cpu_count(),
                             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             # other work on a shared host moves every figure: say how much
@@ -110,6 +111,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
              f"end; seed {report.get('seed')}; status: {report.get('status')}"
              + (f"; metrics recomputed from records.jsonl at commit "
                 f"{report['resummarized']['git']}" if report.get("resummarized") else ""), "",
+             *_parts_lines(report),
              f"TTFT is client-side (request written -> first token read). Speed-ups are the "
              f"`http` row's TTFT over the system's, same phase, same run. Goodput: requests with "
              f"TTFT <= {report['args'].get('ttft_slo_ms')} ms per second. Hit rate: measured "
@@ -178,6 +180,23 @@ def print_summary_table(report: dict[str, Any]) -> str:
         if e.get("status") != "ok":
             out.append(f"{name:<16} {e.get('status')}: {e.get('reason', '')}")
     return "\n".join(out)
+
+
+def _parts_lines(report: dict[str, Any]) -> list[str]:
+    """For a merged report (``loadmerge``): which part measured which systems, where."""
+    parts = report.get("parts")
+    if not parts:
+        return []
+    out = [f"Merged from {len(parts)} runs:", ""]
+    for i, p in enumerate(parts):
+        m = p["machine"]
+        out.append(f"- part {i} (`{p['dir']}`, {p['status']}): {', '.join(p['systems'])}; host "
+                   f"{m.get('hostname')}, {m.get('gpu') or 'no GPU'}, commit {m.get('git')}, "
+                   f"{m.get('date')}")
+    if not report.get("parts_same_host", True):
+        out += ["", "**The parts ran on different hosts**: compare figures only within a part "
+                    "(lent hosts of one kind differ widely)."]
+    return out + [""]
 
 
 def output_agreement(report: dict[str, Any]) -> dict[str, Any]:
