@@ -219,7 +219,10 @@ class Engine:
             self._layouts = LayoutGuard(self._region, cfg)
             self._layouts.check_open()
             self._handle = self._region.nodes.join(cfg.node_id, timeout_s=cfg.liveness_timeout_s)
-            self._lock = GlobalLock(self._region, self._handle)
+            # the holder lease: check_token refuses writes once this node's own heartbeat is
+            # half the liveness timeout old (a revocation may be in flight; model finding A2)
+            self._lock = GlobalLock(self._region, self._handle,
+                                    liveness_timeout_s=cfg.liveness_timeout_s)
             # the manager's poll sleeps are capped at 100 us while it is busy (a grant then waits
             # ~0.1-0.2 ms instead of ~0.6 ms); 20 ms after its last event it sleeps on its bell
             # instead (sync/bell.py: a same-host requester rings it). The default 2 ms spin

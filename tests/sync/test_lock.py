@@ -64,15 +64,19 @@ EXEMPT = {"lock.request.reload.invalidate": "sim does not model speculative pref
 # Sites used only when a manager is elected or taken over: a steady-state counter run never
 # reaches them. tests/sync/test_election.py proves each of them with an election race and takeover
 # scenario under the sim backend; they are left out of the steady-state parametrization.
+# The holder lease's read of the node's own heartbeat: the counter run has no lease (no
+# liveness timeout); test_lease_reads_its_own_heartbeat_fresh proves it.
+LEASE_SITES = {"lock.lease.heartbeat.invalidate"}
 PROTOCOL_SITES = sorted(n for n in K.registered("lock.") if n not in EXEMPT
-                        and n not in ELECTION_SITES)
+                        and n not in ELECTION_SITES and n not in LEASE_SITES)
 
 
 def test_every_protocol_site_is_listed() -> None:
     assert len(PROTOCOL_SITES) >= 7, PROTOCOL_SITES
     # every flush/invalidate of the lock protocol is proven by one of the two suites (or is
     # exempt with a stated reason)
-    assert set(K.registered("lock.")) == set(PROTOCOL_SITES) | set(ELECTION_SITES) | set(EXEMPT)
+    assert set(K.registered("lock.")) == (set(PROTOCOL_SITES) | set(ELECTION_SITES) | set(EXEMPT)
+                                          | LEASE_SITES)
 
 
 def test_skip_site_scenario_passes_with_every_site(region_path: str) -> None:
@@ -162,6 +166,78 @@ async def test_api_token_statistics_and_nowait(one_node) -> None:  # noqa: ANN00
     lock.close()
     other.close()
     assert read_manager(r).node_id is None       # the manager resigned when cancelled
+
+
+async def test_holder_lease_refuses_writes_while_its_own_heartbeat_is_old(one_node) -> None:  # noqa: ANN001
+    """Model finding A2: a holder resumed from a pause must not pass check_token on the strength
+    of a state line that a revocation in flight is about to clear. With a liveness timeout the
+    lock refuses once the node's own heartbeat is half that timeout old, and accepts again after
+    a beat; without one (tools) it does not look."""
+    r, h = one_node
+    lock = GlobalLock(r, h, liveness_timeout_s=LIVENESS_S)
+    plain = GlobalLock(r, h)
+    beat_off = r.nodes.heartbeat_offset(0)
+
+    def stamp(age_s: float) -> None:     # the node's heartbeat word, as a paused beat left it
+        K.store(r.mem, beat_off, time.time_ns() - int(age_s * 1e9))
+        K.flush(r.mem, beat_off, K.NO_SITE)
+        K.full_fence(r.mem)
+
+    async with asyncio.TaskGroup() as tg:
+        mgr = LockManager(r, h, liveness_timeout_s=LIVENESS_S)
+        r.nodes.heartbeat(h)
+        run = tg.create_task(mgr.run())
+        await lock.acquire(timeout=10)
+        lock.check_token()
+        stamp(0.6 * LIVENESS_S)           # older than the lease, younger than dead
+        with pytest.raises(E.LockRevoked, match="lapsed.*model finding A2"):
+            lock.check_token()
+        assert lock.token_valid()         # lapsed, not revoked: the state line still names it
+        assert lock.lease_lapses == 1
+        r.nodes.heartbeat(h)              # a beat landed: the hold is good again
+        lock.check_token()
+        lock.release()
+        stamp(0.6 * LIVENESS_S)
+        r.nodes.heartbeat(h)
+        await plain.acquire(timeout=10)
+        stamp(0.6 * LIVENESS_S)
+        plain.check_token()               # no liveness timeout given: no lease
+        plain.release()
+        run.cancel()
+    lock.close()
+    plain.close()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_lease_reads_its_own_heartbeat_fresh(region_path: str, skip: bool) -> None:
+    """On the incoherent backend the lease's view caches the heartbeat line at one check; the
+    beat thread's later stamp reaches it only through the invalidate (without it a live holder
+    keeps seeing its old beat and refuses every write: the negative control)."""
+    r = P.make_region(region_path, "sim", evict_prob=1e-9)
+    try:
+        if skip:
+            r.mem = K.with_skip_site(r.mem, K.registered("lock.")["lock.lease.heartbeat.invalidate"])
+        h = r.nodes.join(0, timeout_s=LIVENESS_S)
+        state_off = S.geometry(r).state_off(0)
+        token = (1 << 32) | 1
+        for off, value in ((S.ST_TOKEN, token), (S.ST_HOLDER, 1)):   # the line names node 0
+            K.store(r.mem, state_off + off, value)
+        K.flush(r.mem, state_off, K.NO_SITE)
+        K.full_fence(r.mem)
+        beat_off = r.nodes.heartbeat_offset(0)
+        K.store(r.mem, beat_off, time.time_ns() - int(0.6e9))           # a beat 0.6 s old
+        K.flush(r.mem, beat_off, K.NO_SITE)
+        K.full_fence(r.mem)
+        view = S.private_view(r, 77)
+        lease = int(LIVENESS_S / 2 * 1e9)
+        assert S.check_token_leased(view, state_off, 0, token, beat_off, lease) == S.LEASE_LAPSED
+        r.nodes.heartbeat(h)                                               # a fresh beat lands
+        got = S.check_token_leased(view, state_off, 0, token, beat_off, lease)
+        assert got == (S.LEASE_LAPSED if skip else S.TOKEN_OK)
+        assert S.check_token_leased(view, state_off, 1, token, beat_off, lease) == S.TOKEN_REVOKED
+        assert S.check_token_leased(view, state_off, 0, token, beat_off, 0) == S.TOKEN_OK
+    finally:
+        r.close()
 
 
 async def test_no_manager_times_out_cleanly(one_node) -> None:  # noqa: ANN001

@@ -217,6 +217,11 @@ class NodeTable:
                                    f"max_nodes={n}, so ids 0..{n - 1}")
         return self._offset + int(node_id) * L.NODE.itemsize
 
+    def heartbeat_offset(self, node_id: int) -> int:
+        """Region offset of node ``node_id``'s ``heartbeat_ns`` word (CLOCK_REALTIME ns), for
+        kernels that judge a node's own liveness (the holder lease, ``sync/slots.py``)."""
+        return self.line_offset(node_id) + int(_O_BEAT)
+
     def info(self, node_id: int, *, timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
              now_ns: int | None = None) -> NodeInfo:
         """Read node ``node_id``'s line from memory (invalidate first). Takes no lock."""

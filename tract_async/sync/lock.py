@@ -115,7 +115,8 @@ class GlobalLock:
     """
 
     def __init__(self, region, node_handle, *, lock_index: int = 0,  # noqa: ANN001
-                 policy: PollPolicy = PollPolicy()) -> None:
+                 policy: PollPolicy = PollPolicy(),
+                 liveness_timeout_s: float | None = None) -> None:
         self._region = region
         self._geo = S.geometry(region)
         if not 0 <= lock_index < self._geo.num_locks:
@@ -131,6 +132,12 @@ class GlobalLock:
         self._state_off = self._geo.state_off(lock_index)
         self._local = NodeLocalLock(region.path, lock_index, self.node_id)
         self._mem = S.private_view(region, 1000 + 64 * lock_index + self.node_id)
+        # the holder lease (check_token): half the liveness timeout that defines dead; None
+        # (tools, tests without a beating node): no lease
+        self._beat_off = region.nodes.heartbeat_offset(self.node_id)
+        self._lease_ns = (int(liveness_timeout_s / 2 * 1e9)
+                          if liveness_timeout_s is not None else 0)
+        self.lease_lapses = 0
         self._req = 0
         self._token = 0
         self._held = False
@@ -318,11 +325,23 @@ class GlobalLock:
         """Re-validate the fencing token against the manager's state line.
 
         Call it before every batch of metadata writes. Raises LockRevoked (this holder was
-        revoked: stop writing and release), LockNotHeld.
+        revoked, or, with a ``liveness_timeout_s``, its lease lapsed: its own heartbeat is half
+        that timeout old, so a revocation may be in flight; stop writing and release),
+        LockNotHeld.
         """
         if not self._held:
             raise LockNotHeld(f"check_token() without holding lock {self.lock_index}")
-        if not S.check_token(self._mem, self._state_off, self.node_id, self._token):
+        got = S.check_token_leased(self._mem, self._state_off, self.node_id, self._token,
+                                   self._beat_off, self._lease_ns)
+        if got == S.LEASE_LAPSED:
+            self.lease_lapses += 1
+            age = self._region.nodes.info(self.node_id).heartbeat_age_s
+            raise LockRevoked(f"node {self.node_id}'s hold of lock {self.lock_index} lapsed: "
+                              f"its own heartbeat is {age:.3f} s old, at least half the "
+                              f"liveness timeout ({2 * self._lease_ns / 1e9:.3f} s), so a "
+                              f"revocation may be in flight: its writes are refused (a "
+                              f"paused or starved process; model finding A2)")
+        if got != S.TOKEN_OK:
             st = self._read_state()
             raise LockRevoked(f"node {self.node_id}'s token {self._token:#x} for lock "
                               f"{self.lock_index} was revoked (heartbeat stale?): its writes "

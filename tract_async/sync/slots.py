@@ -25,7 +25,8 @@ flushed by its writer, then ``rel_seq = req_seq`` stored, flushed, fenced.
 Fencing tokens: ``token = term << 32 | n`` with ``n`` counting grants within a term, so tokens
 grow across manager takeovers without the new manager having to read every old grant. A holder
 proves it still holds the lock by ``check_token``: invalidate ``LOCK_STATE[l]`` and compare
-``holder`` and ``token`` with its own. The manager revokes a holder whose heartbeat is stale by
+``holder`` and ``token`` with its own; an engine's lock also requires its own heartbeat younger
+than half the liveness timeout (``check_token_leased``, the holder lease). The manager revokes a holder whose heartbeat is stale by
 clearing ``holder`` and recording ``last_revoked_token`` in that line; the next ``check_token`` of
 the revoked process fails, and structure changes journaled under its token are rolled back by the
 next holder (``region/chunks.py``). Residual window: a process that passed ``check_token`` and then
@@ -59,6 +60,7 @@ S_REQ_FLUSH = K.site("lock.request.flush")
 S_GRANT_READ = K.site("lock.grant.invalidate")
 S_REL_FLUSH = K.site("lock.release.flush")
 S_STATE_READ = K.site("lock.state.invalidate")
+S_LEASE_READ = K.site("lock.lease.heartbeat.invalidate")
 # manager side
 S_M_REQ_READ = K.site("lock.manager.request.invalidate")
 S_M_STATE_FLUSH = K.site("lock.manager.state.flush")
@@ -248,6 +250,31 @@ def check_token(m, state_off, node_id, token):
     holder = K.load_fresh(m, state_off + ST_HOLDER, S_STATE_READ)
     cur = K.load(m, state_off + ST_TOKEN)
     return holder == np.uint64(node_id + 1) and cur == token
+
+
+#: ``check_token_leased`` results.
+TOKEN_OK, TOKEN_REVOKED, LEASE_LAPSED = 0, 1, 2
+
+
+@njit(cache=True, nogil=True)
+def check_token_leased(m, state_off, node_id, token, beat_off, lease_ns):
+    """``check_token`` plus the holder's lease (model finding A2, ``FIX_HOLDER_LEASE``): the
+    node's own ``heartbeat_ns`` (the word at ``beat_off``, CLOCK_REALTIME) must be younger than
+    ``lease_ns``. Returns TOKEN_OK, TOKEN_REVOKED or LEASE_LAPSED (``lease_ns`` <= 0: no lease).
+
+    Why: a holder resumed from a pause can pass ``check_token`` while a revocation the manager
+    decided during the pause is still in flight (the state line names it until that store
+    lands), and its write lands after the revocation. The manager revokes only a node whose
+    heartbeat is a whole liveness timeout old; a holder that writes only while its own heartbeat
+    is younger than half of it cannot be that node, unless it pauses between this check and its
+    store (the residual window A1)."""
+    if not check_token(m, state_off, node_id, token):
+        return TOKEN_REVOKED
+    if lease_ns > 0:
+        beat = np.int64(K.load_fresh(m, beat_off, S_LEASE_READ))
+        if beat == 0 or np.int64(realtime_ns()) - beat >= lease_ns:
+            return LEASE_LAPSED
+    return TOKEN_OK
 
 
 # ---------------------------------------------------------------------------------------------
