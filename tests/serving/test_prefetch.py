@@ -1,78 +1,15 @@
-"""LayerReads: the decode worker's reads ahead of the layer it needs."""
+"""LayerStream: the decode worker's reads of every layer as it is published."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from tract_async.serving.prefetch import LayerReads
-
-
-async def test_reads_ahead_in_order_and_returns_each_layer() -> None:
-    began: list[int] = []
-    gates = {i: asyncio.Event() for i in range(6)}
-
-    async def read(i: int) -> int:
-        began.append(i)
-        await gates[i].wait()
-        return i * 10
-
-    reads = LayerReads(read, 6, depth=2)
-    first = asyncio.ensure_future(reads(0))
-    for _ in range(3):                           # the call runs, then the reads start
-        await asyncio.sleep(0)
-    assert began == [0, 1, 2]                    # layer 0 plus two ahead, before 0 lands
-    for g in gates.values():
-        g.set()
-    assert await first == 0
-    assert [await reads(i) for i in range(1, 6)] == [10, 20, 30, 40, 50]
-    assert began == list(range(6))
-    with pytest.raises(RuntimeError):
-        await reads(3)                           # a layer is read once
-    with pytest.raises(IndexError):
-        await reads(6)
-    await reads.aclose()
-
-
-async def test_aclose_cancels_reads_nobody_awaited_and_drops_their_errors() -> None:
-    cancelled: list[int] = []
-
-    async def read(i: int) -> int:
-        if i == 2:
-            raise OSError("a read ahead failed")   # never awaited: dropped
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-        return i
-
-    reads = LayerReads(read, 8, depth=2)
-    t = asyncio.ensure_future(reads(0))
-    await asyncio.sleep(0.01)
-    t.cancel()                                   # the caller's layer timeout, say
-    with pytest.raises(asyncio.CancelledError):
-        await t
-    await reads.aclose()
-    assert sorted(cancelled) == [0, 1]
-
-
-async def test_an_awaited_read_raises_its_error() -> None:
-    async def read(i: int) -> int:
-        if i == 1:
-            raise KeyError(i)
-        return i
-
-    reads = LayerReads(read, 3, depth=1)
-    assert await reads(0) == 0
-    with pytest.raises(KeyError):
-        await reads(1)
-    await reads.aclose()
+from tract_async.serving.prefetch import LayerStream
 
 
 # -- LayerStream: one reader walking every layer as it is published ---------------------------
 
-from tract_async.serving.prefetch import LayerStream  # noqa: E402
 
 
 async def test_stream_reads_every_layer_in_order_with_one_reader_at_a_time() -> None:
@@ -202,3 +139,28 @@ async def test_stream_start_reads_before_anyone_asks_and_on_ask_names_each_layer
         await asyncio.sleep(0)
     assert unbounded == [0, 1, 2, 3]
     await s2.aclose()
+
+
+async def test_settled_and_all_read_wait_for_every_layer_even_a_failed_one() -> None:
+    gate = asyncio.Event()
+
+    async def read(layer: int) -> int:
+        if layer == 2:
+            await gate.wait()
+            raise RuntimeError("layer 2 is gone")
+        return layer
+
+    stream = LayerStream(read, 4)
+    assert not stream.settled
+    waiter = asyncio.create_task(stream.all_read())      # starts the reader
+    await asyncio.sleep(0.01)
+    assert not stream.settled and not waiter.done()       # layer 2 is still being read
+    gate.set()
+    await asyncio.wait_for(waiter, 5)                     # never raises a layer's error
+    assert stream.settled
+    assert await stream(1) == 1
+    with pytest.raises(RuntimeError, match="layer 2 is gone"):
+        await stream(2)
+    with pytest.raises(RuntimeError, match="was not read"):
+        await stream(3)
+    await stream.aclose()

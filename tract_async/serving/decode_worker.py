@@ -54,7 +54,7 @@ class DecodeWorker:
     READ_AHEAD: int | None = None
     """How many layers past the one the decode step needs its reader may read (``serving/
     prefetch.py``, ``LayerStream``): None, every layer as soon as it is published. One reader
-    waits at a time, so no more pollers run than cores allow (``LayerReads``, the former
+    waits at a time, so no more pollers run than cores allow (the former
     prefetch, started a read per layer ahead: two on hosts of more than 4 cores)."""
 
     EARLY_READS: int = 4
