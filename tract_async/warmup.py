@@ -63,6 +63,11 @@ nothing else shares their region, so a long timeout costs nothing."""
 _in_scenario: contextvars.ContextVar[bool] = contextvars.ContextVar("tract_warmup_scenario",
                                                                     default=False)
 """Set while the scenario runs: its own Engine.open calls must not warm up again."""
+_scenarios_running = 0
+"""How many scenarios run in this process now. The compile watcher looks at it besides
+``_in_scenario``: a thread the scenario's engines start without copying the context (an
+executor's) compiles inside the scenario too (the H100 warm-up of 2026-12-06 at e798099 logged
+``rows_fine`` as compiled "after the warm-up" while the scenario ran)."""
 
 _state_lock = threading.Lock()
 _warm_backends: set[str] = set()
@@ -232,9 +237,9 @@ def _watch_compiles() -> None:
             disp = event.data.get("dispatcher") if isinstance(event.data, dict) else None
             name = getattr(getattr(disp, "py_func", None), "__qualname__", str(disp))
             mod = getattr(disp, "__module__", "?")
+            if _in_scenario.get() or _scenarios_running:
+                return      # the scenario compiles, in any of this process's threads
             _after_warmup.append(f"{mod}.{name}")
-            if _in_scenario.get():
-                return
             log.warning("tract: compiling kernel %s.%s after the warm-up (a path the warm-up "
                         "scenario does not cover): this thread holds the GIL while it compiles",
                         mod, name)
@@ -306,10 +311,13 @@ async def _warm_under_lock(stamp: str, backend: str) -> bool:
 
 async def _scenario_at(path: str, backend: str) -> None:
     """The scenario on a throw-away region at ``path``, removed afterwards."""
+    global _scenarios_running
     token = _in_scenario.set(True)
+    _scenarios_running += 1
     try:
         await _scenario(path, backend)
     finally:
+        _scenarios_running -= 1
         _in_scenario.reset(token)
         from tract_async.region.region import discard
         discard(path)
