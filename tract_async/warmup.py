@@ -382,11 +382,38 @@ async def _scenario(path: str, backend: str) -> None:
         ix.scan_entries(st.mem, st.geo.entries_offset, st.geo.capacity,
                         np.zeros((st.geo.capacity, 9), dtype=np.int64))
         st.index.expired_transfer(0)                # transfer-mode maintenance's pass
+        # transfer mode's layer-streamed reads (a decode worker's): the known-slot path and
+        # its layer refresh, which a cache-mode read of these sizes never takes (the cold
+        # demo's decode worker compiled rows_fine and refresh_layers_batch[_held] after the
+        # warm-up until this was here)
+        # (blocks of 32 KiB: smaller layer reads take the fused path, which has its own kernels)
+        tlayout = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=32,
+                                 dtype="float32")
+        tcommon = {**common, "layout": tlayout, "namespace": "warmup-t", "mode": "transfer",
+                   "defer_consume": True}
+        c = await tract.Engine.open(tract.EngineConfig(**tcommon, node_id=2))
+        d = await tract.Engine.open(tract.EngineConfig(**tcommon, node_id=3))
+        try:
+            tkeys = c.block_keys(range(16 * 40), extra_keys=("warmup",))
+            tkv = rng.standard_normal(tlayout.kv_shape(len(tkeys)), dtype=np.float32)
+            reader = asyncio.create_task(_read_layers(d, tkeys, tlayout.num_layers))
+            for layer in range(tlayout.num_layers):
+                await c.put_kv(tkeys, np.ascontiguousarray(tkv[layer]), layer=layer)
+            await reader
+        finally:
+            await d.close()
+            await c.close()
     finally:
         await b.close()
         await a.close()
     from tract_async.fsck import run_fsck
     run_fsck(path, backend=backend)
+
+
+async def _read_layers(engine: object, keys: list[bytes], num_layers: int) -> None:
+    """A decode worker's reads: every layer in order, each waiting for its publication."""
+    for layer in range(num_layers):
+        await engine.get_kv(keys, layer=layer, timeout=600)   # type: ignore[attr-defined]
 
 
 def warm_up(*, backends: tuple[str, ...] = ("hw", "sim"), verbose: bool = False) -> float:

@@ -63,6 +63,21 @@ async def main():
             await a.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer)
         await wait
         assert np.array_equal(await b.get_kv(keys), kv)
+    # a decode worker's layer-streamed reads in transfer mode (the known-slot path: the cold
+    # demo's decode compiled rows_fine and refresh_layers_batch[_held] after the warm-up)
+    lay = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=32, dtype="float32")
+    cfg = dict(layout=lay, region={path!r} + "-t", region_bytes=16 << 20, namespace="t",
+               mode="transfer")
+    async with tract.Engine.open(tract.EngineConfig(**cfg, create=True, node_id=0)) as a, \
+               tract.Engine.open(tract.EngineConfig(**cfg, node_id=1)) as b:
+        keys = a.block_keys(list(range(16 * 40)), extra_keys=("r",))
+        kv = np.ones(lay.kv_shape(len(keys)), dtype=np.float32)
+        async def read():
+            return [await b.get_kv(keys, layer=i, timeout=30) for i in range(4)]
+        reader = asyncio.create_task(read())
+        for layer in range(4):
+            await a.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer)
+        assert all(np.array_equal(x, kv[i]) for i, x in enumerate(await reader))
     print("compiled after the warm-up:", warmup.compiles_after_warmup())
     assert warmup.compiles_after_warmup() == []
 tract.run(main())
@@ -71,9 +86,10 @@ tract.run(main())
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=300)
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
         from tract_async.region import cpumarks
-        cpumarks.remove(path, None)
+        for p in (path, path + "-t"):
+            if os.path.exists(p):
+                os.unlink(p)
+            cpumarks.remove(p, None)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "compiled after the warm-up: []" in res.stdout
