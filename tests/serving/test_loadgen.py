@@ -196,13 +196,20 @@ def test_breakdown_of_each_transport_by_hand():
     assert breakdown_ms(late) == pytest.approx(
         {"queue": 1.5 + 1.0, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
          "kv_load": 0.8, "first_decode_step": 1.2, "token_delivery": 0.0})
-    # read early (DecodeWorker.EARLY_READS): every layer in hand at 10.5, the slot only at 14.0:
-    # no transfer on the path; the wait for the slot is queue, counted once, and the first
-    # step runs from the slot
+    # read early (from 1.1, before any slot): every layer in hand at 10.5, the slot only at
+    # 14.0: the last layer's hop (10.0 -> 10.5) is kv_load, the wait for the slot once the KV
+    # was in hand (10.5 -> 14.0) is queue, and the first step runs from the slot. (A decode
+    # worker whose first pass starts only after every layer arrived, first_pass=extend, always
+    # looks like this: before, its hop was counted as queue and kv_load read 0.)
     early = {**streamed, "early_reads": 1.1, "decode_compute_start": 14.0, "first_token": 15.5}
     assert breakdown_ms(early) == pytest.approx(
-        {"queue": 1.5 + 4.0, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
-         "kv_load": 0.0, "first_decode_step": 1.5, "token_delivery": 0.0})
+        {"queue": 1.5 + 3.5, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
+         "kv_load": 0.5, "first_decode_step": 1.5, "token_delivery": 0.0})
+    # read early and the first pass right after the last layer (no wait for a slot)
+    at_once = {**early, "decode_compute_start": 10.6, "first_token": 12.0}
+    assert breakdown_ms(at_once) == pytest.approx(
+        {"queue": 1.5 + 0.1, "prefix_load": 1.0, "prefill_compute": 6.1, "kv_store": 2.0,
+         "kv_load": 0.5, "first_decode_step": 1.4, "token_delivery": 0.0})
     modelled = {"prefill_recv": 1.0, "prefill_compute_start": 1.0, "prefill_done": 5.0,
                 "decode_recv": 6.0, "kv_load_begin": 6.0, "kv_model_due": 6.5, "kv_load_done": 6.6,
                 "decode_compute_start": 6.6, "got_L0": 6.7, "first_token": 8.7}

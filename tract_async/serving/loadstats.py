@@ -56,7 +56,8 @@ def breakdown_ms(events: Mapping[str, float], router_ttft_ms: float = math.nan) 
     * ``kv_load``: what the transfer added once the KV was complete at the prefill: the HTTP READ
       (``decode_recv`` -> ``http_read_done``), the modelled RDMA transfer (``kv_load_begin`` ->
       ``kv_load_done``), or, with layer streaming, the last layer's hop (from ``put_L{last}``,
-      or from ``decode_compute_start`` if decode got its slot later, to ``got_L{last}``);
+      or from when the reads began if later: ``early_reads``, or ``decode_compute_start`` in
+      records without it, to ``got_L{last}``);
     * ``first_decode_step``: the decode worker's first forward pass, ``decode_compute_start`` ->
       ``first_token`` (recompute: the whole prompt's); with layer streaming, only what is left
       of it after the last layer arrived (``got_L{last}`` -> ``first_token``), or from
@@ -94,12 +95,16 @@ def breakdown_ms(events: Mapping[str, float], router_ttft_ms: float = math.nan) 
         out["kv_load"] = e["kv_load_done"] - e["kv_load_begin"]
         decode_ready = e["kv_load_done"]
     elif puts and last_got is not None:
-        # layer streaming: decode took its slot at dcs and waits there for the layers, so
-        # only the part of its wait after the KV was complete, and the last layer's hop once
-        # both were there, are on the critical path
+        # layer streaming: the reads began at ``early_reads`` (the request reached decode and
+        # read while it waited for a slot) or, in records without it, at the slot (dcs); only
+        # the last layer's hop after both the KV was complete and the reads had begun is on the
+        # critical path. A request that read early was ready for a slot once it held its KV
+        # (a first pass that starts after every layer arrived queued only from then on)
         kv_ready = max(puts)
-        out["kv_load"] = max(0.0, last_got - max(kv_ready, dcs if dcs is not None else kv_ready))
-        decode_ready = kv_ready
+        reads_from = e.get("early_reads", dcs)
+        out["kv_load"] = max(0.0, last_got - max(kv_ready, reads_from if reads_from is not None
+                                                 else kv_ready))
+        decode_ready = max(kv_ready, last_got) if "early_reads" in e else kv_ready
         streamed = True
     else:   # recompute, or a prompt without a full block: nothing travels
         decode_ready = e.get("decode_recv")
