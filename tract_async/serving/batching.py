@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tract_async.serving.errors import NothingToCompute
-from tract_async.serving.fast_decode import EXTEND_BUCKETS, BatchDecoder
+from tract_async.serving.fast_decode import EXTEND_BUCKETS, BatchDecoder, wait_for_gpu
 from tract_async.serving.kv_cache import build_cache
 from tract_async.serving.model import _as_ids, cache_kwargs, greedy_continue
 from tract_async.serving.streaming import GetLayer, Abort, Aborted, layer_reader
@@ -267,7 +267,9 @@ class DecodeBatcher:
         device = model.lm_head.weight.device
         tail = torch.tensor([job.ids[job.past_len:]], dtype=torch.long, device=device)
         out = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-        job.add(int(torch.argmax(out.logits[0, -1])))
+        first = torch.argmax(out.logits[0, -1])
+        wait_for_gpu(device)               # a whole prompt's pass: without the GIL
+        job.add(int(first))
         if job.finished:
             job.succeed()
             return

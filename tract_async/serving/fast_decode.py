@@ -110,6 +110,8 @@ class BatchDecoder:
         self._spans = torch.arange(self.max_len, device=self.device)
         self._captured: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
+        # a blocking-sync event: waiting on it sleeps and releases the GIL (wait_for_gpu)
+        self._done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self.captures = 0
         self.extends = 0                     # first passes run here (admit_extend)
         self.streams = 0                     # ... of which layer by layer (stream_*)
@@ -211,6 +213,7 @@ class BatchDecoder:
         self.v[i, s, :, :past_len].copy_(kv[1, :past_len].transpose(0, 1))
 
     def _finish_extend(self, s: int, length: int) -> int:
+        self._wait()
         token = int(self._out[0].item())
         self.extends += 1
         self.lens[s] = length
@@ -258,6 +261,7 @@ class BatchDecoder:
         self._tok[:bb].copy_(host_tok, non_blocking=False)
         self._pos[:bb].copy_(host_pos, non_blocking=False)
         self._run("step", bb, span)
+        self._wait()
         out = self._out[:b].tolist()
         for s in range(b):
             self.lens[s] += 1
@@ -297,6 +301,12 @@ class BatchDecoder:
                 n += 1
         torch.cuda.synchronize(self.device)
         return n
+
+    def _wait(self) -> None:
+        """Wait for this thread's queued GPU work without the GIL (see :func:`wait_for_gpu`)."""
+        if self._done is not None:
+            self._done.record(torch.cuda.current_stream(self.device))
+            self._done.synchronize()
 
     def _run(self, kind: str, rows: int, span: int) -> None:
         if self.graphs:
@@ -452,6 +462,23 @@ class BatchDecoder:
         self._out[:1].copy_(torch.argmax(self.model.lm_head(last), dim=-1))
 
 
+def wait_for_gpu(device: torch.device) -> None:
+    """Block until the calling thread's stream on ``device`` has run its queued work, sleeping
+    without the GIL; a no-op on the CPU.
+
+    Why: reading a CUDA result on the host (``.item()``, ``.tolist()``) waits for the GPU while
+    holding the GIL, so the worker's event loop, whose layer reads feed the next requests,
+    cannot run for a whole step. On the H100 serving run at e798099, a decode worker busy with
+    a batch delivered layers 10-200 ms after their publication, against 0.2-2.6 ms while idle
+    (``bench/results/gpu-20261206-s39``, call 5). A blocking-sync event's ``synchronize``
+    releases the GIL while it waits; the host read after it finds the result ready."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event(blocking=True)
+    done.record(torch.cuda.current_stream(device))
+    done.synchronize()
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -504,4 +531,5 @@ def bench_rows(model: Any, *, context: int, steps: int, batches: list[int],
 
 
 __all__ = ["BatchDecoder", "DecodeCapacityError", "bucket", "cache_bytes_for", "bench_rows",
+           "wait_for_gpu",
            "MIN_BUCKET", "BATCH_BUCKETS", "EXTEND_BUCKETS"]
