@@ -86,3 +86,25 @@ async def test_a_waiting_request_holds_its_kv_before_it_gets_the_compute_slot(
         assert all(f"ask_L{i}" in ev for i in range(LAYERS))
     assert all(sp.proc.returncode == 0 for sp in rack.services)
     assert not glob.glob(region_path + "*")
+
+
+async def test_concurrent_requests_share_decode_steps(model, region_path, tmp_path) -> None:
+    """The decode worker batches (ServiceConfig.decode_batch): requests that generate at the
+    same time run in shared steps, and each still gets exactly the reference's tokens."""
+    from tract_async.serving.model import reference_generate
+    prompts = [[256] + [(k * 7 + 3 * i) % 250 for i in range((2 + k) * T - 1)] for k in range(3)]
+    rack = Rack(mode="region-transfer", region=region_path, log_dir=str(tmp_path), seed=0,
+                block_tokens=T, region_bytes=64 << 20, torch_threads=1, layer_timeout_s=60.0)
+    async with rack, aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p, 80)
+                                         for p in prompts))
+        async with session.get(f"{rack.url_of('decode')}/health") as r:
+            health = await r.json()
+    for p, (tokens, _, _) in zip(prompts, results):
+        assert tokens == reference_generate(model, p, 80, eos_token_id=EOS)
+    batch = health["batch"]
+    assert batch["max_batch"] == 8 and batch["max_seen_batch"] >= 2, batch
+    total = sum(len(t) for t, _, _ in results)
+    assert batch["steps"] < total - len(prompts), batch   # fewer steps than tokens: shared
+    assert all(sp.proc.returncode == 0 for sp in rack.services)
+    assert not glob.glob(region_path + "*")
