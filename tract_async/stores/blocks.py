@@ -60,8 +60,7 @@ import tract_kernels as K
 
 from .. import crashpoints as CP
 from ..config import EngineConfig
-from ..errors import (BlockEvicted, BlockNotFound, LayerNotReady, LockTimeout, NodeEvicted,
-                      RegionFull, TransferTimeout)
+from ..errors import BlockEvicted, LockTimeout, NodeEvicted, RegionFull, TransferTimeout
 from ..keys import keys_to_words
 from ..region import Region
 from ..region import cpumarks
@@ -80,14 +79,10 @@ from . import waits
 from .layouts import LayoutGuard
 from .snapcheck import rows_fine
 from .preclaim import PreClaimer
+from .readiness import SMALL_READ, ReadyWaits, check_available, rows_available
 from .stats import TransferStats
 
 VICTIM_SAMPLE = 16
-
-SMALL_READ = 8
-"""Transfers of at most this many blocks take the Python-int paths (a get checks its snapshot
-after ``tolist``, a put splits its snapshot and builds its allocation rows in plain loops):
-each numpy operation costs ~1 µs whatever its size, more than the loop for a few blocks."""
 
 EVICT_AHEAD = 64
 """When a locked reservation evicts for space, it evicts up to this many blocks (at least 16,
@@ -104,9 +99,6 @@ node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when
 batch; an asker waits up to CHUNK_WAIT_S, so a few milliseconds of delay cost it nothing."""
 
 
-LOOP_SLICE_NS = 20_000
-"""The longest the loop is held by one slice of that spin (other tasks run between slices)."""
-
 TOUCH_ROWS_MAX = 1 << 16
 """Reads of large transfers kept for the next touch flush before they are stamped at once."""
 
@@ -122,15 +114,6 @@ RETURN_RETRY_S = 0.01
 
 OPTIMISTIC_MIN_KEYS = 64
 """A put of at least this many keys may skip its index snapshot (``snapshot_for_put``)."""
-
-_TIMER = object()
-"""What a wait's safety timer resolves its future with (``BlockLifecycle._wait_on_doorbell``)."""
-
-
-def _wake_timer(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(_TIMER)
-
 
 def _alloc_info(a: Allocation) -> tuple[int, int, int, int]:
     """An allocation as a reservation's kernel takes it: (payload offset, nbytes, owner word,
@@ -245,7 +228,8 @@ class StoreStats(TransferStats):
     small_gets: int = 0
     """Fused gets that came by that path."""
     spin_wakes: int = 0
-    """Waits that the brief spin on the loop's thread satisfied (``_spin_on_loop``)."""
+    """Waits that the brief spin on the loop's thread satisfied
+    (``readiness.ReadyWaits._spin_on_loop``)."""
     preclaimed_chunks: int = 0
     """Chunks claimed ahead of need by the pre-claim task (module docstring)."""
     evicted_ahead: int = 0
@@ -270,7 +254,7 @@ class StoreStats(TransferStats):
     or polled: ``stores/doorbell.py``)."""
     doorbell_probe_skips: int = 0
     """Doorbell rings a waiting read answered with one key's lookup instead of a look at every
-    key (``_wait_on_doorbell``: its probe key was still missing)."""
+    key (``readiness.ReadyWaits._on_doorbell``: its probe key was still missing)."""
 
 
 class BlockLifecycle:
@@ -292,7 +276,7 @@ class BlockLifecycle:
                                else cfg.wait_spin_us)
         index.meta_threads = ix.auto_meta_threads(waits.usable_cpus(),
                                                   region.mem[K.MEM_BACKEND] == K.BACKEND_HW)
-        """How long a same-host wait spins before it sleeps (``_spin_on_loop``)."""
+        """How long a same-host wait spins before it sleeps (``readiness.ReadyWaits``)."""
         self.stats = StoreStats()
         self._reserved: dict[bytes, Reservation | FillBatch] = {}
         """This node's blocks in flight: each key's reservation, or the batch that holds it."""
@@ -323,6 +307,8 @@ class BlockLifecycle:
         self.doorbell = db.Doorbell(region, self.node_id, allocator.epoch)
         """Same-host wake-ups of waits on this region (``stores/doorbell.py``)."""
         self._db_off, self._db_nodes = self.doorbell.offset, self.doorbell.max_nodes
+        self.waits = ReadyWaits(self)
+        """A read's waits for its blocks (``stores/readiness.py``)."""
         self._spares: list[Allocation] = []
         """Slots taken from the free lists ahead of need (module docstring); the top
         ``len(_spares)`` rows of ``_spare_info`` are their (offset, nbytes, owner word, token)."""
@@ -1303,7 +1289,8 @@ class BlockLifecycle:
                 self.stats.known_slot_reads += 1
                 return words, snap
         if timeout is not None and timeout > 0:
-            snap = await self._wait_ready(words, self._first_look(words, layer), layer, timeout)
+            snap = await self.waits.wait(words, self.waits.first_look(words, layer), layer,
+                                         timeout)
         else:
             snap = self.index.snapshot(words)
         if snap.shape[0] <= SMALL_READ:
@@ -1311,7 +1298,7 @@ class BlockLifecycle:
             # one-block layer read through numpy cost ~22 µs on the 2-core VM, ~4 µs this way)
             rows = snap.tolist()
             bb, lo = self.layout.block_bytes, g.chunks_offset
-            if self._rows_available(rows, layer):
+            if rows_available(rows, layer):
                 if self.layouts is not None:       # before the bounds: another layout's block
                     self.layouts.check_rows(keys, rows)         # has other bounds too
                 for i, r in enumerate(rows):
@@ -1328,7 +1315,7 @@ class BlockLifecycle:
             if layer is not None:           # the next layer may take the known slots
                 self._remember_rows(keys, snap)
             return words, snap              # the common case in one pass (stores/snapcheck.py)
-        self._check_available(keys, snap, layer)
+        check_available(keys, snap, layer, self.stats)
         if self.layouts is not None:
             self.layouts.check_snapshot(keys, snap)
         bad = np.flatnonzero((snap[:, 4] != self.layout.block_bytes) | (snap[:, 3] < g.chunks_offset)
@@ -1384,15 +1371,15 @@ class BlockLifecycle:
     async def wait_ready(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
                          timeout: float) -> np.ndarray:
         """Wait up to ``timeout`` until every key of ``words`` is present and has ``layer``
-        (READY for None), from ``snap`` (``_wait_ready``); the last snapshot. Raises
+        (READY for None), from ``snap`` (``stores/readiness.py``); the last snapshot. Raises
         TransferTimeout."""
-        return await self._wait_ready(words, snap, layer, timeout)
+        return await self.waits.wait(words, snap, layer, timeout)
 
     async def wait_whole(self, words: np.ndarray, snap: np.ndarray, timeout: float) -> None:
-        """Wait up to ``timeout`` until every key is READY (``_wait_ready``, from ``snap``).
-        Returns when it is, or when a block seen has vanished (the read then reports the miss).
-        Raises TransferTimeout."""
-        await self._wait_ready(words, snap, None, timeout)
+        """Wait up to ``timeout`` until every key is READY (``stores/readiness.py``, from
+        ``snap``). Returns when it is, or when a block seen has vanished (the read then reports
+        the miss). Raises TransferTimeout."""
+        await self.waits.wait(words, snap, None, timeout)
 
     def validate_read(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
                       nbytes: int, *, cpu: bool = True) -> None:
@@ -1456,211 +1443,6 @@ class BlockLifecycle:
         self._touch_count += len(slots)
         if self._touch_count > TOUCH_ROWS_MAX:
             self._flush_touches()
-
-    def _check_available(self, keys: list[bytes], snap: np.ndarray, layer: int | None) -> None:
-        # the common cases without a Python loop: every block READY, or (a layer read of blocks
-        # still being produced, as in every layer-streamed handoff) every block present with
-        # the layer in -- the loop below cost ~0.4 ms per 1024-block layer read on the VM
-        if self._satisfied(snap, layer):
-            return
-        for i in range(len(keys)):
-            if snap[i, 0] < 0:
-                self.stats.misses += 1
-                raise BlockNotFound(f"block {i} of {len(keys)} ({keys[i][:8].hex()}…) is not in "
-                                    f"the region (never stored, or evicted); lookup() says how "
-                                    f"many leading blocks are resident")
-            st = snap[i, 2]
-            if st == ix.READY:
-                continue
-            if layer is None:
-                raise LayerNotReady(f"block {i} ({keys[i][:8].hex()}…) is still being produced; "
-                                    f"pass timeout= to wait for it, or get it layer by layer")
-            word, bit = divmod(layer, 64)
-            if not (int(snap[i, 5 + word]) >> bit) & 1:
-                raise LayerNotReady(f"layer {layer} of block {i} ({keys[i][:8].hex()}…) has not "
-                                    f"landed yet; pass timeout= to wait for it")
-
-    def _first_look(self, words: np.ndarray, layer: int | None) -> np.ndarray:
-        """A waiting read's first snapshot: of the last key alone while it is not ready, when
-        there are ``waits.SENTINEL_MIN_KEYS`` or more (the other rows say "absent", which
-        ``_satisfied`` reads as not ready: the wait then looks at all of them); else of all.
-        A layer-streamed get asks before its producer publishes, and a full look at 2048 keys
-        costs ~0.3-0.5 ms on the 2-core VM (``waits.ready_state`` says why the last key)."""
-        n = words.shape[0]
-        if n >= waits.SENTINEL_MIN_KEYS:
-            last = self.index.snapshot(words[n - 1:])
-            if not self._satisfied(last, layer):
-                snap = np.full((n, 8), -1, dtype=np.int64)
-                snap[n - 1] = last[0]
-                return snap
-        return self.index.snapshot(words)
-
-    async def _wait_ready(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
-                          timeout: float) -> np.ndarray:
-        """Wait until every key is present and has the layer / is READY: on the doorbell when
-        every live node shares this host, else by the thread poll (``stores/doorbell.py``).
-        Returns the last snapshot (a block seen and then gone: the caller's checks raise)."""
-        self.stats.layer_waits += 1
-        if self._satisfied(snap, layer):
-            return snap
-        bell = self.doorbell
-        if bell.receiving and bell.one_host(self.cfg.liveness_timeout_s):
-            return await self._wait_on_doorbell(words, snap, layer, timeout)
-        return await self._wait_polling(words, snap, layer, timeout)
-
-    async def _wait_on_doorbell(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
-                                timeout: float) -> np.ndarray:
-        deadline = time.monotonic() + timeout
-        seen = snap[:, 0] >= 0
-        last = [snap]
-        probe = [self._first_unsatisfied(snap, layer)]
-
-        def check(full: bool = False) -> np.ndarray | None:
-            # A ring says that something was published on this host, not what: with several
-            # requests in flight, most rings are for other keys. One key that was not yet
-            # satisfied at the last full look decides whether a full look can succeed (every
-            # key must be): it costs one lookup where the full look costs one per key (a
-            # decode worker's queued 512-block reads, each woken by every layer of every
-            # prefill, took the GIL from its model thread). A vanished block is seen at the
-            # probe, at the next full look, or at a timer's look (always full).
-            i = probe[0]
-            if not full and len(words) > 1:
-                one = self.index.snapshot(words[i:i + 1])
-                if one[0, 0] >= 0 or not seen[i]:
-                    if not self._satisfied(one, layer):
-                        self.stats.doorbell_probe_skips += 1
-                        return None
-            s = self.index.snapshot(words)
-            last[0] = s
-            present = s[:, 0] >= 0
-            if (seen & ~present).any() or self._satisfied(s, layer):
-                return s                   # done, or a block vanished (the caller raises)
-            seen[:] |= present
-            probe[0] = self._first_unsatisfied(s, layer)
-            return None
-
-        spun = await self._spin_on_loop(words, layer)
-        if spun is not None:
-            self.stats.spin_wakes += 1
-            return spun
-        bell = self.doorbell
-        loop = asyncio.get_running_loop()
-        w = bell.add(check)
-        try:
-            got = check(full=True)         # after registering: the race (doorbell.py)
-            interval = db.SAFETY_FIRST_S
-            while got is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._wait_timed_out(last[0], layer, timeout)
-                fut = w.fut
-                timer = loop.call_later(min(interval, left), _wake_timer, fut)
-                try:
-                    got = await fut
-                finally:
-                    timer.cancel()
-                if got is _TIMER:
-                    bell.rearm(w)
-                    got = check(full=True)
-                    interval = min(interval * 2, db.SAFETY_MAX_S)
-                else:
-                    self.stats.doorbell_wakes += 1
-            return got
-        finally:
-            bell.remove(w)
-
-    async def _spin_on_loop(self, words: np.ndarray, layer: int | None) -> np.ndarray | None:
-        """The first ``spin_ns`` of a same-host wait (``EngineConfig.wait_spin_us``, from the
-        host by default: ``waits.auto_wait_spin_us``): the jitted poll of ``waits.py`` on the
-        loop's own thread, GIL released, in slices of ``LOOP_SLICE_NS`` with the loop's other
-        tasks run between them. Returns the snapshot once satisfied (or a block vanished), None
-        when the spin ran out. Why (measured on the 16-core H200 host, ``bench/wakeup.py`` and
-        ``bench/wakecost.py``): a process asleep in its selector takes 20-150 us to wake on that
-        host however it is woken (a bare datagram wake-up: 152 us p50), because its idle vCPU
-        has halted, and then runs 2-4x slower for a while; most waits end within a put's time
-        of their start (the consumer asks just before its producer writes), so a spin sees the
-        block within a poll's time and leaves the sleep (and its wake-up) to waits that outlast
-        it. The poll yields the CPU (``sched_yield``) between looks, so on 2 cores it gives way
-        to the producer."""
-        if self.spin_ns <= 0:
-            return None
-        g = self.geo
-        word, bit = (0, 0) if layer is None else divmod(layer, 64)
-        out = np.zeros((words.shape[0], 8), dtype=np.int64)
-        stop = np.zeros(1, dtype=np.uint8)
-        end = time.perf_counter_ns() + self.spin_ns
-        while True:
-            now = time.perf_counter_ns()
-            if now >= end:
-                return None
-            r = waits.poll_ready(self.mem, g.entries_offset, self.index.mask, g.max_probe,
-                                 g.lanes, words,
-                                 word, np.uint64(1 << bit), layer is None,
-                                 min(end, now + LOOP_SLICE_NS), stop, out)
-            if r != 0:
-                return out
-            await asyncio.sleep(0)
-
-    def _wait_timed_out(self, snap: np.ndarray, layer: int | None, timeout: float) -> None:
-        absent = int((snap[:, 0] < 0).sum())
-        if absent:
-            raise TransferTimeout(f"{absent} of {len(snap)} blocks did not appear within "
-                                  f"{timeout} s")
-        raise TransferTimeout(f"{'layer ' + str(layer) if layer is not None else 'blocks'} "
-                              f"not produced within {timeout} s")
-
-    async def _wait_polling(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
-                            timeout: float) -> np.ndarray:
-        """The cross-host wait: a brief in-loop spin, then the thread poll of ``waits.py``."""
-        deadline = waits.deadline_ns(timeout)
-        g = self.geo
-        for _ in range(3):  # brief in-loop spin: the common case is "already there"
-            if self._satisfied(snap, layer):
-                return snap
-            await asyncio.sleep(0)
-            snap = self.index.snapshot(words)
-        stop = np.zeros(1, dtype=np.uint8)
-        word, bit = (0, 0) if layer is None else divmod(layer, 64)
-        out = np.zeros_like(snap)
-        r = await waits.run_poll(waits.poll_ready, waits.ThreadMem(self.region), g.entries_offset,
-                                 self.index.mask,
-                                 g.max_probe, g.lanes, words, word, np.uint64(1 << bit),
-                                 layer is None, deadline, stop, out)
-        if r == 0:
-            self._wait_timed_out(self.index.snapshot(words), layer, timeout)   # a full look
-        return out          # r == -1: a block vanished; the caller's checks raise BlockNotFound
-
-    @staticmethod
-    def _first_unsatisfied(snap: np.ndarray, layer: int | None) -> int:
-        """The first row of ``snap`` that is absent or lacks ``layer`` (READY for None); 0 when
-        every row is satisfied."""
-        ok = snap[:, 0] >= 0
-        if layer is None:
-            ok &= snap[:, 2] == ix.READY
-        else:
-            word, bit = divmod(layer, 64)
-            ok &= (snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)
-        bad = np.flatnonzero(~ok)
-        return int(bad[0]) if bad.size else 0
-
-    @staticmethod
-    def _rows_available(rows: list[list[int]], layer: int | None) -> bool:
-        """``_satisfied`` on snapshot rows as Python lists (a few blocks)."""
-        if layer is None:
-            return all(r[0] >= 0 and r[2] == ix.READY for r in rows)
-        col, bit = 5 + layer // 64, layer % 64
-        return all(r[0] >= 0 and (r[2] == ix.READY or (r[col] >> bit) & 1) for r in rows)
-
-    @staticmethod
-    def _satisfied(snap: np.ndarray, layer: int | None) -> bool:
-        if snap.shape[0] <= SMALL_READ:             # Python ints: no numpy round
-            return BlockLifecycle._rows_available(snap.tolist(), layer)
-        if (snap[:, 0] < 0).any():
-            return False
-        if layer is None:
-            return bool((snap[:, 2] == ix.READY).all())
-        word, bit = divmod(layer, 64)
-        return bool(((snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)).all())
 
     async def consume(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
                       layer: int | None) -> None:

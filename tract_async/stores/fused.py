@@ -47,7 +47,7 @@ once is not known; it does not show as a futex call in ``strace``.)
 Kernels that can run long (copies above ``INLINE_COPY_BYTES``, polls with a deadline, the
 copy gang's) still release it; the short ones the loop calls on every small transfer hold it:
 these two, the doorbell's (``doorbell.py``) and small snapshots (``PrefixIndex.snapshot``).
-The loop's 20 µs spin slices of a wait (``BlockLifecycle._spin_on_loop``) were tried holding
+The loop's 20 µs spin slices of a wait (``readiness.ReadyWaits._spin_on_loop``) were tried holding
 it and went back: the waiting consumer's handoff part rose from ~10 to ~20 µs (median of
 eleven 2-process runs each on the VM), as the lock manager's threads of that process then
 found the GIL taken through the whole spin instead of between its polls.
