@@ -406,6 +406,10 @@ async def _scenario(path: str, backend: str) -> None:
     finally:
         await b.close()
         await a.close()
+    # the CUDA direct path's host-side planners (no CUDA call): a GPU host's first put would
+    # compile them after the warm-up
+    from tract_async.cuda import direct
+    direct.template(layout, np.arange(3, dtype=np.int64) * layout.block_bytes, False, 0)
     from tract_async.fsck import run_fsck
     run_fsck(path, backend=backend)
 
