@@ -369,22 +369,11 @@ class BatchDecoder:
         h = m.embed_tokens(tok)                                          # (bb, hidden)
         cos, sin = m.rotary_emb(h, pos[:, None])                         # (bb, 1, head_dim)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]                # (bb, 1, 1, d)
-        # additive mask over the span: 0 up to each row's position, dtype-min after (as eager)
-        allowed = self._spans[:span][None, :] <= pos[:, None]            # (bb, span)
-        mask = torch.zeros((bb, span), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        mask = mask[:, None, None, :]                                    # (bb, 1, 1, span)
+        mask = self._mask(pos, span)[:, None, None, :]                   # (bb, 1, 1, span)
         kvh, g, d = self.kv_heads, self.groups, self.head_dim
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(bb, kvh, g, d)
-            k = attn.k_proj(x).view(bb, kvh, 1, d)
-            v = attn.v_proj(x).view(bb, kvh, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = (k * cos + _rotate_half(k) * sin).view(bb, kvh, d)
-            self.k[i, rows, :, pos] = k
-            self.v[i, rows, :, pos] = v
+            q = self._project(i, layer, h, cos, sin, rows, pos)          # (bb, kvh, g, d)
             keys = self.k[i, :bb, :, :span]                              # (bb, kvh, span, d)
             values = self.v[i, :bb, :, :span]
             scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # (bb, kvh, g, span)
@@ -397,6 +386,29 @@ class BatchDecoder:
         logits = self.model.lm_head(h)
         self._out[:bb].copy_(torch.argmax(logits, dim=-1))
 
+    def _mask(self, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """The additive mask of rows at positions ``pos`` over ``span`` cache positions: 0 up
+        to each row's position, the dtype's minimum after (as eager attention's)."""
+        allowed = self._spans[:span][None, :] <= pos[:, None]            # (rows, span)
+        mask = torch.zeros((pos.shape[0], span), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask
+
+    def _project(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s Q/K/V of rows ``h``, rotated; K and V stored into the cache at
+        ``(slots[r], pos[r])``; returns Q grouped by KV head ``(rows, kv_heads, groups, d)``."""
+        attn = layer.self_attn
+        n, kvh, g, d = h.shape[0], self.kv_heads, self.groups, self.head_dim
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(n, kvh, g, d)
+        k = attn.k_proj(x).view(n, kvh, 1, d)
+        v = attn.v_proj(x).view(n, kvh, d)
+        q = q * cos + _rotate_half(q) * sin
+        k = (k * cos + _rotate_half(k) * sin).view(n, kvh, d)
+        self.k[i, slots, :, pos] = k
+        self.v[i, slots, :, pos] = v
+        return q
 
     def _compute_extend(self, nb: int, span: int) -> None:
         """``nb`` tokens of one slot (``_eslot``) at positions ``_epos``, causal among
@@ -418,10 +430,7 @@ class BatchDecoder:
         self._eh[0, :nb].copy_(h)
         self._ecos[:nb].copy_(cos[0][:, None, None, :])                  # (nb, 1, 1, d)
         self._esin[:nb].copy_(sin[0][:, None, None, :])
-        allowed = self._spans[:span][None, :] <= pos[:, None]            # (nb, span)
-        mask = torch.zeros((nb, span), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        self._emask[0, :nb, 0, :span].copy_(mask)
+        self._emask[0, :nb, 0, :span].copy_(self._mask(pos, span))
 
     def _extend_layer(self, i: int, nb: int, span: int) -> None:
         """Layer ``i`` of the tail: its K/V into the slot, attention over the slot's first
@@ -432,17 +441,8 @@ class BatchDecoder:
         cos, sin = self._ecos[:nb], self._esin[:nb]
         mask = self._emask[:, :nb, :, :span]                             # (1, nb, 1, span)
         slot = self._eslot
-        pos = self._epos[:nb]
         kvh, g, d = self.kv_heads, self.groups, self.head_dim
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(nb, kvh, g, d)
-        k = attn.k_proj(x).view(nb, kvh, 1, d)
-        v = attn.v_proj(x).view(nb, kvh, d)
-        q = q * cos + _rotate_half(q) * sin
-        k = (k * cos + _rotate_half(k) * sin).view(nb, kvh, d)
-        slots = slot.expand(nb)
-        self.k[i, slots, :, pos] = k
-        self.v[i, slots, :, pos] = v
+        q = self._project(i, layer, h, cos, sin, slot.expand(nb), self._epos[:nb])
         keys = self.k[i, :, :, :span].index_select(0, slot)[0]         # (kvh, span, d)
         values = self.v[i, :, :, :span].index_select(0, slot)[0]
         qh = q.permute(1, 0, 2, 3).reshape(kvh, nb * g, d)
