@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from tract_async.serving.errors import NothingToCompute
 from tract_async.serving.fast_decode import EXTEND_BUCKETS, BatchDecoder, wait_for_gpu
 from tract_async.serving.kv_cache import build_cache
-from tract_async.serving.model import _as_ids, cache_kwargs, greedy_continue
-from tract_async.serving.streaming import GetLayer, Abort, Aborted, layer_reader
+from tract_async.serving.model import cache_kwargs, greedy_continue
+from tract_async.serving.streaming import (Abort, Aborted, GetLayer, check_generation,
+                                           layer_reader)
 
 
 class _Job:
@@ -112,12 +112,7 @@ class DecodeBatcher:
             NothingToCompute, TokenIdError, ValueError, LayerWaitTimeout, KVShapeError, and
             whatever ``get_layer`` raises, as ``generate_streaming``.
         """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        ids = _as_ids(input_ids, self.model.config.vocab_size)
-        if not 0 <= past_len < len(ids):
-            raise NothingToCompute(f"past_len={past_len} must be in [0, {len(ids)}): the last "
-                                   f"prompt token is computed here to produce the first token")
+        ids = check_generation(self.model, input_ids, past_len, max_new_tokens)
         if max_new_tokens == 0:
             return []
         loop = asyncio.get_running_loop()

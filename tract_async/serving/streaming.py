@@ -285,6 +285,25 @@ async def decode_streaming(
         raise asyncio.CancelledError() from None
 
 
+def check_generation(model: LlamaForCausalLM, input_ids: TokenIds, past_len: int,
+                     max_new_tokens: int) -> list[int]:
+    """The prompt's ids, after the checks every generation with a transferred past makes.
+
+    Raises:
+        ValueError: ``max_new_tokens`` is negative.
+        TokenIdError: bad prompt ids.
+        NothingToCompute: ``past_len`` is outside ``[0, len(prompt))``: the last prompt token
+            is always computed here, to produce the first generated token.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    ids = _as_ids(input_ids, model.config.vocab_size)
+    if not 0 <= past_len < len(ids):
+        raise NothingToCompute(f"past_len={past_len} must be in [0, {len(ids)}): the last prompt "
+                               f"token is computed here to produce the first generated token")
+    return ids
+
+
 async def generate_streaming(
     model: LlamaForCausalLM,
     input_ids: TokenIds,
@@ -316,12 +335,7 @@ async def generate_streaming(
         LayerWaitTimeout, KVShapeError, ValueError, and whatever ``get_layer`` raises, as
         :func:`decode_streaming`.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    ids = _as_ids(input_ids, model.config.vocab_size)
-    if not 0 <= past_len < len(ids):
-        raise NothingToCompute(f"past_len={past_len} must be in [0, {len(ids)}): the last prompt "
-                               f"token is computed here to produce the first generated token")
+    ids = check_generation(model, input_ids, past_len, max_new_tokens)
     if max_new_tokens == 0:
         return []
     loop = asyncio.get_running_loop()
