@@ -33,8 +33,8 @@ from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_engine as P
 from tests.support.paused import (assert_region_clean, end_worker, in_thread, report,
-                                  stopped)
-from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, until
+                                  start_paused_worker, stopped)
+from tests.support.engine_util import block_matches, cfg, kv_for_keys, until
 
 SPAWN = mp.get_context("spawn")
 LIVENESS_S = 1.0
@@ -175,13 +175,7 @@ async def test_a_paused_holder_is_fenced_without_leaks(region_path: str, point: 
                                      **REGION)) as eng:           # first: the lock manager
         own = eng.block_keys(range(8_000_000, 8_000_000 + 16 * 8))
         await eng.put_kv(own, kv_for_keys(own), timeout=30)
-        q_in, q_out = SPAWN.Queue(), SPAWN.Queue()
-        os.environ[CP.ENV], os.environ[CP.ENV_ACTION] = point, "stop"
-        try:
-            worker = SPAWN.Process(target=P.paused_worker, args=(region_path, q_in, q_out))
-            worker.start()
-        finally:
-            del os.environ[CP.ENV], os.environ[CP.ENV_ACTION]
+        worker, q_in, q_out = start_paused_worker(region_path, point)
         try:
             kind, _, n_before = await report(q_out, [worker], 120)
             assert kind == "before", (kind, n_before)

@@ -29,12 +29,10 @@ import signal
 import pytest
 
 import tract_async as tract
-from tract_async import crashpoints as CP
 from tract_async import errors as E
 from tract_async.fsck import run_fsck
-from tests.support import procs_engine as P
 from tests.support.paused import (assert_region_clean, end_worker, in_thread, report,
-                                  stopped)
+                                  start_paused_worker, stopped)
 from tests.support.engine_util import block_matches, cfg, kv_for_keys, until
 
 SPAWN = mp.get_context("spawn")
@@ -51,13 +49,7 @@ POINTS = ["claim.found", "claim.journaled", "claim.owner", "claim.bitmap", "rese
 async def test_paused_between_check_and_store(region_path: str, point: str) -> None:
     async with tract.Engine.open(cfg(region_path, 1, create=True, preclaim_bytes=0,
                                      **REGION)) as eng:
-        q_in, q_out = SPAWN.Queue(), SPAWN.Queue()
-        os.environ[CP.ENV], os.environ[CP.ENV_ACTION] = point, "stop"
-        try:
-            worker = SPAWN.Process(target=P.paused_worker, args=(region_path, q_in, q_out))
-            worker.start()
-        finally:
-            del os.environ[CP.ENV], os.environ[CP.ENV_ACTION]
+        worker, q_in, q_out = start_paused_worker(region_path, point)
         table = eng._store.blocks.alloc.table
         try:
             kind, _, n_before = await report(q_out, [worker], 120)

@@ -5,11 +5,13 @@ stopped itself, and the end of such a test (the child gone, the region clean, no
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
 import queue
 import signal
 from typing import Any, Callable
 
+from tract_async import crashpoints as CP
 from tract_async.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
@@ -30,6 +32,21 @@ async def report(q: Any, procs: list, timeout: float) -> Any:
             await in_thread(P.dump_and_kill, p)
         raise AssertionError(f"no report within {timeout} s; the children's stacks are in the "
                              f"captured stderr") from None
+
+
+def start_paused_worker(region_path: str, point: str) -> tuple[Any, Any, Any]:
+    """``procs_engine.paused_worker`` in a spawned child that stops itself (SIGSTOP) at crash
+    point ``point``; returns ``(process, q_in, q_out)``. The crash-point variables are set for
+    the spawn only."""
+    spawn = mp.get_context("spawn")
+    q_in, q_out = spawn.Queue(), spawn.Queue()
+    os.environ[CP.ENV], os.environ[CP.ENV_ACTION] = point, "stop"
+    try:
+        worker = spawn.Process(target=P.paused_worker, args=(region_path, q_in, q_out))
+        worker.start()
+    finally:
+        del os.environ[CP.ENV], os.environ[CP.ENV_ACTION]
+    return worker, q_in, q_out
 
 
 def stopped(pid: int) -> bool:
