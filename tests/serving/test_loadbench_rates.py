@@ -45,3 +45,15 @@ def test_the_h200_size_is_the_acceptance_point() -> None:
     args = LB.resolve_args(["--size", "h200"])
     assert args.workload_list == ["chat", "rag"] and args.rel_rate_list == [0.75]
     assert args.concurrency_list and args.budget <= 600
+
+
+def test_nixl_rows_name_their_ucx_transports() -> None:
+    """nixl is UCX over TCP (the network stand-in), nixl-local over shared memory and, on a
+    GPU, cuda_ipc; both add cuda_copy on a GPU (NIXL's UCX backend needs it for VRAM)."""
+    from tract_async.serving.loadbench import SYSTEMS, ucx_env
+    rows = {s.name: s for s in SYSTEMS}
+    assert ucx_env(rows["nixl"], "cpu") == {"UCX_TLS": "tcp"}
+    assert ucx_env(rows["nixl"], "cuda") == {"UCX_TLS": "tcp,cuda_copy"}
+    assert ucx_env(rows["nixl-local"], "cpu") == {"UCX_TLS": "shm,tcp"}
+    assert ucx_env(rows["nixl-local"], "cuda:0") == {"UCX_TLS": "shm,tcp,cuda_copy,cuda_ipc"}
+    assert ucx_env(rows["region-transfer"], "cuda") == {}

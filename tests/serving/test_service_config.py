@@ -82,3 +82,22 @@ def test_attention_is_sdpa_on_cuda_and_eager_on_the_cpu() -> None:
                                              device="cuda:0")) == "sdpa"
     assert attn_implementation(ServiceConfig(role="decode", mode="recompute", device="cuda",
                                              attn="eager")) == "eager"
+
+
+def test_nixl_pool_follows_the_model_device_unless_set(tmp_path) -> None:
+    """A GPU nixl worker keeps its pool in GPU memory (the paper's NIXL baseline moves VRAM);
+    the option overrides it; other network modes and bad values are refused or unaffected."""
+    import torch
+
+    import tract_async as tract
+    from tract_async.serving.service import kv_pool_device
+    layout = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=2, head_dim=8,
+                            dtype=torch.float32)
+    assert kv_pool_device(ServiceConfig(role="prefill", mode="nixl", device="cuda:1")) == "cuda:1"
+    assert kv_pool_device(ServiceConfig(role="prefill", mode="nixl", device="cpu")) == "cpu"
+    assert kv_pool_device(ServiceConfig(role="prefill", mode="nixl", device="cuda",
+                                        kv_pool_device="cpu")) == "cpu"
+    cfg = ServiceConfig(role="prefill", mode="nixl")
+    assert engine_config(cfg, layout).nixl_pool_device == "cpu"
+    with pytest.raises(ServiceConfigError):
+        ServiceConfig(role="prefill", mode="nixl", kv_pool_device="tpu")

@@ -57,8 +57,10 @@ class System:
     mode: str | None
     what: str
     ucx_tls: str | None = None
-    """nixl rows: the workers' ``UCX_TLS`` ("" leaves UCX its own choice); on a CUDA device
-    ``cuda_copy`` is added, without which NIXL's UCX backend refuses GPU memory."""
+    """nixl rows: the workers' ``UCX_TLS`` on the CPU."""
+    ucx_tls_cuda: str = "cuda_copy"
+    """nixl rows on a CUDA device: transports added to ``ucx_tls`` (NIXL's UCX backend refuses
+    GPU memory without ``cuda_copy``; ``cuda_ipc`` maps a peer's GPU memory on the same host)."""
 
 
 SYSTEMS: tuple[System, ...] = (
@@ -67,9 +69,9 @@ SYSTEMS: tuple[System, ...] = (
     System(name="nixl", mode="nixl", ucx_tls="tcp",
            what="KV over NIXL, UCX over TCP on loopback: the paper's baseline over the network "
                 "stand-in, measured"),
-    System(name="nixl-local", mode="nixl", ucx_tls="",
-           what="KV over NIXL with UCX's own transports (shared memory, cuda copy): the "
-                "same-host best case, measured"),
+    System(name="nixl-local", mode="nixl", ucx_tls="shm,tcp", ucx_tls_cuda="cuda_copy,cuda_ipc",
+           what="KV over NIXL, UCX over shared memory (GPU to GPU by cuda_ipc on a GPU host): "
+                "the same-host best case, measured"),
     System(name="rdma-model", mode="rdma-model",
            what="MODEL, not a measurement: measured prefill, then KV held to 20 us + bytes at "
                 "25 GB/s (serving/rdma_model.py)"),
@@ -292,8 +294,8 @@ def ucx_env(system: System, device: str) -> dict[str, str]:
     if not system.ucx_tls:
         return {}
     tls = system.ucx_tls
-    if device.startswith("cuda") and "cuda_copy" not in tls:
-        tls += ",cuda_copy"
+    if device.startswith("cuda"):
+        tls += "," + system.ucx_tls_cuda
     return {"UCX_TLS": tls}
 
 

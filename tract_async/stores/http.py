@@ -84,6 +84,17 @@ class _Peer:
     alive: bool = True
 
 
+async def copies_landed(device: torch.device) -> None:
+    """Wait, off the loop, for the copies queued so far on ``device``'s current stream.
+
+    A pool in GPU memory is written on the stream; peers READ it through NIXL/UCX on streams
+    of their own once the put is announced, so the announcement must follow the bytes."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    if not done.query():
+        await asyncio.to_thread(done.synchronize)
+
+
 class HttpStore:
     """put / get / lookup over agents for one engine. Created and owned by the Engine.
 
@@ -410,6 +421,8 @@ class HttpStore:
                 ops.append(put_op(keys[i], b))
             self.stats.bytes_put += len(todo) * (self.layout.block_bytes if layer is None
                                                  else self.layout.layer_bytes)
+            if self.pool.blocks.is_cuda:
+                await copies_landed(self.pool.blocks.device)
             self._wake()
         self.stats.puts += 1
         self._publishing(ops, layer)
