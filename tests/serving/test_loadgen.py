@@ -216,6 +216,13 @@ def test_breakdown_of_each_transport_by_hand():
     assert breakdown_ms(modelled) == pytest.approx(
         {"queue": 0.0, "prefix_load": 0.0, "prefill_compute": 4.0, "kv_store": 0.0, "kv_load": 0.6,
          "first_decode_step": 2.1, "token_delivery": 0.0})
+    # nixl: every layer stored once after the compute, then one get of all of them
+    whole = {"prefill_recv": 1.0, "prefill_compute_start": 1.0, "kv_store_begin": 4.0,
+             "kv_store_done": 4.75, "prefill_done": 5.0, "decode_recv": 6.0, "kv_load_begin": 6.0,
+             "kv_load_done": 9.0, "decode_compute_start": 9.0, "got_L0": 9.1, "first_token": 10.0}
+    assert breakdown_ms(whole) == pytest.approx(
+        {"queue": 0.0, "prefix_load": 0.0, "prefill_compute": 4.0, "kv_store": 0.75,
+         "kv_load": 3.0, "first_decode_step": 1.0, "token_delivery": 0.0})
     recompute = {"decode_recv": 0.5, "decode_compute_start": 1.0, "first_token": 30.0}
     assert breakdown_ms(recompute) == pytest.approx(
         {"queue": 0.5, "prefix_load": 0.0, "prefill_compute": 0.0, "kv_store": 0.0, "kv_load": 0.0,

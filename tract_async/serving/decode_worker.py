@@ -18,6 +18,8 @@ the KV arrived, as in vLLM's disaggregated serving. Layer ``i`` of that pass wai
   the prefill has finished), then the layers are taken from that buffer;
 * rdma-model: the whole KV in one region get once the prefill has finished (the router waits
   for it), its arrival held back to a modelled RDMA transfer (:mod:`.rdma_model`);
+* nixl: the whole KV in one get from the prefill's engine (NIXL READs of its pool) once the
+  prefill has finished (the router waits for it), as the NIXL connectors of vLLM and Dynamo do;
 * recompute: no KV arrives; the first forward pass computes the whole prompt here.
 
 Requests share the compute (``ServiceConfig.decode_batch``, default 8): each one's first forward
@@ -46,6 +48,9 @@ from tract_async.serving.protocol import (ENGINE_MODES, SALTED_MODES, DecodeRequ
 from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
                                          worker_app)
+
+#: Modes whose decode reads every layer in one get after the prefill has answered.
+WHOLE_GET_MODES: tuple[str, ...] = ("rdma-model", "nixl")
 
 
 class DecodeWorker:
@@ -143,8 +148,8 @@ class DecodeWorker:
         if self.engine is not None:
             from tract_async.errors import BlockEvicted, BlockNotFound
             from tract_async.errors import TransferTimeout as RegionTimeout
-            if self.cfg.mode == "rdma-model":
-                return past_len, None   # one get of every layer, in read_modelled
+            if self.cfg.mode in WHOLE_GET_MODES:
+                return past_len, None   # one get of every layer, in read_whole
             salt = (req.request_id,) if self.cfg.mode in SALTED_MODES else None
             keys = self.engine.block_keys(list(ids), extra_keys=salt)[:n_full]
             layer_bytes = n_full * self.layout.layer_bytes
@@ -187,9 +192,10 @@ class DecodeWorker:
             return kv[layer]
         return get_layer
 
-    async def read_modelled(self, req: DecodeRequest, events: list[tuple[str, float]]) -> Any:
-        """rdma-model: every layer of the KV in one get, available no earlier than a modelled
-        RDMA transfer of its bytes would deliver it (``kv_model_due``). Raises KVUnavailable."""
+    async def read_whole(self, req: DecodeRequest, events: list[tuple[str, float]]) -> Any:
+        """rdma-model and nixl: every layer of the KV in one get (``kv_load_begin`` ->
+        ``kv_load_done``); for rdma-model, available no earlier than a modelled RDMA transfer of
+        its bytes would deliver it (``kv_model_due``). Raises KVUnavailable."""
         from tract_async.errors import BlockEvicted, BlockNotFound
         from tract_async.errors import TransferTimeout as RegionTimeout
         from tract_async.serving.rdma_model import sleep_until, transfer_s
@@ -197,16 +203,21 @@ class DecodeWorker:
         keys = self.engine.block_keys(list(req.prompt_ids), extra_keys=(req.request_id,))[:n_full]
         t0 = now()
         nbytes = n_full * self.layout.block_bytes
+        modelled = self.cfg.mode == "rdma-model"
         due = t0 + transfer_s(nbytes, gbps=self.cfg.rdma_gbps, latency_us=self.cfg.rdma_latency_us)
-        events += [("kv_load_begin", t0), ("kv_model_due", due)]
+        events.append(("kv_load_begin", t0))
+        if modelled:
+            events.append(("kv_model_due", due))
         try:
             kv = await self._get_layer_kv(keys, None, self.cfg.layer_timeout_s, self._kv_device())
         except (BlockEvicted, BlockNotFound, RegionTimeout) as exc:
             raise KVUnavailable(f"request {req.request_id}: {n_full} blocks: "
                                 f"{type(exc).__name__}: {exc}") from exc
-        await sleep_until(due)
+        if modelled:
+            await sleep_until(due)
         events.append(("kv_load_done", now()))
-        self.metrics.add_bytes_moved(nbytes, transport="region", direction="get")
+        self.metrics.add_bytes_moved(nbytes, transport="region" if modelled else "nixl",
+                                     direction="get")
 
         async def get_layer(layer: int) -> Any:
             events.append((f"got_L{layer}", now()))
@@ -255,7 +266,7 @@ class DecodeWorker:
             try:
                 past_len, get_layer = self.layer_source(req, events)
                 if past_len and get_layer is None:
-                    read = self.read_modelled if self.cfg.mode == "rdma-model" else self.read_http
+                    read = self.read_whole if self.cfg.mode in WHOLE_GET_MODES else self.read_http
                     get_layer = await read(req, events)
                 if self.batcher is not None:
                     await self.generate_batched(req, past_len, get_layer, events, on_token, eos)

@@ -52,12 +52,13 @@ def breakdown_ms(events: Mapping[str, float], router_ttft_ms: float = math.nan) 
     * ``prefill_compute``: ``prefill_compute_start`` -> ``prefill_done`` (the forward pass; the
       layer stores it overlaps are in it too);
     * ``kv_store``: the sum of the per-layer stores (``store_begin_L{i}`` -> ``put_L{i}``), which
-      overlap the compute of later layers;
+      overlap the compute of later layers, or the one store of every layer after the compute
+      (``kv_store_begin`` -> ``kv_store_done``, nixl);
     * ``kv_load``: what the transfer added once the KV was complete at the prefill: the HTTP READ
-      (``decode_recv`` -> ``http_read_done``), the modelled RDMA transfer (``kv_load_begin`` ->
-      ``kv_load_done``), or, with layer streaming, the last layer's hop (from ``put_L{last}``,
-      or from when the reads began if later: ``early_reads``, or ``decode_compute_start`` in
-      records without it, to ``got_L{last}``);
+      (``decode_recv`` -> ``http_read_done``), the modelled RDMA transfer or the one NIXL get
+      of every layer (``kv_load_begin`` -> ``kv_load_done``), or, with layer streaming, the
+      last layer's hop (from ``put_L{last}``, or from when the reads began if later:
+      ``early_reads``, or ``decode_compute_start`` in records without it, to ``got_L{last}``);
     * ``first_decode_step``: the decode worker's first forward pass, ``decode_compute_start`` ->
       ``first_token`` (recompute: the whole prompt's); with layer streaming, only what is left
       of it after the last layer arrived (``got_L{last}`` -> ``first_token``), or from
@@ -83,6 +84,8 @@ def breakdown_ms(events: Mapping[str, float], router_ttft_ms: float = math.nan) 
     out["kv_store"] = sum(e[f"put_L{i}"] - e[f"store_begin_L{i}"]
                           for i in range(len(_layers(e, "put_L")))
                           if f"put_L{i}" in e and f"store_begin_L{i}" in e)
+    if "kv_store_done" in e and "kv_store_begin" in e:    # every layer in one put (nixl)
+        out["kv_store"] += e["kv_store_done"] - e["kv_store_begin"]
     got = _layers(e, "got_L")
     last_got = max(got) if got else None
     puts = _layers(e, "put_L")

@@ -15,6 +15,9 @@ ones with keys) to where the decode worker will read it:
 * ``rdma-model``: puts as ``region-transfer`` does, keys salted, into a cache-mode engine (the
   region only carries the bytes; the decode worker holds their arrival back to a modelled RDMA
   transfer: :mod:`.rdma_model`; ``protocol.engine_mode`` says why cache mode);
+* ``nixl``: the full blocks' KV of every layer is put once, after the compute, into the
+  engine's pool (GPU memory on a GPU), as the NIXL connectors of vLLM and Dynamo hand over a
+  finished prefill; the decode worker then pulls it over NIXL (the router waits for this reply);
 * ``recompute``: nothing is stored; the router does not call this worker (the decode worker
   computes the prompt itself), which stays up only so that every mode has the same rack.
 
@@ -36,7 +39,7 @@ from tract_async.errors import TractError
 from tract_async.serving.gclog import GcLog
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import (ENGINE_MODES, SALTED_MODES, PrefillReply,
+from tract_async.serving.protocol import (ENGINE_MODES, NET_MODES, SALTED_MODES, PrefillReply,
                                           PrefillRequest, error_body, now)
 from tract_async.serving.service import (KVDevice, ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
@@ -109,8 +112,14 @@ class PrefillWorker:
             shape = self.layout.kv_shape(n_full)
             span = await self.exporter.reserve(shape, self.layout.dtype, timeout=self.cfg.layer_timeout_s)
 
+        whole: list[tuple[Any, Any]] = []      # nixl: (layer's KV, its ready event), put at the end
+
         async def put_layer(layer: int, kv_layer: Any, ready: Any = None) -> None:
             nonlocal moved
+            if self.cfg.mode in NET_MODES:
+                if put_keys:
+                    whole.append((kv_layer[:, lo:hi], ready))
+                return
             # store_begin_L / put_L bracket the store of one layer: the load benchmark's
             # "KV store" is their sum (the stores overlap the compute of the next layers)
             events.append((f"store_begin_L{layer}", now()))
@@ -127,6 +136,8 @@ class PrefillWorker:
                 events.append(("prefill_compute_start", now()))
                 result = await prefill_streaming(self.model, ids, put_layer=put_layer,
                                                  past_kv=past_kv, past_len=past_len)
+                if whole:
+                    moved += await self._put_whole(put_keys, whole, events)
         except BaseException:
             if span is not None:
                 await asyncio.shield(self.exporter.discard(span[0]))
@@ -143,6 +154,22 @@ class PrefillWorker:
                             prompt_tokens=len(ids), full_blocks=n_full, hit_blocks=hit,
                             computed_tokens=len(ids) - past_len, kv_bytes=moved,
                             kv_source=kv_source, events=events)
+
+    async def _put_whole(self, keys: list[bytes], layers: list[tuple[Any, Any]],
+                         events: list[tuple[str, float]]) -> int:
+        """nixl: every layer of the prompt's full blocks in one put (``kv_store_begin`` ->
+        ``kv_store_done``); returns the bytes stored. The layers are stacked on the current
+        stream once each one's compute is done (its ``ready`` event)."""
+        import torch
+        events.append(("kv_store_begin", now()))
+        for kv_layer, ready in layers:
+            if ready is not None:
+                torch.cuda.current_stream(kv_layer.device).wait_event(ready)
+        kv = torch.stack([kv_layer for kv_layer, _ in layers])
+        assert self.kvdev is not None
+        await self.kvdev.put_layer(keys, kv, None)
+        events.append(("kv_store_done", now()))
+        return kv.numel() * kv.element_size()
 
     async def _read_hit(self, keys: list[bytes]) -> tuple[int, Any]:
         """The hit blocks' KV from the region; a block evicted since the lookup is a miss."""

@@ -43,14 +43,15 @@ SERVING_MODES: tuple[str, ...] = (*MODES, "recompute", "rdma-model", "nixl")
 REGION_MODES: tuple[str, ...] = ("region-transfer", "region-cache", "rdma-model")
 #: Modes whose KV travels over the network between the workers' engines (no region): ``nixl``,
 #: the paper's baseline (NIXL over UCX; the harness picks the UCX transports with ``UCX_TLS``).
-#: The prefill's engine keeps each request's KV in its pool, the decode's engine names it as its
-#: peer and reads every layer as it is announced, as region-transfer does through the region.
+#: As the NIXL connectors of vLLM and Dynamo do, the prefill's engine holds each request's whole
+#: KV in its pool (GPU memory on a GPU) once the prompt is computed, and the decode's engine,
+#: which names it as its peer, then pulls every layer in one get (NIXL READs).
 NET_MODES: tuple[str, ...] = ("nixl",)
 #: Modes whose workers move KV through an Engine (``put_kv`` / ``get_kv`` by layer).
 ENGINE_MODES: tuple[str, ...] = (*REGION_MODES, *NET_MODES)
 #: Modes where the router starts decode only after the prefill has answered (the KV can only be
 #: fetched once it is complete), instead of both at once with layer streaming.
-SEQUENTIAL_MODES: tuple[str, ...] = ("http", "rdma-model")
+SEQUENTIAL_MODES: tuple[str, ...] = ("http", "rdma-model", "nixl")
 #: Modes whose block keys are salted with the request id: each request's KV is its own, never a
 #: prefix another request could find.
 SALTED_MODES: tuple[str, ...] = ("region-transfer", "rdma-model", "nixl")

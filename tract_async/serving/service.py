@@ -304,9 +304,9 @@ class KVDevice:
         self.cuda_puts: bool | None = None   # unknown until the first CUDA tensor
         self._side_streams: dict[Any, Any] = {}  # device -> the stream puts copy on
 
-    async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int,
+    async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int | None,
                         events: list | None = None, ready: Any = None) -> int:
-        """Store one layer. ``ready``: for a CUDA ``kv_layer``, the event after which it is
+        """Store one layer (``layer`` None: every layer, ``kv_layer`` then holds them all). ``ready``: for a CUDA ``kv_layer``, the event after which it is
         complete (``streaming.PutLayer``); None records one on the current stream now.
 
         A CUDA layer is made contiguous on a side stream that waits for ``ready`` only, and the
