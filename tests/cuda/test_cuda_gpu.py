@@ -485,3 +485,30 @@ def test_direct_copies_across_two_requests_blocks(region_path):
             dev = next(iter(eng.stats()["cuda"]["devices"].values()))
             assert dev["by_method"].get("direct", 0) >= 2 + lay.num_layers, dev
     asyncio.run(main())
+
+
+def test_the_zero_copy_kernel_is_compiled_when_the_copier_is_made(region_path):
+    """``cuda_setup().copier(dev)`` compiles the zero-copy kernel for the layout's rows (else
+    the first scattered put compiles it: 1.1-2.2 s inside one region-cache request on the H100,
+    bench/results/gpu-20261206-s40); a zero-copy put after it is exact and compiles nothing."""
+    lay = layout()
+
+    async def main():
+        async with await tract.Engine.open(cfg(region_path, lay)) as eng:
+            dev = torch.device("cuda", torch.cuda.current_device())
+            copier = eng.cuda_setup(method="zerocopy").copier(dev)
+            if not copier.have_triton:
+                pytest.skip(f"no zero-copy path here: {copier.triton_reason}")
+            assert set(copier.zerocopy_warm_s) == {lay.half_layer_bytes}
+            warmed = dict(copier.zerocopy_warm_s)
+            n = 6
+            keys = eng.block_keys(tokens(n, lay, 11))
+            kv = rand_kv(lay, n, 12)
+            assert await eng.put_kv(keys, kv.cuda()) == n
+            assert same_bits(await eng.get_kv(keys, device="cuda"), kv)
+            st = eng.stats()["cuda"]["devices"][str(dev)]
+            assert st["by_method"].get("zerocopy", 0) > 0, st
+            assert copier.zerocopy_warm_s == warmed
+            assert st["zerocopy_warm_s"] == {str(lay.half_layer_bytes): round(
+                warmed[lay.half_layer_bytes], 3)}
+    asyncio.run(main())

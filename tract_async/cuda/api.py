@@ -52,7 +52,8 @@ class CudaOps:
         if self._cuda is None:
             from .store import CudaPath
             self._cuda = CudaPath(self._eng._region, method=method,
-                                  piece_bytes=piece_bytes)
+                                  piece_bytes=piece_bytes,
+                                  row_bytes=self._eng.layout.half_layer_bytes)
         return self._cuda
 
     def path(self) -> Any:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -134,6 +135,33 @@ class Copier:
             self._put_order = events.StreamOrder(self.events, idx)
             self._get_order = events.StreamOrder(self.events, idx)
         self._templates: dict[int, Any] = {}
+        self.zerocopy_warm_s: dict[int, float] = {}   # row bytes -> seconds its compile took
+
+    def warm_zerocopy(self, row_bytes: int) -> None:
+        """Compile the zero-copy kernel for rows of ``row_bytes`` now, with one launch between
+        two scratch device tensors (the same argument specialization as a region copy: int32
+        anchors and a table, 16-byte aligned, the same ``row_words``).
+
+        Why: ``auto`` takes the zero-copy path only for scattered rows, which a region meets
+        once evictions have freed slots here and there; Triton then compiled the kernel inside
+        that put, on the serving path: layer 0 of one region-cache request took 1.1 and 2.2 s
+        between its reservation and its enqueue on two H100 hosts
+        (``bench/results/gpu-20261206-s40``, calls 3 and 4), the first time in each prefill
+        worker. No-op without Triton or for rows it cannot copy."""
+        from . import triton_copy
+        if (not self.have_triton or row_bytes in self.zerocopy_warm_s
+                or not triton_copy.supported(row_bytes)):
+            return
+        torch = self.torch
+        t0 = time.perf_counter()
+        words = row_bytes // 4
+        with torch.cuda.device(self.device):
+            src = torch.zeros(words, dtype=torch.int32, device=self.device)
+            dst = torch.empty(words, dtype=torch.int32, device=self.device)
+            table = torch.zeros((1, 2), dtype=torch.int64, device=self.device)
+            triton_copy.copy_rows(src, dst, table, row_bytes)
+            torch.cuda.current_stream(self.device).synchronize()
+        self.zerocopy_warm_s[row_bytes] = time.perf_counter() - t0
 
     # -- helpers ------------------------------------------------------------------------------
     def _event(self, stream: Any) -> Any:
@@ -555,6 +583,7 @@ class Copier:
     def describe(self) -> dict[str, Any]:
         return {"device": str(self.device), "method": self.method, "dma2d": self.have_2d,
                 "zerocopy": self.have_triton, "zerocopy_unavailable": self.triton_reason or None,
+                "zerocopy_warm_s": {str(k): round(v, 3) for k, v in self.zerocopy_warm_s.items()},
                 "piece_bytes": self.piece_bytes, **dataclasses.asdict(self.counters)}
 
 

@@ -50,7 +50,7 @@ class CudaPath:
     """Registration, copiers and bookkeeping of one engine's CUDA transfers."""
 
     def __init__(self, region: Any, *, method: str | None = None,
-                 piece_bytes: int = 32 << 20) -> None:
+                 piece_bytes: int = 32 << 20, row_bytes: int | None = None) -> None:
         import torch
         if not torch.cuda.is_available():
             from ..errors import TensorMismatch
@@ -58,6 +58,7 @@ class CudaPath:
         self.reg = HostRegistration(region.buf)
         self.method = method
         self.piece_bytes = piece_bytes
+        self.row_bytes = row_bytes      # the layout's row (half a block layer): warmed per copier
         self._copiers: dict[Any, Copier] = {}
         self._outstanding: set[StreamFuture] = set()
         self.futures_created = 0
@@ -81,6 +82,8 @@ class CudaPath:
         c = self._copiers.get(dev)
         if c is None:
             c = Copier(self.reg, dev, method=self.method, piece_bytes=self.piece_bytes)
+            if self.row_bytes is not None:
+                c.warm_zerocopy(self.row_bytes)     # not inside a later put (Copier.warm_zerocopy)
             self._copiers[dev] = c
         return c
 

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -282,12 +283,31 @@ async def open_engine(cfg: ServiceConfig, layout: Any, *, attach_timeout_s: floa
     delay = 0.02
     while True:
         try:
-            return await tract.Engine.open(ecfg)
+            engine = await tract.Engine.open(ecfg)
+            break
         except RegionError:
             if cfg.create_region or loop.time() + delay > deadline:
                 raise
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.25)
+    if cfg.device.startswith("cuda") and cfg.mode in REGION_MODES:
+        await asyncio.to_thread(prepare_cuda, engine, cfg.device)
+    return engine
+
+
+def prepare_cuda(engine: Any, device: str) -> None:
+    """Before serving, off the loop: register the region with CUDA (``cudaHostRegister`` of the
+    whole mapping) and make the device's copier, which compiles its zero-copy kernel
+    (``Copier.warm_zerocopy``); both would otherwise run inside a request's first put that
+    needs them. Never raises: where this fails (no usable CUDA, a kernel that does not
+    compile) it logs why and leaves it to the request that needs it, which then fails with the
+    reason or takes another copy method."""
+    import torch
+    try:
+        engine.cuda_setup().copier(torch.device(device))
+    except Exception as e:  # noqa: BLE001 - a warm-up: the real call reports it
+        logging.getLogger(__name__).warning("CUDA preparation of the region skipped: %s: %s",
+                                            type(e).__name__, e)
 
 
 class KVDevice:
