@@ -175,11 +175,11 @@ class Engine:
         from .sync.lock import GlobalLock
         from .sync.manager import LockManager, ManagerPolicy
         from .sync.manager_thread import ManagerThread
-        from .warmup import ensure_warm
+        from .kernel_cache import ensure_warm
         # every kernel compiled (a cold cache: the warm-up scenario, tens of seconds) and loaded
         # before this node joins: a compile holds the GIL and Numba's compiler lock, which
         # starved the lock manager's thread into stepping down when it came after the join
-        # (issue 36; warmup.py)
+        # (issue 36; kernel_cache.py)
         await ensure_warm(cfg.mem_backend)
         sim_seed = cfg.sim_seed if cfg.sim_seed is not None else 1000 + cfg.node_id
         opened: list[Any] = []

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tract_async.cli import build_parser
 from tract_async.warmup import cache_state
 
@@ -93,3 +95,32 @@ tract.run(main())
             cpumarks.remove(p, None)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "compiled after the warm-up: []" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_cold_ensure_warm_compiles_in_a_child_and_this_process_only_loads(tmp_path) -> None:
+    """Engine.open's warm-up on a cold cache (a fresh NUMBA_CACHE_DIR): the scenario runs in a
+    child process (kernel_cache, which imports no Engine: no import cycle), which stamps the
+    cache; the opener itself compiles nothing, before or after (it loads what the child
+    compiled), and a second ensure_warm finds the stamp. ~1 min on two cores: marked slow."""
+    code = """
+import asyncio, os
+from numba.core import event as ev
+from tract_async import kernel_cache
+compiled = []
+class L(ev.Listener):
+    def on_start(self, event): compiled.append(event)
+    def on_end(self, event): pass
+ev.register("numba:compile", L())
+stamp = kernel_cache.stamp_path("hw")
+assert stamp is not None and not os.path.exists(stamp)
+assert asyncio.run(kernel_cache.ensure_warm("hw")) is True
+assert os.path.exists(stamp)
+assert asyncio.run(kernel_cache.ensure_warm("hw")) is False
+print("compiled here:", len(compiled))
+"""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "compiled here: 0" in res.stdout, res.stdout + res.stderr

@@ -55,7 +55,7 @@ manager whose stamp is older than ``liveness_timeout_s`` is invalid even though 
 heartbeat is fresh (the heartbeat beats from a GIL-free thread; the manager needs its thread to
 run Python between slices): a process that starves its manager thread cannot freeze the rack.
 (The heartbeat is GIL-free once its thread runs the jitted beat loop; the engine loads that
-kernel, and every other, before it joins, ``warmup.ensure_warm``: a Numba compile after the
+kernel, and every other, before it joins, ``kernel_cache.ensure_warm``: a Numba compile after the
 join held the GIL and the compiler lock for seconds, and the cold demo's manager stepped down.)
 
 Stall lease. A manager that finds its own last stamp older than ``liveness_timeout_s / 2`` when
