@@ -51,9 +51,10 @@ def test_presets_fill_what_is_left_unset_and_bad_input_is_refused(capsys):
 def test_smoke_size_runs_every_system_and_reports_real_outcomes(tmp_path):
     out = tmp_path / "out"
     before = {f for f in os.listdir("/dev/shm") if f.startswith("tract-bench-")}
+    order = list(reversed(SYSTEM_NAMES))     # run in the order given, not the canonical one
     proc = subprocess.run([sys.executable, "-m", "tract_async.cli", "bench", "serve", "--size",
-                           "smoke", "--out-dir", str(out)], capture_output=True, text=True,
-                          timeout=280)
+                           "smoke", "--systems", ",".join(order), "--out-dir", str(out)],
+                          capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
     records: dict[str, list[dict]] = {}
@@ -62,7 +63,9 @@ def test_smoke_size_runs_every_system_and_reports_real_outcomes(tmp_path):
         records.setdefault(r["system"], []).append(r)
     assert report["status"] == "ok" and report["seed"] == 0
     assert report["machine"]["versions"]["torch"] and report["args"]["size"] == "smoke"
-    assert set(report["systems"]) == set(SYSTEM_NAMES)
+    assert list(report["systems"]) == order
+    ran = [json.loads(line)["system"] for line in (out / "records.jsonl").read_text().splitlines()]
+    assert list(dict.fromkeys(ran)) == [s for s in order if s in ran]
     for name, entry in report["systems"].items():
         if entry["status"] != "ok":        # absent (nixl here) or failed: it must say why
             assert entry["status"] == "absent" and "nixl" in entry["reason"], (name, entry)

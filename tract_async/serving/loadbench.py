@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--size", choices=sorted(PRESETS), default="smoke",
                    help="preset for every option left unset")
-    p.add_argument("--systems", default=",".join(SYSTEM_NAMES), help="comma-separated")
+    p.add_argument("--systems", default=",".join(SYSTEM_NAMES),
+                   help="comma-separated, run in this order (a --budget that runs out cancels "
+                        "the last)")
     p.add_argument("--workloads", default=None, help=f"comma-separated subset of {WORKLOADS}")
     p.add_argument("--requests", type=int, default=None, help="requests per phase")
     p.add_argument("--input-len", default=None, help="MIN:MAX prompt tokens before scaling")
@@ -510,7 +512,11 @@ async def run_all(args: argparse.Namespace, report: dict[str, Any],
     from tract_async.cuda.telemetry import NvmlSampler
     sampler = NvmlSampler(interval_s=0.1)
     report["telemetry"] = {"available": sampler.available, "reason": sampler.reason or None}
-    chosen = [s for s in SYSTEMS if s.name in args.system_list]
+    # in the order asked for: a budget that runs out cancels the last ones (the H100 run of
+    # 2026-12-06 lost region-transfer, listed first, behind two slow nixl rows of the canonical
+    # order: bench/results/gpu-20261206-s40, call 1)
+    by_name = {s.name: s for s in SYSTEMS}
+    chosen = [by_name[name] for name in dict.fromkeys(args.system_list)]
     entries: dict[str, dict[str, Any]] = {}
     for system in chosen:
         entries[system.name] = report["systems"][system.name] = {

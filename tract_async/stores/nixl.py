@@ -28,7 +28,8 @@ miss and never wrong bytes, transfer-only consumption, LRU, expiry. What this su
   served a check (``keep_hot``: readers are likely to follow), otherwise every millisecond.
 * **GPU pools.** ``nixl_pool_device="cuda"`` keeps the pool in GPU memory, registered as VRAM:
   CUDA tensors are put and got directly, and peers READ GPU to GPU through UCX (cuda_copy over
-  TCP; GPUDirect RDMA where UCX has it). Not run on this CPU-only development machine.
+  TCP; GPUDirect RDMA where UCX has it). Run on the H100 host (``test_gpu_pool_round_trip``,
+  and the serving stack's nixl rows: ``bench/results/gpu-20261206-s40``).
 """
 from __future__ import annotations
 
