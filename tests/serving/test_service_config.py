@@ -101,3 +101,21 @@ def test_nixl_pool_follows_the_model_device_unless_set(tmp_path) -> None:
     assert engine_config(cfg, layout).nixl_pool_device == "cpu"
     with pytest.raises(ServiceConfigError):
         ServiceConfig(role="prefill", mode="nixl", kv_pool_device="tpu")
+
+
+def test_nixl_progress_thread_auto_follows_the_cores(monkeypatch) -> None:
+    """NIXL's spinning progress thread: on with 8 cores or more unless set; refused values."""
+    import os
+
+    from tract_async.serving.service import nixl_progress_thread
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert nixl_progress_thread(ServiceConfig(role="prefill", mode="nixl")) is True
+    assert nixl_progress_thread(ServiceConfig(role="prefill", mode="nixl",
+                                              nixl_progress_thread="off")) is False
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert nixl_progress_thread(ServiceConfig(role="prefill", mode="nixl")) is False
+    assert nixl_progress_thread(ServiceConfig(role="prefill", mode="nixl",
+                                              nixl_progress_thread="on")) is True
+    with pytest.raises(ServiceConfigError):
+        ServiceConfig(role="prefill", mode="nixl", nixl_progress_thread="maybe")
+

@@ -90,6 +90,7 @@ class ServiceConfig:
     # the HTTP agent (http mode)
     kv_pool_bytes: int = 64 << 20
     kv_pool_device: str = "auto"      # nixl mode: the pool's memory (auto: the model's device)
+    nixl_progress_thread: str = "auto"  # nixl mode: NIXL's own progress thread (see below)
     kv_hold_s: float = 60.0           # an un-READ span is freed after this long
     # the RDMA model (rdma-model mode; constants documented in serving/rdma_model.py)
     rdma_gbps: float = 25.0
@@ -119,6 +120,9 @@ class ServiceConfig:
             raise ServiceConfigError(f"attn must be auto, eager or sdpa, got {self.attn!r}")
         if self.first_pass not in ("stream", "extend"):
             raise ServiceConfigError(f"first_pass must be stream or extend, got {self.first_pass!r}")
+        if self.nixl_progress_thread not in ("auto", "on", "off"):
+            raise ServiceConfigError(f"nixl_progress_thread must be auto, on or off, got "
+                                     f"{self.nixl_progress_thread!r}")
         if self.kv_pool_device not in ("auto", "cpu") and not self.kv_pool_device.startswith("cuda"):
             raise ServiceConfigError(f"kv_pool_device must be auto, cpu or cuda[:N], got "
                                      f"{self.kv_pool_device!r}")
@@ -239,6 +243,19 @@ def kv_pool_device(cfg: ServiceConfig) -> str:
     return cfg.device if cfg.device.startswith("cuda") else "cpu"
 
 
+def nixl_progress_thread(cfg: ServiceConfig) -> bool:
+    """Whether a nixl worker's engine runs NIXL's own progress thread: ``on``, ``off``, or
+    ``auto``: on where the host has 8 cores or more. Over TCP the holder of the pool must
+    progress UCX to serve its peers' READs; without the thread a prefill worker does it from
+    its event loop, between its own requests' work, and its READs were served at 0.11-0.25
+    GB/s on the H100 host where NIXL alone moved 0.63 GB/s (``bench/results/gpu-20261206-s40``,
+    calls 4 and 5). The thread spins (half a core or more, ``transport/nixl_agent.py``): worth
+    it beside a GPU's 16 cores, not on the 2-core VM."""
+    if cfg.nixl_progress_thread != "auto":
+        return cfg.nixl_progress_thread == "on"
+    return (os.cpu_count() or 1) >= 8
+
+
 def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
     import tract_async as tract
     from tract_async.serving.protocol import NET_MODES, engine_mode
@@ -258,6 +275,7 @@ def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
         extra = {}
         if cfg.mode == "nixl":
             extra["nixl_pool_device"] = kv_pool_device(cfg)
+            extra["nixl_progress_thread"] = nixl_progress_thread(cfg)
         return tract.EngineConfig(**common, region=None, transport=cfg.mode,
                                   listen_host=cfg.host, listen_port=0, peers=peers,
                                   secret=agent_secret(), http_pool_bytes=cfg.kv_pool_bytes,
