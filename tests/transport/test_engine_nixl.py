@@ -172,6 +172,26 @@ async def test_layer_readiness_travels_in_nixl_notifications() -> None:
         await a.close()
 
 
+async def test_round_trips_with_nixls_own_progress_thread() -> None:
+    """``nixl_progress_thread=True`` (what the serving workers turn on with 8+ cores): NIXL's
+    spinning thread progresses UCX beside the agents' own polling; whole and per-layer gets
+    over NIXL are exact, and the agents say the thread is on."""
+    a, b = await http_pair(nixl_progress_thread=True)
+    try:
+        keys = a.block_keys(range(64))
+        kv = kv_for_keys(keys)
+        await a.put_kv(keys, kv)
+        assert torch.equal(await b.get_kv(keys), kv)
+        for layer in range(TINY.num_layers):
+            assert torch.equal(await b.get_kv(keys, layer=layer), kv[layer])
+        sa, sb = a.stats(), b.stats()
+        assert sb["reads_nixl"] == 1 + TINY.num_layers and sb["reads_http"] == 0
+        assert sa["nixl"]["progress_thread"] and sb["nixl"]["progress_thread"]
+    finally:
+        await b.close()
+        await a.close()
+
+
 async def test_transport_is_chosen_per_peer() -> None:
     """A NIXL engine and an HTTP engine peer with each other; each reads the other over HTTP."""
     a = await tract.Engine.open(http_cfg(0))                            # nixl
