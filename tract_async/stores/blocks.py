@@ -67,12 +67,12 @@ from ..region import cpumarks
 from ..region import index as ix
 from ..region.layout import INDEX_FLAG_NS_MASK as NS_MASK, INDEX_FLAG_NS_SHIFT as NS_SHIFT
 from ..region.namespaces import ns_flags
-from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_SLOT, A_SLOT_BYTES,
-                            A_TOKEN, Allocation, Allocator, allocation_rows,
-                            allocations_of_rows)
+from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_TOKEN, Allocation,
+                            Allocator, allocation_rows, allocations_of_rows)
 from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
+from .eviction import Evictor
 from . import fused
 from . import plan as kvplan
 from . import waits
@@ -81,8 +81,6 @@ from .snapcheck import rows_fine
 from .preclaim import PreClaimer
 from .readiness import SMALL_READ, ReadyWaits, check_available, rows_available
 from .stats import TransferStats
-
-VICTIM_SAMPLE = 16
 
 EVICT_AHEAD = 64
 """When a locked reservation evicts for space, it evicts up to this many blocks (at least 16,
@@ -290,6 +288,9 @@ class BlockLifecycle:
         """A lane per node id: this node reserves and abandons in its lane without the lock."""
         self.lane = self.node_id if self._lockfree else 0
         self._lane_off = index.lane_counters_offset(self.lane)
+        self.evictor = Evictor(region, index, allocator, self.layout, self.stats,
+                               lane=self.lane, node_id=self.node_id)
+        """Tombstones entries and frees their payloads (``stores/eviction.py``)."""
         self._lane_taken = not self._lockfree          # one lane for all: nothing to take over
         self._lane_ready = False
         """Set at this incarnation's first hold of the lock, once it has taken its lane over
@@ -403,7 +404,7 @@ class BlockLifecycle:
         """The allocator's record of an index entry's payload (offset, nbytes, owner word, token
         as the entry holds them): what a free of that payload takes. Raises ValueError for a
         payload that is not a block slot of this region."""
-        rows = self._payload_rows(np.array([[poff, pnb, owner_word, token, 1]], dtype=np.int64))
+        rows = self.evictor.payload_rows(np.array([[poff, pnb, owner_word, token, 1]], dtype=np.int64))
         if not len(rows):
             raise ValueError(f"payload ({poff}, {pnb}) is not a block slot of this region")
         return allocations_of_rows(rows)[0]
@@ -707,7 +708,7 @@ class BlockLifecycle:
             # take back what it reserved, newest first (as ``_undo``: an entry that was EMPTY
             # goes back to EMPTY); the locked path evicts in the full window
             for state in (ix.EMPTY, ix.TOMBSTONE):
-                self._evict_many_locked([rows[j][0] for j in reversed(used)
+                self.evictor.slots([rows[j][0] for j in reversed(used)
                                          if rows[j][1] == state], count=False, new_state=state)
             return None
         k = len(used)
@@ -772,7 +773,7 @@ class BlockLifecycle:
                 full = self._place(keys, words, positions, allocs)
                 if full is None:
                     return
-                if attempt or not self._evict_windows_locked(words[np.asarray(full)]):
+                if attempt or not self.evictor.windows(words[np.asarray(full)]):
                     raise RegionFull(
                         f"index probe window of {self.geo.max_probe} groups holds no free "
                         f"entry of node {self.node_id}'s lane, and none of its blocks there can "
@@ -894,24 +895,8 @@ class BlockLifecycle:
         self._split_keys([k for k, _ in mine])
         for state in (ix.EMPTY, ix.TOMBSTONE):
             back = [self._reserved.pop(k).slot for k, prev in reversed(mine) if prev == state]
-            self._evict_many_locked(back, count=False, new_state=state)
+            self.evictor.slots(back, count=False, new_state=state)
         mine.clear()
-
-    def _evict_windows_locked(self, words: np.ndarray) -> int:
-        """For each key, evict the least recently used of this lane's READY entries in its
-        probe window (``index.evict_window_batch``) and free their payloads; how many. Caller
-        holds the lock: others may evict READY entries of any lane."""
-        g = self.geo
-        info = np.zeros((words.shape[0], 6), dtype=np.int64)
-        n = int(ix.evict_window_batch(self.mem, g.entries_offset, self.index.tgeo,
-                                      self.index.mask, g.max_probe, g.lanes, self.lane, words,
-                                      time.time_ns(), info))
-        if n:
-            self._free_payloads(info[:n, 1:])
-            self.index.bump_counter(self.lane, ix.LN_EVICTIONS, n)
-            self.stats.evictions += n
-            self.stats.evictions_for_space += n
-        return n
 
     def reservations(self, keys: list[bytes], positions: list[int]) -> Reserved:
         """This node's reservations of ``keys[i]`` for ``i`` in ``positions`` (from ``reserve``):
@@ -1142,82 +1127,16 @@ class BlockLifecycle:
             inside |= live_e & (table_ix[:, 1] >= start) & (table_ix[:, 1] < start + g.chunk_bytes)
         victims = np.flatnonzero(inside).tolist()
         if victims:
-            self._evict_many_locked(victims)
+            self.evictor.slots(victims)
             self.stats.evictions_for_others += len(victims)
         done = self.alloc.release_empty_locked(pick, self.lock)
         self.stats.chunks_given += len(done)
         return len(done)
 
     def evict_lru_locked(self, k: int, *, only_own: bool = False) -> int:
-        """Evict up to ``k`` sampled-LRU victims, this node's own blocks first (only they free
-        its slots; ``only_own``: no other node's), and free their payloads; how many."""
-        info = np.zeros((k, 6), dtype=np.int64)
-        g = self.geo
-        n = int(ix.evict_lru_batch(self.mem, g.header_offset, g.entries_offset,
-                                   self.index.tgeo, g.capacity, g.lanes, self.lane,
-                                   VICTIM_SAMPLE, time.time_ns(), k, self.node_id, only_own,
-                                   info))
-        if n:
-            if CP.ARMED:
-                CP.hit("evict.tombstoned")
-            self._free_payloads(info[:n, 1:])
-            self.index.bump_counter(self.lane, ix.LN_EVICTIONS, n)
-            self.stats.evictions += n
-            self.stats.evictions_for_space += n
-        return n
-
-    def _evict_many_locked(self, slots: list[int], *, count: bool = True,
-                           new_state: int = ix.TOMBSTONE) -> None:
-        """Tombstone entries (``new_state``), then free their payloads, as one batch. Under the
-        lock; or without it, for entries of this node's own lane that are not READY (its
-        reservations: nobody else writes those, index.py)."""
-        if not slots:
-            return
-        info = np.zeros((len(slots), 5), dtype=np.int64)
-        g = self.geo
-        ix.evict_batch(self.mem, g.entries_offset, self.index.tgeo, self.index.mask, g.lanes,
-                       self.lane, np.asarray(slots, dtype=np.int64), new_state, info)
-        if count:
-            self.index.bump_counter(self.lane, ix.LN_EVICTIONS, len(slots))
-            self.stats.evictions += len(slots)
-        if CP.ARMED:
-            CP.hit("evict.tombstoned")
-        self._free_payloads(info)
-
-    def _free_payloads(self, info: np.ndarray) -> None:
-        """Free the payload slots of evicted entries: rows (offset, nbytes, owner word, token,
-        slot is the entry's). A stale entry's slot (tag names another reservation) is not
-        freed: it is the new occupant's (``index.evict_batch``)."""
-        mine = info[:, 4] != 0
-        self.stats.stale_entries_dropped += int(np.count_nonzero(~mine))
-        rows = self._payload_rows(info)
-        if len(rows):
-            self.alloc.free_rows(rows)
-
-    def _payload_rows(self, info: np.ndarray) -> np.ndarray:
-        """The allocation rows (``alloc.A_*``) of entries' payloads, built with numpy (a full
-        cache evicting 2048 blocks for a 128 MiB put spent ~10-20 ms under the lock building
-        an Allocation per block on the VM): ``info`` rows (offset, nbytes, owner word, token,
-        slot is the entry's); stale rows (last column 0) and payloads that are not a block
-        slot of this region are left out."""
-        g = self.ageo
-        poff, pnb = info[:, 0], info[:, 1]
-        bb = self.layout.block_bytes
-        end = g.chunks_offset + g.nchunks * g.chunk_bytes
-        sel = info[(info[:, 4] != 0) & (pnb == bb) & (poff >= g.chunks_offset)
-                   & (poff <= end - bb)]
-        sb = self.alloc.class_for(bb)
-        chunk = (sel[:, 0] - g.chunks_offset) // g.chunk_bytes
-        rows = np.empty((len(sel), len(Allocation._fields)), dtype=np.int64)
-        rows[:, A_OFFSET] = sel[:, 0]
-        rows[:, A_NBYTES] = sel[:, 1]
-        rows[:, A_SLOT_BYTES] = sb
-        rows[:, A_OWNER] = sel[:, 2] & 0xFFFF
-        rows[:, A_CHUNK] = chunk
-        rows[:, A_SLOT] = (sel[:, 0] - (g.chunks_offset + chunk * g.chunk_bytes)) // sb
-        rows[:, A_GEN] = sel[:, 2] >> 16
-        rows[:, A_TOKEN] = sel[:, 3]
-        return rows
+        """Evict up to ``k`` sampled-LRU victims, this node's own blocks first (``only_own``:
+        no other node's), and free their payloads; how many (``Evictor.lru``). Under the lock."""
+        return self.evictor.lru(k, only_own=only_own)
 
     async def abandon(self, keys: list[bytes]) -> None:
         """Evict this node's unfinished reservations of ``keys`` (after a failed or cancelled
@@ -1231,7 +1150,7 @@ class BlockLifecycle:
         if self._lane_ready:
             if CP.ARMED:
                 CP.hit("abandon.started")
-            self._evict_many_locked([r.slot for _, r in mine])
+            self.evictor.slots([r.slot for _, r in mine])
             return
         await asyncio.shield(self._abandon_locked(mine))
 
@@ -1240,7 +1159,7 @@ class BlockLifecycle:
         try:
             if CP.ARMED:
                 CP.hit("abandon.started")
-            self._evict_many_locked([r.slot for _, r in mine])
+            self.evictor.slots([r.slot for _, r in mine])
         finally:
             self.lock.release()
 
@@ -1256,7 +1175,7 @@ class BlockLifecycle:
         try:
             snap = self.index.snapshot(words)    # under the lock: READY entries cannot change
             slots = [int(r[0]) for r in snap.tolist() if r[0] >= 0 and r[2] == ix.READY]
-            self._evict_many_locked(slots)
+            self.evictor.slots(slots)
         finally:
             self.lock.release()
         return len(slots)
@@ -1507,7 +1426,7 @@ class BlockLifecycle:
             now = self.index.snapshot(words)
             gone = [int(slots[i]) for i in range(len(slots))
                     if check[i] and now[i, 0] == slots[i] and now[i, 2] == ix.READY]
-            self._evict_many_locked(gone)
+            self.evictor.slots(gone)
             self.stats.consumed += len(gone)
         finally:
             self.lock.release()
@@ -1570,7 +1489,7 @@ class BlockLifecycle:
                 self._give_chunks_locked()
             if expired_possible:
                 hit = self.index.expired_transfer(time.time_ns())
-                self._evict_many_locked(hit.tolist())
+                self.evictor.slots(hit.tolist())
                 self.stats.expired += len(hit)
         finally:
             self.lock.release()
@@ -1597,14 +1516,14 @@ class BlockLifecycle:
         await self.hold_lock(timeout)
         try:
             self.drop_spares()
-            self._evict_many_locked(
+            self.evictor.slots(
                 [x for v in self._in_flight()
                  for x in (v.slots.tolist() if type(v) is FillBatch else (v.slot,))])
             self._reserved.clear()
             table = self.index.scan()
             mine = np.flatnonzero(((table[:, 0] == ix.READY) | (table[:, 0] == ix.RESERVED))
                                   & ((table[:, 6] & 0xFFFF) == self.node_id))
-            self._evict_many_locked(mine.tolist())
+            self.evictor.slots(mine.tolist())
         finally:
             self.lock.release()
         await self._deliver_returns(timeout)
