@@ -73,6 +73,7 @@ from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
 from .eviction import Evictor
+from .touches import TouchLog
 from . import fused
 from . import plan as kvplan
 from . import waits
@@ -96,9 +97,6 @@ GIVE_CHECK_S = 0.005
 node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when done on every
 batch; an asker waits up to CHUNK_WAIT_S, so a few milliseconds of delay cost it nothing."""
 
-
-TOUCH_ROWS_MAX = 1 << 16
-"""Reads of large transfers kept for the next touch flush before they are stamped at once."""
 
 SPARE_SLOTS = 16
 """Payload slots a fused put takes from the free lists at a time (``BlockLifecycle`` spares):
@@ -278,10 +276,8 @@ class BlockLifecycle:
         self.stats = StoreStats()
         self._reserved: dict[bytes, Reservation | FillBatch] = {}
         """This node's blocks in flight: each key's reservation, or the batch that holds it."""
-        self._touches: dict[int, int] = {}            # slot -> version, stamped at maintenance
-        # large reads' (slots, versions), stamped at the next flush as they are
-        self._touch_rows: list[tuple[np.ndarray, np.ndarray]] = []
-        self._touch_count = 0                         # rows in _touch_rows
+        self.touches = TouchLog(region, self.geo.entries_offset)
+        """Reads recorded for the approximate LRU (``stores/touches.py``)."""
         self._consumed_layers: dict[bytes, int] = {}  # transfer mode: layers read so far
         self._asked = False                           # our ask for chunks is recorded
         self._lockfree = index.lockfree_for(region.max_nodes)
@@ -743,7 +739,7 @@ class BlockLifecycle:
                 self.stats.reclaimed_entries += self.index.clear_lane_locked(self.lane)
                 self._lane_taken = True
                 self._lane_ready = self._lockfree
-            self._flush_touches()
+            self.touches.flush()
             t = time.monotonic()
             if t >= self._give_check_at:
                 self._give_check_at = t + GIVE_CHECK_S
@@ -1350,18 +1346,9 @@ class BlockLifecycle:
         self.touch(slots, versions)
 
     def touch(self, slots: np.ndarray, versions: np.ndarray) -> None:
-        """Record reads for the approximate LRU (stamped in the region at the next maintenance
-        or locked reservation, without the lock). A large read keeps its arrays as they are: a
-        dict update cost ~30 µs per 256 blocks on the VM, paid again by every layer of a
-        layer-streamed get; a slot read twice is stamped twice at the flush, which is harmless.
-        Past ``TOUCH_ROWS_MAX`` rows they are stamped at once (``touch_batch`` needs no lock)."""
-        if len(slots) <= SMALL_READ:
-            self._touches.update(zip(slots.tolist(), versions.tolist()))
-            return
-        self._touch_rows.append((slots.astype(np.int64), versions.astype(np.int64)))
-        self._touch_count += len(slots)
-        if self._touch_count > TOUCH_ROWS_MAX:
-            self._flush_touches()
+        """Record reads for the approximate LRU, stamped in the region at the next maintenance
+        or locked reservation, without the lock (``stores/touches.py``)."""
+        self.touches.record(slots, versions)
 
     async def consume(self, keys: list[bytes], words: np.ndarray, snap: np.ndarray,
                       layer: int | None) -> None:
@@ -1437,25 +1424,6 @@ class BlockLifecycle:
             await asyncio.shield(t)
 
     # -- maintenance (under the lock) ---------------------------------------------------------
-    def _flush_touches(self) -> None:
-        """Stamp the reads recorded since the last flush into the index (``touch_batch``: no
-        lock needed)."""
-        if not self._touches and not self._touch_rows:
-            return
-        slots = np.fromiter(self._touches.keys(), dtype=np.int64)
-        versions = np.fromiter(self._touches.values(), dtype=np.int64)
-        if self._touch_rows:
-            slots = np.concatenate([slots, *(r[0] for r in self._touch_rows)])[::-1]
-            versions = np.concatenate([versions, *(r[1] for r in self._touch_rows)])[::-1]
-            # each slot once (a layer-streamed get reads each block once per layer), with the
-            # version of its latest read (the arrays are reversed: latest first)
-            slots, first = np.unique(slots, return_index=True)
-            versions = np.ascontiguousarray(versions[first])
-            self._touch_rows = []
-            self._touch_count = 0
-        self._touches.clear()
-        ix.touch_batch(self.mem, self.geo.entries_offset, slots, versions, time.time_ns())
-
     EXPIRY_SCANS_PER_DEADLINE = 8
     """Transfer-mode maintenance looks for expired blocks this many times per
     ``transfer_deadline_s`` (at most once per maintenance round): a block nobody consumed is
@@ -1474,7 +1442,7 @@ class BlockLifecycle:
         """Flush LRU touches, free expired transfer-only blocks, drain returned slots, reclaim
         dead nodes' chunks."""
         self.alloc.drain_returns()
-        self._flush_touches()           # lock-free (index.py, "Touch")
+        self.touches.flush()           # lock-free (index.py, "Touch")
         expired_possible = self.cfg.mode == "transfer" and self._expiry_due()
         asked = self.others_ask()
         dead = self.reclaims_dead() and self.alloc.dead_hold_chunks()
