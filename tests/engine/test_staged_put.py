@@ -76,7 +76,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> CopySpy:
 
 def _free_slots(eng: tract.Engine) -> int:
     st = eng._store.blocks
-    return st.alloc.free_slots(TINY.block_bytes) + len(st._spares)
+    return st.alloc.free_slots(TINY.block_bytes) + len(st.spares)
 
 
 @pytest.mark.parametrize("backend", ["hw", "sim"])

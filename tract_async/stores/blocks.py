@@ -73,6 +73,7 @@ from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
 from .eviction import Evictor
+from .spares import SPARE_SLOTS, Spares, alloc_info
 from .touches import TouchLog
 from . import fused
 from . import plan as kvplan
@@ -98,11 +99,6 @@ node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when
 batch; an asker waits up to CHUNK_WAIT_S, so a few milliseconds of delay cost it nothing."""
 
 
-SPARE_SLOTS = 16
-"""Payload slots a fused put takes from the free lists at a time (``BlockLifecycle`` spares):
-one allocator call (~10-20 µs of Python) per this many small puts instead of one per put. The
-cost: this many blocks' worth of a node's chunks held for it (1 MiB of 64 KiB blocks)."""
-
 RETURN_WAIT_S = 2.0
 """How long a closing node retries returns that did not fit their owners' rings
 (``_deliver_returns``)."""
@@ -110,13 +106,6 @@ RETURN_RETRY_S = 0.01
 
 OPTIMISTIC_MIN_KEYS = 64
 """A put of at least this many keys may skip its index snapshot (``snapshot_for_put``)."""
-
-def _alloc_info(a: Allocation) -> tuple[int, int, int, int]:
-    """An allocation as a reservation's kernel takes it: (payload offset, nbytes, owner word,
-    token); the owner word is the owner node with the chunk generation above bit 16, as an
-    index entry stores it (``allocation_of`` decodes it)."""
-    return (a.offset_bytes, a.nbytes, a.owner_node | (a.generation << 16), a.token)
-
 
 class _Starving(RegionFull):
     """No chunk to allocate from; this node's ask for some is recorded (internal: a put
@@ -306,10 +295,9 @@ class BlockLifecycle:
         self._db_off, self._db_nodes = self.doorbell.offset, self.doorbell.max_nodes
         self.waits = ReadyWaits(self)
         """A read's waits for its blocks (``stores/readiness.py``)."""
-        self._spares: list[Allocation] = []
-        """Slots taken from the free lists ahead of need (module docstring); the top
-        ``len(_spares)`` rows of ``_spare_info`` are their (offset, nbytes, owner word, token)."""
-        self._spare_info = np.zeros((SPARE_SLOTS + fused.FUSED_MAX_BLOCKS, 4), dtype=np.uint64)
+        self.spares = Spares(allocator, self.layout.block_bytes,
+                             SPARE_SLOTS + fused.FUSED_MAX_BLOCKS)
+        """Slots taken from the free lists ahead of need (``stores/spares.py``)."""
         pb = cfg.preclaim_bytes
         self.preclaimer = PreClaimer(self, (1 << 62) if pb is None else pb // self.layout.block_bytes)
         """The pre-claim task's state (``stores/preclaim.py``): puts and reads report to it."""
@@ -575,7 +563,7 @@ class BlockLifecycle:
         hold of the lock (``_reserve_locked``)."""
         pc = self.preclaimer
         pc.put_started()
-        have = self._take_spares(len(positions))
+        have = self.spares.take(len(positions))
         if self._lane_ready:
             done, have = self._reserve_lockfree(keys, words, positions, have)
             if done:
@@ -631,38 +619,9 @@ class BlockLifecycle:
         return True
 
     # -- spares and the fused put -------------------------------------------------------------
-    def _take_spares(self, count: int) -> list[Allocation]:
-        """Up to ``count`` spare slots, now the caller's (module docstring)."""
-        k = min(count, len(self._spares))
-        if k == 0:
-            return []
-        out = self._spares[-k:]
-        del self._spares[-k:]
-        return out
-
-    def _add_spares(self, allocs: list[Allocation]) -> None:
-        c = len(self._spares)
-        info = self._spare_info
-        for j, a in enumerate(allocs):
-            info[c + j] = _alloc_info(a)
-        self._spares.extend(allocs)
-
-    def _refill_spares(self, need: int) -> bool:
-        """Top the spares up to ``SPARE_SLOTS + need`` from the free lists (no lock, no chunk
-        claim); True when at least ``need`` are there."""
-        want = min(SPARE_SLOTS + need, self._spare_info.shape[0]) - len(self._spares)
-        if want > 0:
-            # reversed: spares are taken from the top, so the slot the allocator hands out
-            # first (the lowest free, or the one freed last) is used first, as without spares
-            got = self.alloc.alloc_many_nowait(self.layout.block_bytes, want)
-            self._add_spares(got[::-1])
-        return len(self._spares) >= need
-
     def drop_spares(self) -> None:
         """Give every spare slot back to the free lists (before chunks are released)."""
-        if self._spares:
-            spares, self._spares = self._spares, []
-            self.alloc.free_many(spares)
+        self.spares.drop()
 
     def put_fused(self, keys: list[bytes], words: np.ndarray, src: int,
                   tmpl: np.ndarray) -> int | None:
@@ -677,28 +636,22 @@ class BlockLifecycle:
                 or (self._reserved and any(k in self._reserved for k in keys))
                 or not self._give_check_passes()):
             return None
-        if len(self._spares) < n and not self._refill_spares(n):
+        if len(self.spares) < n and not self.spares.refill(n):
             return None
-        c = len(self._spares)
         res = self._fres[:n]
         now = time.time_ns()
         deadline = (now + int(self.cfg.transfer_deadline_s * 1e9)
                     if self.cfg.mode == "transfer" else 0)
         st = int(fused.put_blocks(self.mem, self._fp, self.index.tgeo, words,
-                                  self._spare_info[c - n:c], tmpl, np.uint64(src), now,
+                                  self.spares.top_info(n), tmpl, np.uint64(src), now,
                                   deadline, res))
         if st == fused.FENCED:
             raise NodeEvicted(f"node {self.node_id} (epoch {self.alloc.epoch}) was judged dead "
                               f"and its chunks were reclaimed: rejoin before allocating again")
         rows = res.tolist()
         used = [j for j in range(n) if rows[j][0] >= 0]
-        if len(used) == n:
-            del self._spares[c - n:]
-        else:                      # keys skipped (or not reached): their slots stay spares
-            kept = [j for j in range(n) if rows[j][0] < 0]
-            allocs = self._spares[c - n:]
-            del self._spares[c - n:]
-            self._add_spares([allocs[j] for j in kept])
+        # keys skipped (or not reached): their slots stay spares
+        self.spares.settle_top(n, [j for j in range(n) if rows[j][0] < 0])
         self.stats.lockfree_reservations += 1
         if st == fused.WINDOW_FULL:
             # take back what it reserved, newest first (as ``_undo``: an entry that was EMPTY
@@ -807,7 +760,7 @@ class BlockLifecycle:
             res = np.zeros((len(positions), 3), dtype=np.int64)
             if not isinstance(allocs, np.ndarray) and len(allocs) <= SMALL_READ:
                 # a few: tuples beat five numpy operations
-                ainfo = np.array([_alloc_info(a) for a in allocs],
+                ainfo = np.array([alloc_info(a) for a in allocs],
                                  dtype=np.uint64).reshape(-1, 4)
                 offs: list[int] | None = [a.offset_bytes for a in allocs]
                 chunks: list[int] | None = [a.chunk_index for a in allocs]
