@@ -34,7 +34,7 @@ Pre-claimed chunks and evicting ahead: in this node's idle moments a background 
 chunks (or, in a full region, evicts this node's LRU blocks) so that the next put of the size
 seen reserves without the lock (``stores/preclaim.py``). This class reports its puts and reads
 to it (``preclaimer``) and gives away the pre-claimed chunks first when another node starves
-(``_give_chunks_locked``).
+(``stores/chunkgive.py``).
 
 Block lifetime. A block lives in a slot of its producer's heap. It is READY until evicted (LRU
 under memory pressure), consumed (transfer-only mode), expired (transfer-only deadline), or
@@ -72,6 +72,7 @@ from ..region.alloc import (A_CHUNK, A_GEN, A_NBYTES, A_OFFSET, A_OWNER, A_TOKEN
 from ..region.chunks import alloc_geometry
 from ..sync.lock import GlobalLock
 from . import doorbell as db
+from .chunkgive import ChunkGiver
 from .eviction import Evictor
 from .spares import SPARE_SLOTS, Spares, alloc_info
 from .touches import TouchLog
@@ -92,12 +93,6 @@ The cost is that many blocks' worth of capacity, per node, held free."""
 
 CHUNK_WAIT_S = 2.0
 """How long a put that found no chunk waits for an owner to release one (its ask recorded)."""
-
-GIVE_CHECK_S = 0.005
-"""A reservation looks at other nodes' asks for chunks at most this often. Reading every
-node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when done on every
-batch; an asker waits up to CHUNK_WAIT_S, so a few milliseconds of delay cost it nothing."""
-
 
 RETURN_WAIT_S = 2.0
 """How long a closing node retries returns that did not fit their owners' rings
@@ -280,7 +275,6 @@ class BlockLifecycle:
         self._lane_ready = False
         """Set at this incarnation's first hold of the lock, once it has taken its lane over
         (``clear_lane``); only then does it write the lane without the lock."""
-        self._give_check_at = 0.0                     # next look at others' asks (monotonic)
         self.pause_after_snapshot: Any = None
         """Test seam: an awaitable factory a copy back-end runs between a read's snapshot and
         its copy, so a test can evict and rewrite the block exactly there (deterministic
@@ -298,6 +292,10 @@ class BlockLifecycle:
         self.spares = Spares(allocator, self.layout.block_bytes,
                              SPARE_SLOTS + fused.FUSED_MAX_BLOCKS)
         """Slots taken from the free lists ahead of need (``stores/spares.py``)."""
+        self.giver = ChunkGiver(region, allocator, index, lock, self.evictor, self.spares,
+                                self.stats, node_id=self.node_id,
+                                liveness_timeout_s=cfg.liveness_timeout_s)
+        """Answers other nodes' asks for chunks (``stores/chunkgive.py``)."""
         pb = cfg.preclaim_bytes
         self.preclaimer = PreClaimer(self, (1 << 62) if pb is None else pb // self.layout.block_bytes)
         """The pre-claim task's state (``stores/preclaim.py``): puts and reads report to it."""
@@ -583,7 +581,7 @@ class BlockLifecycle:
         free lists, which are returned for the locked path to use (a large put that needs new
         chunks would otherwise allocate its first slots twice). ``have``: slots already taken
         for this batch (spares)."""
-        if not self._give_check_passes():
+        if not self.giver.check_passes():
             return False, have
         count = len(positions)
         allocs: list[Allocation] | np.ndarray = have
@@ -607,17 +605,6 @@ class BlockLifecycle:
         self.stats.lockfree_reservations += 1
         return self._place(keys, words, positions, allocs) is None, []
 
-    def _give_check_passes(self) -> bool:
-        """False when it is time to look at other nodes' asks for chunks (every
-        ``GIVE_CHECK_S``) and some node asks: the locked path then gives them chunks."""
-        t = time.monotonic()
-        if t >= self._give_check_at:
-            self._give_check_at = t + GIVE_CHECK_S
-            if self.others_ask():
-                self._give_check_at = 0.0
-                return False
-        return True
-
     # -- spares and the fused put -------------------------------------------------------------
     def drop_spares(self) -> None:
         """Give every spare slot back to the free lists (before chunks are released)."""
@@ -634,7 +621,7 @@ class BlockLifecycle:
         n = len(keys)
         if (not self._lane_ready or CP.ARMED
                 or (self._reserved and any(k in self._reserved for k in keys))
-                or not self._give_check_passes()):
+                or not self.giver.check_passes()):
             return None
         if len(self.spares) < n and not self.spares.refill(n):
             return None
@@ -693,9 +680,7 @@ class BlockLifecycle:
                 self._lane_taken = True
                 self._lane_ready = self._lockfree
             self.touches.flush()
-            t = time.monotonic()
-            if t >= self._give_check_at:
-                self._give_check_at = t + GIVE_CHECK_S
+            if self.giver.due():
                 self._give_chunks_locked()
             for attempt in range(2):
                 got = have or []
@@ -1041,46 +1026,16 @@ class BlockLifecycle:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _give_chunks_locked(self) -> int:
-        """Release spare chunks to nodes that asked for some (alloc.py, "Starving"): while
-        this node owns more than its fair share (chunks / live nodes), evict the blocks of its
-        least used chunks -- none with a put of ours in flight -- and release them. Returns
-        the chunks released. Caller holds the lock."""
-        table = self.alloc.table
-        wanted = table.wanted()
-        wanted[self.node_id] = 0
-        if not wanted.any():
-            return 0
-        nodes = self.region.nodes.all(timeout_s=self.cfg.liveness_timeout_s)
-        askers = [n for n in np.flatnonzero(wanted).tolist() if n < len(nodes) and not nodes[n].dead]
-        if not askers:
-            return 0
-        use = self.alloc.chunk_use()
-        live = 1 + sum(1 for n in nodes if not n.dead and n.node_id != self.node_id)
-        fair = max(1, self.ageo.nchunks // live)
-        spare = min(len(use) - fair, int(sum(wanted[n] for n in askers)))
-        if spare <= 0:
-            return 0
-        self.drop_spares()                  # they keep chunks from being empty
+        """Release chunks to nodes that asked for some, none with a put of ours in flight
+        (``stores/chunkgive.py``); how many. Caller holds the lock."""
+        return self.giver.give_locked(self._busy_chunks)
+
+    def _busy_chunks(self) -> set[int]:
+        """The chunks of this node's puts in flight."""
         busy: set[int] = set()
         for v in self._in_flight():
             busy.update(v.chunks.tolist() if type(v) is FillBatch else (v.chunk,))
-        pick = [c for c, _ in sorted(use.items(), key=lambda cu: cu[1]) if c not in busy][:spare]
-        if not pick:
-            return 0
-        g = self.ageo
-        table_ix = self.index.scan()
-        live_e = (table_ix[:, 0] == ix.READY)
-        inside = np.zeros(len(table_ix), dtype=np.bool_)
-        for c in pick:
-            start = g.chunk_off(c)
-            inside |= live_e & (table_ix[:, 1] >= start) & (table_ix[:, 1] < start + g.chunk_bytes)
-        victims = np.flatnonzero(inside).tolist()
-        if victims:
-            self.evictor.slots(victims)
-            self.stats.evictions_for_others += len(victims)
-        done = self.alloc.release_empty_locked(pick, self.lock)
-        self.stats.chunks_given += len(done)
-        return len(done)
+        return busy
 
     def evict_lru_locked(self, k: int, *, only_own: bool = False) -> int:
         """Evict up to ``k`` sampled-LRU victims, this node's own blocks first (``only_own``:
@@ -1416,13 +1371,9 @@ class BlockLifecycle:
             self.lock.release()
 
     def others_ask(self) -> bool:
-        """Another node has asked for chunks (a lock-free read of the asks) and this node owns
-        more than one: maintenance then takes the lock to consider giving some."""
-        if len(self.alloc.owned_chunks()) < 2:
-            return False
-        w = self.alloc.table.wanted()
-        w[self.node_id] = 0
-        return bool(w.any())
+        """Another node has asked for chunks and this node owns more than one
+        (``ChunkGiver.others_ask``): maintenance then takes the lock to consider giving some."""
+        return self.giver.others_ask()
 
     def on_reclaim(self, node_id: int, spans: list[tuple[int, int]]) -> None:
         """Allocator hook (under the lock): a dead node's chunks go away; so do their entries."""
