@@ -18,4 +18,6 @@ async def main():
             print(f"{sys.argv[1]} put p50 {np.median(ts_put[500:])*1e6:.1f} us  get p50 {np.median(ts_get[500:])*1e6:.1f} us  evictions {e.stats().get('evictions')}")
     finally:
         if os.path.exists(path): os.unlink(path)
+        from tract_async.region import cpumarks
+        cpumarks.remove(path, None)     # its sidecar (the first runs left these in /dev/shm)
 asyncio.run(main())
