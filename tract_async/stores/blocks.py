@@ -623,22 +623,26 @@ class BlockLifecycle:
                 or (self._reserved and any(k in self._reserved for k in keys))
                 or not self.giver.check_passes()):
             return None
-        if len(self.spares) < n and not self.spares.refill(n):
+        sp = self.spares
+        if len(sp.allocs) < n and not sp.refill(n):
             return None
+        c = len(sp.allocs)
         res = self._fres[:n]
         now = time.time_ns()
         deadline = (now + int(self.cfg.transfer_deadline_s * 1e9)
                     if self.cfg.mode == "transfer" else 0)
         st = int(fused.put_blocks(self.mem, self._fp, self.index.tgeo, words,
-                                  self.spares.top_info(n), tmpl, np.uint64(src), now,
+                                  sp.info[c - n:c], tmpl, np.uint64(src), now,
                                   deadline, res))
         if st == fused.FENCED:
             raise NodeEvicted(f"node {self.node_id} (epoch {self.alloc.epoch}) was judged dead "
                               f"and its chunks were reclaimed: rejoin before allocating again")
         rows = res.tolist()
         used = [j for j in range(n) if rows[j][0] >= 0]
-        # keys skipped (or not reached): their slots stay spares
-        self.spares.settle_top(n, [j for j in range(n) if rows[j][0] < 0])
+        if len(used) == n:
+            del sp.allocs[c - n:]
+        else:                      # keys skipped (or not reached): their slots stay spares
+            sp.settle_top(n, [j for j in range(n) if rows[j][0] < 0])
         self.stats.lockfree_reservations += 1
         if st == fused.WINDOW_FULL:
             # take back what it reserved, newest first (as ``_undo``: an entry that was EMPTY

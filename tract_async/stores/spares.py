@@ -35,57 +35,53 @@ class Spares:
     def __init__(self, allocator: Allocator, block_bytes: int, capacity: int) -> None:
         self.alloc = allocator
         self.block_bytes = block_bytes
-        self._allocs: list[Allocation] = []
+        self.allocs: list[Allocation] = []
+        """The spares, newest last. Read-only for callers (the fused put reads its length and
+        pops what the kernel used: a method call there cost more than the read)."""
         self.info = np.zeros((capacity, 4), dtype=np.uint64)
 
     def __len__(self) -> int:
-        return len(self._allocs)
+        return len(self.allocs)
 
     def take(self, count: int) -> list[Allocation]:
         """Up to ``count`` spare slots, now the caller's."""
-        k = min(count, len(self._allocs))
+        k = min(count, len(self.allocs))
         if k == 0:
             return []
-        out = self._allocs[-k:]
-        del self._allocs[-k:]
+        out = self.allocs[-k:]
+        del self.allocs[-k:]
         return out
 
     def add(self, allocs: list[Allocation]) -> None:
-        c = len(self._allocs)
+        c = len(self.allocs)
         for j, a in enumerate(allocs):
             self.info[c + j] = alloc_info(a)
-        self._allocs.extend(allocs)
+        self.allocs.extend(allocs)
 
     def refill(self, need: int) -> bool:
         """Top the spares up to ``SPARE_SLOTS + need`` from the free lists (no lock, no chunk
         claim); True when at least ``need`` are there."""
-        want = min(SPARE_SLOTS + need, self.info.shape[0]) - len(self._allocs)
+        want = min(SPARE_SLOTS + need, self.info.shape[0]) - len(self.allocs)
         if want > 0:
             # reversed: spares are taken from the top, so the slot the allocator hands out
             # first (the lowest free, or the one freed last) is used first, as without spares
             got = self.alloc.alloc_many_nowait(self.block_bytes, want)
             self.add(got[::-1])
-        return len(self._allocs) >= need
-
-    def top_info(self, n: int) -> np.ndarray:
-        """The kernel rows of the top ``n`` spares (a view: what a fused put of ``n`` blocks
-        is given)."""
-        c = len(self._allocs)
-        return self.info[c - n:c]
+        return len(self.allocs) >= need
 
     def settle_top(self, n: int, kept: list[int]) -> None:
         """After a fused put given the top ``n``: those it used are gone; ``kept`` (indices
         among the ``n``: keys it skipped or did not reach) stay spares."""
-        c = len(self._allocs)
+        c = len(self.allocs)
         if not kept:
-            del self._allocs[c - n:]
+            del self.allocs[c - n:]
             return
-        allocs = self._allocs[c - n:]
-        del self._allocs[c - n:]
+        allocs = self.allocs[c - n:]
+        del self.allocs[c - n:]
         self.add([allocs[j] for j in kept])
 
     def drop(self) -> None:
         """Give every spare slot back to the free lists (before chunks are released)."""
-        if self._allocs:
-            allocs, self._allocs = self._allocs, []
+        if self.allocs:
+            allocs, self.allocs = self.allocs, []
             self.alloc.free_many(allocs)
