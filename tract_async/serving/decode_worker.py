@@ -43,14 +43,15 @@ from tract_async.serving.gclog import GcLog
 from tract_async.serving.prefetch import LayerStream
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
-from tract_async.serving.protocol import (ENGINE_MODES, SALTED_MODES, DecodeRequest,
-                                          decode_past_len, error_body, now)
+from tract_async.serving.protocol import (ENGINE_MODES, SALTED_MODES, SEQUENTIAL_MODES,
+                                          DecodeRequest, decode_past_len, error_body, now)
 from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_info,
                                          agent_secret, kv_layout, load_model, open_engine,
                                          worker_app)
 
-#: Modes whose decode reads every layer in one get after the prefill has answered.
-WHOLE_GET_MODES: tuple[str, ...] = ("rdma-model", "nixl")
+#: Modes whose decode reads every layer in one engine get after the prefill has answered: the
+#: sequential modes that move KV through an Engine (rdma-model, nixl).
+WHOLE_GET_MODES: tuple[str, ...] = tuple(m for m in SEQUENTIAL_MODES if m in ENGINE_MODES)
 
 
 class DecodeWorker:
@@ -204,9 +205,10 @@ class DecodeWorker:
         t0 = now()
         nbytes = n_full * self.layout.block_bytes
         modelled = self.cfg.mode == "rdma-model"
-        due = t0 + transfer_s(nbytes, gbps=self.cfg.rdma_gbps, latency_us=self.cfg.rdma_latency_us)
         events.append(("kv_load_begin", t0))
         if modelled:
+            due = t0 + transfer_s(nbytes, gbps=self.cfg.rdma_gbps,
+                                  latency_us=self.cfg.rdma_latency_us)
             events.append(("kv_model_due", due))
         try:
             kv = await self._get_layer_kv(keys, None, self.cfg.layer_timeout_s, self._kv_device())

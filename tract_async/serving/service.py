@@ -344,8 +344,9 @@ class KVDevice:
 
     async def put_layer(self, keys: list[bytes], kv_layer: Any, layer: int | None,
                         events: list | None = None, ready: Any = None) -> int:
-        """Store one layer (``layer`` None: every layer, ``kv_layer`` then holds them all). ``ready``: for a CUDA ``kv_layer``, the event after which it is
-        complete (``streaming.PutLayer``); None records one on the current stream now.
+        """Store one layer (``layer`` None: every layer, ``kv_layer`` then holds them all).
+        ``ready``: for a CUDA ``kv_layer``, the event after which it is complete
+        (``streaming.PutLayer``); None records one on the current stream now.
 
         A CUDA layer is made contiguous on a side stream that waits for ``ready`` only, and the
         put's DMA waits for that copy only (``cuda.store.put_ready``): an event recorded on the
