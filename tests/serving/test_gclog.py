@@ -1,10 +1,11 @@
-"""GcLog: the collections a request's timeline shows."""
+"""GcLog and LoopLag: the collections and loop stalls a request's timeline shows."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 
-from tract_async.serving.gclog import GcLog
+from tract_async.serving.gclog import GcLog, LoopLag, cuda_alloc_counts
 
 
 def test_gclog_names_the_collections_of_a_window() -> None:
@@ -25,3 +26,34 @@ def test_gclog_names_the_collections_of_a_window() -> None:
     finally:
         log.uninstall()
     assert log._callback not in gc.callbacks
+
+
+async def test_looplag_names_a_blocked_loop_and_not_a_free_one() -> None:
+    lag = LoopLag(time.monotonic, tick_ms=1.0, min_ms=20.0)
+    task = asyncio.create_task(lag.run())
+    try:
+        await asyncio.sleep(0.01)                 # the ticker runs
+        before = time.monotonic()
+        time.sleep(0.08)                          # the loop blocked 80 ms by a synchronous call
+        await asyncio.sleep(0.01)                 # the ticker wakes, late
+        after = time.monotonic()
+        ev = dict(lag.events_between(before, after))
+        assert set(ev) == {"lag#0", "lag#0_end"}, ev
+        assert ev["lag#0_end"] - ev["lag#0"] >= 0.05
+        assert before <= ev["lag#0"] + 0.002 and ev["lag#0_end"] <= after
+        t = time.monotonic()
+        await asyncio.sleep(0.05)                 # free: no stall of 20 ms
+        assert lag.events_between(t, time.monotonic()) == []
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_cuda_alloc_counts_is_empty_without_cuda_in_use() -> None:
+    import torch
+    counts = cuda_alloc_counts()
+    if not torch.cuda.is_available():
+        assert counts == {}
+    else:
+        torch.zeros(1, device="cuda")             # CUDA in use: the counters exist
+        assert set(cuda_alloc_counts()) >= {"num_device_alloc", "num_alloc_retries"}

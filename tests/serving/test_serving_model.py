@@ -409,6 +409,20 @@ async def test_prefill_streaming_puts_every_layer_in_order(model, prompt, full):
     assert result.next_token == full.next_token
 
 
+async def test_prefill_streaming_stamps_each_layer_in_the_computing_thread(model, prompt):
+    import threading
+    stamps: list[tuple[int, str]] = []
+    loop_thread = threading.current_thread().name
+
+    async def put_layer(i: int, kv_layer: torch.Tensor, ready: object) -> None:
+        assert [j for j, _ in stamps][-1] >= i   # the layer was stamped before its put began
+
+    await prefill_streaming(model, prompt, put_layer=put_layer,
+                            on_computed=lambda i: stamps.append((i, threading.current_thread().name)))
+    assert [i for i, _ in stamps] == list(range(model.config.num_hidden_layers))
+    assert all(name != loop_thread for _, name in stamps)
+
+
 async def test_prefill_streaming_put_failure_stops_compute_and_propagates(model, prompt):
     calls: list[int] = []
 

@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 
 from tract_async.errors import TractError
-from tract_async.serving.gclog import GcLog
+from tract_async.serving.gclog import GcLog, LoopLag
 from tract_async.serving.prefetch import LayerStream
 from tract_async.serving.errors import BadCompletionRequest, KVUnavailable
 from tract_async.serving.metrics import ServiceMetrics
@@ -92,6 +92,7 @@ class DecodeWorker:
         self.batcher: Any = None
         self.readers = asyncio.Semaphore(cfg.decode_batch + cfg.early_reads)
         self.gclog: GcLog | None = None       # TRACT_PHASES=1: collections on the timeline
+        self.looplag: LoopLag | None = None   # TRACT_PHASES=1: loop stalls on the timeline
         self.served = 0
 
     def health(self) -> dict[str, Any]:
@@ -307,7 +308,11 @@ class DecodeWorker:
             raise first_error(group) from None
         events.append(("decode_done", now()))
         if self.gclog is not None:
-            events[-1:-1] = self.gclog.events_between(events[0][1], events[-1][1], prefix="d")
+            t0, t1 = events[0][1], events[-1][1]
+            extra = self.gclog.events_between(t0, t1, prefix="d")
+            if self.looplag is not None:
+                extra += self.looplag.events_between(t0, t1, prefix="d")
+            events[-1:-1] = extra
         await resp.write(orjson.dumps({"done": True, "events": events}) + b"\n")
 
 
@@ -351,9 +356,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         elif cfg.mode in ENGINE_MODES:
             w.engine = await open_engine(cfg, w.layout)
             stack.push_async_callback(w.engine.close)
-            if os.environ.get("TRACT_PHASES") == "1":   # dgc markers on the timeline
+            if os.environ.get("TRACT_PHASES") == "1":   # dgc / dlag markers on the timeline
                 w.gclog = GcLog(now).install()
                 stack.callback(w.gclog.uninstall)
+                w.looplag = LoopLag(now)
+                w.tasks.spawn(w.looplag.run(), name="loop-lag")
         stack.push_async_callback(w.tasks.close)
         yield
 

@@ -30,13 +30,13 @@ import asyncio
 import contextlib
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
 from tract_async.errors import TractError
-from tract_async.serving.gclog import GcLog
+from tract_async.serving.gclog import GcLog, LoopLag, cuda_alloc_counts
 from tract_async.serving.errors import BadCompletionRequest, KVPoolFull
 from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import (ENGINE_MODES, NET_MODES, SALTED_MODES, PrefillReply,
@@ -58,6 +58,7 @@ class PrefillWorker:
         self.engine: Any = None
         self.kvdev: KVDevice | None = None
         self.gclog: GcLog | None = None     # TRACT_PHASES=1: collections on the timeline
+        self.looplag: LoopLag | None = None  # TRACT_PHASES=1: loop stalls on the timeline
         self.agent: Any = None
         self.exporter: Any = None
         self.tasks = TaskOwner()
@@ -131,11 +132,19 @@ class PrefillWorker:
                 moved += (hi - lo) * self.layout.layer_bytes // T
             events.append((f"put_L{layer}", now()))
 
+        on_computed: Callable[[int], None] | None = None
+        allocs_before: dict[str, int] = {}
+        if self.gclog is not None:          # TRACT_PHASES=1: the computing thread's side too
+            def stamp(layer: int) -> None:
+                events.append((f"computed_L{layer}", now()))
+            on_computed = stamp
+            allocs_before = cuda_alloc_counts()
         try:
             async with self.compute:
                 events.append(("prefill_compute_start", now()))
                 result = await prefill_streaming(self.model, ids, put_layer=put_layer,
-                                                 past_kv=past_kv, past_len=past_len)
+                                                 past_kv=past_kv, past_len=past_len,
+                                                 on_computed=on_computed)
                 if whole:
                     moved += await self._put_whole(put_keys, whole, events)
         except BaseException:
@@ -144,7 +153,16 @@ class PrefillWorker:
             raise
         events.append(("prefill_done", now()))
         if self.gclog is not None:          # before prefill_done: _observe reads it last
-            events[-1:-1] = self.gclog.events_between(events[0][1], events[-1][1])
+            t0, t1 = events[0][1], events[-1][1]
+            extra = self.gclog.events_between(t0, t1)
+            if self.looplag is not None:
+                extra += self.looplag.events_between(t0, t1)
+            # the allocator's device calls during the request, as marks at its end
+            # (``cuda_num_device_alloc+3``): a cudaMalloc or a retry may synchronize
+            after = cuda_alloc_counts()
+            extra += [(f"cuda_{k}+{after[k] - v}", t1) for k, v in allocs_before.items()
+                      if after.get(k, v) != v]
+            events[-1:-1] = extra
         kv_source = None
         if span is not None:
             kv_source = self.exporter.publish(req.request_id, span[0], moved, n_full * T,
@@ -241,6 +259,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             if os.environ.get("TRACT_PHASES") == "1":   # reserved_L / enqueued_L, gc markers
                 w.engine.time_phases()
                 w.gclog = GcLog(now).install()
+                w.looplag = LoopLag(now)
+                w.tasks.spawn(w.looplag.run(), name="loop-lag")
             w.kvdev = KVDevice(w.engine)
         # tasks close first (before the agent / engine they use)
         stack.push_async_callback(w.tasks.close)

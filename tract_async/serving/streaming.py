@@ -139,12 +139,15 @@ async def prefill_streaming(
     put_layer: PutLayer,
     past_kv: torch.Tensor | None = None,
     past_len: int | None = None,
+    on_computed: Callable[[int], None] | None = None,
 ) -> PrefillResult:
     """:func:`~tract_async.serving.model.prefill` in a worker thread, storing layers as they come.
 
     ``put_layer(i, kv_layer, ready)`` is awaited on the loop for each layer in order,
     overlapping the compute of the following layers; ``kv_layer`` is a new tensor the callee may
-    keep, ``ready`` its CUDA event (``PutLayer``). Returns after the compute and all puts are
+    keep, ``ready`` its CUDA event (``PutLayer``). ``on_computed(i)`` (optional, for timelines)
+    runs in the computing thread when layer ``i`` is handed to the loop: the gap from it to the
+    put's start is the loop's, not the compute's. Returns after the compute and all puts are
     done.
 
     Raises:
@@ -157,6 +160,8 @@ async def prefill_streaming(
 
     def on_layer(layer_index: int, kv_layer: torch.Tensor) -> None:
         abort.check()
+        if on_computed is not None:
+            on_computed(layer_index)
         ready = None
         if kv_layer.is_cuda:
             ready = torch.cuda.Event()
