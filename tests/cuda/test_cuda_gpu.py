@@ -494,7 +494,7 @@ def test_the_zero_copy_kernel_is_compiled_when_the_copier_is_made(region_path):
     lay = layout()
 
     async def main():
-        async with await tract.Engine.open(cfg(region_path, lay)) as eng:
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
             dev = torch.device("cuda", torch.cuda.current_device())
             copier = eng.cuda_setup(method="zerocopy").copier(dev)
             if not copier.have_triton:
