@@ -73,6 +73,7 @@ class ServiceConfig:
     block_tokens: int = 16
     torch_threads: int | None = None
     attn: str = "auto"                # auto: sdpa on a CUDA device, eager on the CPU
+    cudnn_attention: bool = False     # sdpa may pick cuDNN's kernels (off: see load_model)
     decode_batch: int = 8             # decode: requests one step serves (0: one at a time)
     decode_max_len: int = 9216        # decode: tokens (prompt + generated) a batch slot holds
     first_pass: str = "extend"        # decode, idle: extend or stream (layer by layer), see below
@@ -208,8 +209,18 @@ def load_model(cfg: ServiceConfig) -> Any:
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     init_device = "cuda" if cfg.device.startswith("cuda") else "cpu"
+    attn = attn_implementation(cfg)
+    if attn == "sdpa" and init_device == "cuda" and not cfg.cudnn_attention:
+        # PyTorch's SDPA may choose cuDNN's attention on Hopper, which builds a cuDNN graph
+        # for every new (query, key) length: 40-70 ms inside a prefill of a first-seen prompt
+        # length and ~1 s for the first prefix-hit shapes, in the computing thread between
+        # layers 0 and 1 (bench/results/gpu-20261206-s41). A serving worker sees a new length
+        # on nearly every request, so it keeps to the flash and memory-efficient kernels,
+        # which take any length without a build step. The switch is process-wide: the
+        # worker's process is the model's.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return build_model(model_config(cfg), cfg.seed, cfg.device, torch_dtype(cfg),
-                       init_device=init_device, attn=attn_implementation(cfg))
+                       init_device=init_device, attn=attn)
 
 
 def attn_implementation(cfg: ServiceConfig) -> str:
