@@ -64,9 +64,15 @@ ARMED = False
 this before calling ``hit``."""
 
 
-def arm() -> None:
-    """Start killing at the configured point (a no-op without ``TRACT_CRASH_AT``)."""
-    global ARMED
+def arm(target: str | None = None) -> None:
+    """Start killing at the configured point (a no-op without ``TRACT_CRASH_AT``), or at
+    ``target`` where given: a process forked from a warm parent that imported this module
+    before the point was chosen (the environment is read only at import) names it here."""
+    global ARMED, _TARGET
+    if target is not None:
+        if target not in POINTS:
+            raise ValueError(f"{target!r} names no crash point; known: {', '.join(POINTS)}")
+        _TARGET = target
     ARMED = _TARGET is not None
 
 

@@ -18,10 +18,10 @@ The table of points x outcomes is printed (``pytest -s``) and kept in the assert
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -35,8 +35,15 @@ from tests.support import procs_engine as P
 from tests.support.paused import (assert_region_clean, end_worker, in_thread, report,
                                   start_paused_worker, stopped)
 from tests.support.engine_util import block_matches, cfg, kv_for_keys, until
+from tests.support import warmproc
 
-SPAWN = mp.get_context("spawn")
+WARM = warmproc.context()   # the two children of each point: forked warm (tests/support/warmproc)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_forkserver_left() -> Iterator[None]:
+    yield
+    warmproc.stop()
 LIVENESS_S = 1.0
 REGION = dict(region_bytes=8 << 20, chunk_bytes=256 << 10)
 NODE2_IDS = list(range(9_000_000, 9_000_000 + 16 * 8))
@@ -46,8 +53,8 @@ NODE2_IDS = list(range(9_000_000, 9_000_000 + 16 * 8))
 
 async def _one_point(path: str, point: str) -> dict:
     row: dict = {"point": point}
-    q2 = SPAWN.Queue()
-    n2 = SPAWN.Process(target=P.put_then_hang,
+    q2 = WARM.Queue()
+    n2 = WARM.Process(target=P.put_then_hang,
                        args=(path, "hw", 2, NODE2_IDS, True, q2, REGION))
     n2.start()
     worker = None
@@ -59,13 +66,9 @@ async def _one_point(path: str, point: str) -> dict:
         async with tract.Engine.open(cfg(path, 1, preclaim_bytes=0, **REGION)) as eng:
             own = eng.block_keys(range(8_000_000, 8_000_000 + 16 * 8))
             await eng.put_kv(own, kv_for_keys(own), timeout=30)
-            q_in, q_out = SPAWN.Queue(), SPAWN.Queue()
-            os.environ[CP.ENV] = point           # inherited by the spawned worker only
-            try:
-                worker = SPAWN.Process(target=P.crash_worker, args=(path, q_in, q_out))
-                worker.start()
-            finally:
-                del os.environ[CP.ENV]
+            q_in, q_out = WARM.Queue(), WARM.Queue()
+            worker = WARM.Process(target=P.crash_worker, args=(path, q_in, q_out, point))
+            worker.start()
             kind, _, n_before = await report(q_out, [worker, n2], 120)
             assert kind == "before", (kind, n_before)
             os.kill(n2.pid, signal.SIGKILL)

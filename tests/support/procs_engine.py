@@ -237,8 +237,9 @@ def blocking_manager(path: str, backend: str, q_in, q_out) -> None:  # noqa: ANN
     tract.run(main())
 
 
-def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
-    """Node 0 of the crash-point test (started with TRACT_CRASH_AT set): stores its "before"
+def crash_worker(path: str, q_in, q_out, point: str | None = None) -> None:  # noqa: ANN001
+    """Node 0 of the crash-point test (started with TRACT_CRASH_AT set, or given ``point``:
+    a child forked from a warm server has the server's environment): stores its "before"
     blocks and reports them, then on "go" arms the crash point and runs every kind of step
     until it dies there --
     full and layer-wise puts, puts that evict, a cancelled large put (abandon), chunk claims,
@@ -265,7 +266,7 @@ def crash_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
             # thread, and a background step (the pre-claim task's chunk claim) that hit the
             # point between arm() and the feeder's write lost it with the process (the parent
             # then waited for "before" in vain: a CI failure, reproduced under CPU hogs)
-            CP.arm()
+            CP.arm(point)
             for r in range(200):
                 keys = eng.block_keys(range(r * 100_000, r * 100_000 + 16 * 4))
                 kv = kv_for_keys(keys, as_numpy=True)
