@@ -34,6 +34,7 @@ from ..gcpause import PAUSE_MIN_BLOCKS, gc_paused
 from ..errors import BlockEvicted
 from ..keys import keys_to_words
 from ..region import index as ix
+from ..region.index import SNAP_POFF
 from ..stores.blocks import FillBatch
 from . import tables
 from .copy import Copier
@@ -317,7 +318,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     n = len(keys)
     b = store.blocks
     words, snap = await b.prepare_read(keys, layer, timeout)
-    poffs = snap[:, 3].copy()
+    poffs = snap[:, SNAP_POFF].copy()
     lay = store.layout
     copier = cpath.copier(tensors[0].device)
     if cpath.registered:

@@ -63,6 +63,7 @@ from tract_kernels.intrinsics import (aload64, astore64, bool_ptr, fd_read, fd_w
                                       int64_ptr, monotonic_ns, sched_yield, uint64_ptr)
 
 from . import index as ix
+from .index import SNAP_FLAGS, SNAP_LAYERS, SNAP_NBYTES, SNAP_POFF, SNAP_SLOT, SNAP_STATE, SNAP_VERSION
 from . import layout as L
 
 JOB_WORDS = 32
@@ -114,27 +115,27 @@ def get_checked(m, eoff, mask, max_probe, lanes, chunks_lo, chunks_end, block_by
     ix.snapshot_batch(m, eoff, mask, max_probe, lanes, keys, snap)
     n = keys.shape[0]
     for i in range(n):
-        if snap[i, 0] < 0:
+        if snap[i, SNAP_SLOT] < 0:
             return np.int64(NOT_READY)
-        st = snap[i, 2]
+        st = snap[i, SNAP_STATE]
         if st == np.int64(ix.READY):
             continue
         if whole or st != np.int64(ix.RESERVED):
             return np.int64(NOT_READY)
-        if (np.uint64(snap[i, 5 + word]) & np.uint64(bit)) == 0:
+        if (np.uint64(snap[i, SNAP_LAYERS + word]) & np.uint64(bit)) == 0:
             return np.int64(NOT_READY)
     for i in range(n):
         # ``> end - bb``, not ``+ bb > end``: a damaged offset near 2**63 would wrap the sum
-        if snap[i, 4] != block_bytes or snap[i, 3] < chunks_lo \
-                or snap[i, 3] > chunks_end - block_bytes or foreign_ns(snap[i, 7], ns_tag):
+        if snap[i, SNAP_NBYTES] != block_bytes or snap[i, SNAP_POFF] < chunks_lo \
+                or snap[i, SNAP_POFF] > chunks_end - block_bytes or foreign_ns(snap[i, SNAP_FLAGS], ns_tag):
             return np.int64(BAD_BOUNDS)
     poffs = np.empty(n, dtype=np.int64)
     slots = np.empty(n, dtype=np.int64)
     versions = np.empty(n, dtype=np.int64)
     for i in range(n):
-        poffs[i] = snap[i, 3]
-        slots[i] = snap[i, 0]
-        versions[i] = snap[i, 1]
+        poffs[i] = snap[i, SNAP_POFF]
+        slots[i] = snap[i, SNAP_SLOT]
+        versions[i] = snap[i, SNAP_VERSION]
     if hold != 0:
         astore64(np.uint64(hold) + np.uint64(8), np.uint64(1))
         while aload64(np.uint64(hold)) != 0:

@@ -130,6 +130,21 @@ E_POFF, E_PNB = _E["payload_offset"], _E["payload_nbytes"]
 E_LLO, E_LHI, E_OWNER, E_TOKEN = _E["layers_lo"], _E["layers_hi"], _E["owner"], _E["alloc_token"]
 E_LAST, E_PRODUCER, E_FLAGS, E_DEADLINE = (_E["last_access_ns"], _E["producer"], _E["flags"],
                                            _E["deadline_ns"])
+# The columns of a snapshot row (``snapshot_batch``, ``Index.snapshot``: one int64 row per key),
+# named here so that no reader indexes them by bare number:
+#
+# | column | name | what |
+# |---|---|---|
+# | 0 | SNAP_SLOT | the entry's slot, -1 when the key is absent |
+# | 1 | SNAP_VERSION | the entry's version (a revalidation compares it) |
+# | 2 | SNAP_STATE | RESERVED / READY / ... |
+# | 3 | SNAP_POFF | payload offset in the region |
+# | 4 | SNAP_NBYTES | payload bytes |
+# | 5, 6 | SNAP_LAYERS (+ word) | the layer bits, 64 layers a word |
+# | 7 | SNAP_FLAGS | flags (namespace tag, transfer mode, ...) |
+SNAP_SLOT, SNAP_VERSION, SNAP_STATE, SNAP_POFF, SNAP_NBYTES, SNAP_LAYERS, SNAP_FLAGS = 0, 1, 2, 3, 4, 5, 7
+SNAP_COLS = 8
+
 _H = {n: L.INDEX_HEADER.dtype.fields[n][1] for n in L.INDEX_HEADER.dtype.names}
 H_CLOCK = _H["clock_hand"]
 _LN = {n: L.INDEX_LANE.dtype.fields[n][1] for n in L.INDEX_LANE.dtype.names}
@@ -336,25 +351,25 @@ def snapshot_batch(m, eoff, mask, max_probe, lanes, keys, out):
     for i in range(keys.shape[0]):
         slot = _find_from(m, eoff, mask, max_probe, lanes, act, keys[i, 0], keys[i, 1],
                           keys[i, 2], keys[i, 3], True)
-        out[i, 0] = slot
+        out[i, SNAP_SLOT] = slot
         if slot < 0:
             continue
         off = eoff + slot * ENTRY_BYTES
-        out[i, 1] = np.int64(K.load(m, off + E_VERSION))
-        out[i, 2] = np.int64(K.load(m, off + E_STATE))
-        out[i, 3] = np.int64(K.load(m, off + E_POFF))
-        out[i, 4] = np.int64(K.load(m, off + E_PNB))
+        out[i, SNAP_VERSION] = np.int64(K.load(m, off + E_VERSION))
+        out[i, SNAP_STATE] = np.int64(K.load(m, off + E_STATE))
+        out[i, SNAP_POFF] = np.int64(K.load(m, off + E_POFF))
+        out[i, SNAP_NBYTES] = np.int64(K.load(m, off + E_PNB))
     for i in range(keys.shape[0]):
-        if out[i, 0] >= 0:
-            K.invalidate(m, eoff + out[i, 0] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
+        if out[i, SNAP_SLOT] >= 0:
+            K.invalidate(m, eoff + out[i, SNAP_SLOT] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
     K.full_fence(m)
     for i in range(keys.shape[0]):
-        if out[i, 0] < 0:
+        if out[i, SNAP_SLOT] < 0:
             continue
-        off = eoff + out[i, 0] * ENTRY_BYTES
-        out[i, 5] = np.int64(K.load(m, off + E_LLO))
-        out[i, 6] = np.int64(K.load(m, off + E_LHI))
-        out[i, 7] = np.int64(K.load(m, off + E_FLAGS))
+        off = eoff + out[i, SNAP_SLOT] * ENTRY_BYTES
+        out[i, SNAP_LAYERS] = np.int64(K.load(m, off + E_LLO))
+        out[i, SNAP_LAYERS + 1] = np.int64(K.load(m, off + E_LHI))
+        out[i, SNAP_FLAGS] = np.int64(K.load(m, off + E_FLAGS))
 
 
 SNAPSHOT_HOLD_GIL_KEYS = 255
@@ -385,13 +400,13 @@ def refresh_layers_batch(m, eoff, out):
     a miss, never wrong bytes."""
     n = out.shape[0]
     for i in range(n):
-        K.invalidate(m, eoff + out[i, 0] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
+        K.invalidate(m, eoff + out[i, SNAP_SLOT] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
     K.full_fence(m)
     for i in range(n):
-        off = eoff + out[i, 0] * ENTRY_BYTES
-        out[i, 5] = np.int64(K.load(m, off + E_LLO))
-        out[i, 6] = np.int64(K.load(m, off + E_LHI))
-        out[i, 7] = np.int64(K.load(m, off + E_FLAGS))
+        off = eoff + out[i, SNAP_SLOT] * ENTRY_BYTES
+        out[i, SNAP_LAYERS] = np.int64(K.load(m, off + E_LLO))
+        out[i, SNAP_LAYERS + 1] = np.int64(K.load(m, off + E_LHI))
+        out[i, SNAP_FLAGS] = np.int64(K.load(m, off + E_FLAGS))
 
 
 @njit(cache=True)            # holds the GIL (SNAPSHOT_HOLD_GIL_KEYS)
@@ -1263,7 +1278,7 @@ class PrefixIndex:
         "Holding the GIL"): every wait's re-check takes one."""
         g = self.geo
         n = key_words.shape[0]
-        out = np.zeros((n, 8), dtype=np.int64)
+        out = np.zeros((n, SNAP_COLS), dtype=np.int64)
         if n >= PARALLEL_META_MIN and self.meta_threads > 1:
             m, mask = self.region.mem, self.mask
 

@@ -18,7 +18,7 @@ A put::
 A get::
 
     words, snap = await blocks.prepare_read(keys, layer, timeout)   # waits, checks bounds
-    ... copy from snap[:, 3] (payload offsets) ...
+    ... copy from snap[:, SNAP_POFF] (payload offsets) ...
     blocks.validate_read(keys, words, snap, nbytes)   # after the copy (or its DMA): else a miss
     await blocks.consume(keys, words, snap, layer)     # transfer-only mode
 
@@ -64,6 +64,8 @@ from ..errors import BlockEvicted, LockTimeout, NodeEvicted, RegionFull, Transfe
 from ..keys import keys_to_words
 from ..region import Region
 from ..region import cpumarks
+from ..region.index import (SNAP_COLS, SNAP_FLAGS, SNAP_NBYTES, SNAP_POFF, SNAP_SLOT, SNAP_STATE,
+                           SNAP_VERSION)
 from ..region import index as ix
 from ..region.layout import INDEX_FLAG_NS_MASK as NS_MASK, INDEX_FLAG_NS_SHIFT as NS_SHIFT
 from ..region.namespaces import ns_flags
@@ -335,7 +337,7 @@ class BlockLifecycle:
         """The ``flags`` word of the entries this node reserves."""
         self._fp = self._fused_params()
         self._fres = np.zeros((fused.FUSED_MAX_BLOCKS, 3), dtype=np.int64)
-        self._fsnap = np.zeros((fused.FUSED_MAX_BLOCKS, 8), dtype=np.int64)
+        self._fsnap = np.zeros((fused.FUSED_MAX_BLOCKS, SNAP_COLS), dtype=np.int64)
         self._fok = np.zeros(fused.FUSED_MAX_BLOCKS, dtype=np.bool_)
 
     def use_layouts(self, guard: LayoutGuard) -> None:
@@ -443,7 +445,7 @@ class BlockLifecycle:
         n = words.shape[0]
         if n >= OPTIMISTIC_MIN_KEYS and self._puts_fresh:
             self.stats.unsnapshotted_puts += 1
-            return np.full((n, 8), -1, dtype=np.int64)
+            return np.full((n, SNAP_COLS), -1, dtype=np.int64)
         return self.index.snapshot(words)
 
     # -- put ----------------------------------------------------------------------------------
@@ -459,14 +461,14 @@ class BlockLifecycle:
         reserved = self._reserved
         skipped = self.stats.blocks_skipped
         if not reserved and len(keys) > SMALL_READ:    # none of ours in flight: one numpy pass
-            present = snap[:, 0] >= 0
+            present = snap[:, SNAP_SLOT] >= 0
             self.stats.blocks_skipped += int(present.sum())
             new = np.flatnonzero(~present).tolist()
         else:
             for i, k in enumerate(keys):
                 if k in reserved:
                     todo.append(i)
-                elif snap[i, 0] >= 0:
+                elif snap[i, SNAP_SLOT] >= 0:
                     self.stats.blocks_skipped += 1   # present, or produced by another node
                 else:
                     new.append(i)
@@ -1077,12 +1079,13 @@ class BlockLifecycle:
         (RESERVED) is never evicted while its producer lives: the producer would go on writing
         its layer bits and READY into an entry that meanwhile means another block."""
         words = keys_to_words(keys)
-        if not (self.index.snapshot(words)[:, 2] == ix.READY).any():
+        if not (self.index.snapshot(words)[:, SNAP_STATE] == ix.READY).any():
             return 0
         await self.hold_lock(timeout)
         try:
             snap = self.index.snapshot(words)    # under the lock: READY entries cannot change
-            slots = [int(r[0]) for r in snap.tolist() if r[0] >= 0 and r[2] == ix.READY]
+            slots = [int(r[SNAP_SLOT]) for r in snap.tolist()
+                     if r[SNAP_SLOT] >= 0 and r[SNAP_STATE] == ix.READY]
             self.evictor.slots(slots)
         finally:
             self.lock.release()
@@ -1129,10 +1132,11 @@ class BlockLifecycle:
                 if self.layouts is not None:       # before the bounds: another layout's block
                     self.layouts.check_rows(keys, rows)         # has other bounds too
                 for i, r in enumerate(rows):
-                    if r[4] != bb or r[3] < lo or r[3] + r[4] > end:
+                    poff, nb = r[SNAP_POFF], r[SNAP_NBYTES]
+                    if nb != bb or poff < lo or poff + nb > end:
                         self.stats.validation_failures += 1
                         raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload "
-                                           f"bounds [{r[3]}, +{r[4]}) that do not fit this "
+                                           f"bounds [{poff}, +{nb}) that do not fit this "
                                            f"layout: changed during the read; treat as a miss")
                 return words, snap
         lay = self.layouts
@@ -1145,13 +1149,13 @@ class BlockLifecycle:
         check_available(keys, snap, layer, self.stats)
         if self.layouts is not None:
             self.layouts.check_snapshot(keys, snap)
-        bad = np.flatnonzero((snap[:, 4] != self.layout.block_bytes) | (snap[:, 3] < g.chunks_offset)
-                             | (snap[:, 3] > end - self.layout.block_bytes))  # no wrap
+        bad = np.flatnonzero((snap[:, SNAP_NBYTES] != self.layout.block_bytes) | (snap[:, SNAP_POFF] < g.chunks_offset)
+                             | (snap[:, SNAP_POFF] > end - self.layout.block_bytes))  # no wrap
         if bad.size:
             i = int(bad[0])
             self.stats.validation_failures += 1
             raise BlockEvicted(f"block {i} ({keys[i][:8].hex()}…) has payload bounds "
-                               f"[{snap[i, 3]}, +{snap[i, 4]}) that do not fit this layout: "
+                               f"[{snap[i, SNAP_POFF]}, +{snap[i, SNAP_NBYTES]}) that do not fit this layout: "
                                f"changed during the read; treat as a miss")
         return words, snap
 
@@ -1186,8 +1190,8 @@ class BlockLifecycle:
                                    np.uint64(dst), self.validate_reads, snap, ok))
         if bad < 0:
             return None
-        self.count_read(keys, ok, bad, n * self.layout.block_bytes, snap[:, 0], snap[:, 1],
-                        snap[:, 3])
+        self.count_read(keys, ok, bad, n * self.layout.block_bytes, snap[:, SNAP_SLOT], snap[:, SNAP_VERSION],
+                        snap[:, SNAP_POFF])
         self.stats.fused_gets += 1
         return snap
 
@@ -1216,12 +1220,12 @@ class BlockLifecycle:
         host's CPU copied the bytes (False for a device's DMA): its cached lines are marked
         (``region/cpumarks.py``). Raises BlockEvicted (the output is not to be trusted)."""
         n = len(keys)
-        slots, versions = snap[:, 0], snap[:, 1]
+        slots, versions = snap[:, SNAP_SLOT], snap[:, SNAP_VERSION]
         ok = np.ones(n, dtype=np.bool_)
-        bad = (self.index.revalidate(slots, versions, snap[:, 3], words, ok)
+        bad = (self.index.revalidate(slots, versions, snap[:, SNAP_POFF], words, ok)
                if self.validate_reads else 0)
         self.count_read(keys, ok, int(bad), nbytes, slots, versions,
-                        snap[:, 3] if cpu else None)
+                        snap[:, SNAP_POFF] if cpu else None)
 
     @property
     def cpu_marks(self) -> cpumarks.CpuMarks:
@@ -1273,9 +1277,9 @@ class BlockLifecycle:
         (``bench/results/gpu-20261206-s38``), every layer of a 512-block prompt reached the
         decode worker 2-4 ms after its publication except the last, 50-83 ms after it: the
         read of the last layer is the one that consumes, and it waited for the lock."""
-        if self.cfg.mode != "transfer" or not snap[:, 7].any():
+        if self.cfg.mode != "transfer" or not snap[:, SNAP_FLAGS].any():
             return
-        slots, versions, poffs = snap[:, 0].copy(), snap[:, 1].copy(), snap[:, 3].copy()
+        slots, versions, poffs = snap[:, SNAP_SLOT].copy(), snap[:, SNAP_VERSION].copy(), snap[:, SNAP_POFF].copy()
         done = []
         for i, k in enumerate(keys):
             if layer is None:

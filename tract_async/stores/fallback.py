@@ -26,6 +26,7 @@ from . import waits
 from ..errors import RegionFull, TransferTimeout
 from .http import HttpStore
 from ..keys import keys_to_words
+from ..region.index import SNAP_SLOT
 from .region import RegionStore
 
 
@@ -41,7 +42,7 @@ class FallbackStore:
 
     # -- lookup -------------------------------------------------------------------------------
     def _in_region(self, keys: list[bytes]) -> np.ndarray:
-        return self.region.index.snapshot(keys_to_words(keys))[:, 0] >= 0
+        return self.region.index.snapshot(keys_to_words(keys))[:, SNAP_SLOT] >= 0
 
     def lookup(self, keys: list[bytes]) -> int:
         n = 0

@@ -27,6 +27,7 @@ import numpy as np
 from ..config import EngineConfig
 from ..errors import LayoutMismatch
 from ..region import layout as L
+from ..region.index import SNAP_FLAGS
 from ..region.namespaces import NamespaceLayout, NamespaceRecord, NamespaceTable, ns_tag_of
 
 _SHIFT, _MASK = L.INDEX_FLAG_NS_SHIFT, L.INDEX_FLAG_NS_MASK
@@ -93,17 +94,17 @@ class LayoutGuard:
         small path). Raises LayoutMismatch, RegionCorrupt (a tag that names no record)."""
         ok = self.readable
         for i, r in enumerate(rows):
-            t = (r[7] >> _SHIFT) & _MASK
+            t = (r[SNAP_FLAGS] >> _SHIFT) & _MASK
             if t not in ok:
                 self._foreign(keys, i, t)
 
     def check_snapshot(self, keys: Sequence[bytes], snap: np.ndarray) -> None:
         """Every snapshot row (all present) names a readable namespace. Raises LayoutMismatch,
         RegionCorrupt (a tag that names no record)."""
-        tags = (snap[:, 7] >> _SHIFT) & _MASK
+        tags = (snap[:, SNAP_FLAGS] >> _SHIFT) & _MASK
         if (tags == self.tag).all():
             return
         for i in np.flatnonzero(tags != self.tag).tolist():
-            t = ns_tag_of(int(snap[i, 7]))
+            t = ns_tag_of(int(snap[i, SNAP_FLAGS]))
             if t not in self.readable:
                 self._foreign(keys, i, t)

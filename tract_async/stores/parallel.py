@@ -50,6 +50,7 @@ import tract_kernels as K
 from .. import arrays
 from ..errors import TransferTimeout
 from ..region import gangcopy as G
+from ..region.index import SNAP_COLS, SNAP_POFF, SNAP_SLOT, SNAP_VERSION
 from . import plan as kvplan
 from .cpucopy import LOOP_SHARE_MAX_BYTES, NT_READ_BYTES, threads_for
 
@@ -138,7 +139,7 @@ class ParallelReads:
         ph = st.phases
         t0 = time.perf_counter_ns() if ph is not None else 0
         words = np.ascontiguousarray(words, dtype=np.uint64)
-        snap = np.empty((n, 8), dtype=np.int64)
+        snap = np.empty((n, SNAP_COLS), dtype=np.int64)
         ok = np.zeros(n, dtype=np.bool_)
         cuts = [n * k // parts for k in range(parts + 1)]
         dst = arrays.data_ptr(out)
@@ -179,7 +180,7 @@ class ParallelReads:
         if any(results):
             b.stats.parallel_reads_redone += 1
             return None
-        b.count_read(keys, ok, 0, nbytes, snap[:, 0], snap[:, 1], snap[:, 3])
+        b.count_read(keys, ok, 0, nbytes, snap[:, SNAP_SLOT], snap[:, SNAP_VERSION], snap[:, SNAP_POFF])
         b.stats.parallel_reads += 1
         if ph is not None:
             ph.add("parallel", t0)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import BlockNotFound, LayerNotReady, TransferTimeout
 from ..region import index as ix
+from ..region.index import SNAP_COLS, SNAP_LAYERS, SNAP_SLOT, SNAP_STATE
 from . import doorbell as db
 from . import waits
 
@@ -61,32 +62,34 @@ class WaitHost(Protocol):
 def rows_available(rows: list[list[int]], layer: int | None) -> bool:
     """``satisfied`` on snapshot rows as Python lists (a few blocks)."""
     if layer is None:
-        return all(r[0] >= 0 and r[2] == ix.READY for r in rows)
-    col, bit = 5 + layer // 64, layer % 64
-    return all(r[0] >= 0 and (r[2] == ix.READY or (r[col] >> bit) & 1) for r in rows)
+        return all(r[SNAP_SLOT] >= 0 and r[SNAP_STATE] == ix.READY for r in rows)
+    col, bit = SNAP_LAYERS + layer // 64, layer % 64
+    return all(r[SNAP_SLOT] >= 0 and (r[SNAP_STATE] == ix.READY or (r[col] >> bit) & 1)
+               for r in rows)
 
 
 def satisfied(snap: np.ndarray, layer: int | None) -> bool:
     """Every row of ``snap`` present and with ``layer`` (READY for None)."""
     if snap.shape[0] <= SMALL_READ:             # Python ints: no numpy round
         return rows_available(snap.tolist(), layer)
-    if (snap[:, 0] < 0).any():
+    if (snap[:, SNAP_SLOT] < 0).any():
         return False
     if layer is None:
-        return bool((snap[:, 2] == ix.READY).all())
+        return bool((snap[:, SNAP_STATE] == ix.READY).all())
     word, bit = divmod(layer, 64)
-    return bool(((snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)).all())
+    return bool(((snap[:, SNAP_STATE] == ix.READY)
+                 | ((snap[:, SNAP_LAYERS + word] >> bit) & 1 == 1)).all())
 
 
 def first_unsatisfied(snap: np.ndarray, layer: int | None) -> int:
     """The first row of ``snap`` that is absent or lacks ``layer`` (READY for None); 0 when
     every row is satisfied."""
-    ok = snap[:, 0] >= 0
+    ok = snap[:, SNAP_SLOT] >= 0
     if layer is None:
-        ok &= snap[:, 2] == ix.READY
+        ok &= snap[:, SNAP_STATE] == ix.READY
     else:
         word, bit = divmod(layer, 64)
-        ok &= (snap[:, 2] == ix.READY) | ((snap[:, 5 + word] >> bit) & 1 == 1)
+        ok &= (snap[:, SNAP_STATE] == ix.READY) | ((snap[:, SNAP_LAYERS + word] >> bit) & 1 == 1)
     bad = np.flatnonzero(~ok)
     return int(bad[0]) if bad.size else 0
 
@@ -100,26 +103,26 @@ def check_available(keys: list[bytes], snap: np.ndarray, layer: int | None, stat
     if satisfied(snap, layer):
         return
     for i in range(len(keys)):
-        if snap[i, 0] < 0:
+        if snap[i, SNAP_SLOT] < 0:
             stats.misses += 1
             raise BlockNotFound(f"block {i} of {len(keys)} ({keys[i][:8].hex()}…) is not in "
                                 f"the region (never stored, or evicted); lookup() says how "
                                 f"many leading blocks are resident")
-        st = snap[i, 2]
+        st = snap[i, SNAP_STATE]
         if st == ix.READY:
             continue
         if layer is None:
             raise LayerNotReady(f"block {i} ({keys[i][:8].hex()}…) is still being produced; "
                                 f"pass timeout= to wait for it, or get it layer by layer")
         word, bit = divmod(layer, 64)
-        if not (int(snap[i, 5 + word]) >> bit) & 1:
+        if not (int(snap[i, SNAP_LAYERS + word]) >> bit) & 1:
             raise LayerNotReady(f"layer {layer} of block {i} ({keys[i][:8].hex()}…) has not "
                                 f"landed yet; pass timeout= to wait for it")
 
 
 def timed_out(snap: np.ndarray, layer: int | None, timeout: float) -> None:
     """Raise the TransferTimeout that says what ``snap`` still lacked."""
-    absent = int((snap[:, 0] < 0).sum())
+    absent = int((snap[:, SNAP_SLOT] < 0).sum())
     if absent:
         raise TransferTimeout(f"{absent} of {len(snap)} blocks did not appear within "
                               f"{timeout} s")
@@ -143,7 +146,7 @@ class ReadyWaits:
         if n >= waits.SENTINEL_MIN_KEYS:
             last = self._host.index.snapshot(words[n - 1:])
             if not satisfied(last, layer):
-                snap = np.full((n, 8), -1, dtype=np.int64)
+                snap = np.full((n, SNAP_COLS), -1, dtype=np.int64)
                 snap[n - 1] = last[0]
                 return snap
         return self._host.index.snapshot(words)
@@ -164,7 +167,7 @@ class ReadyWaits:
     async def _on_doorbell(self, words: np.ndarray, snap: np.ndarray, layer: int | None,
                                 timeout: float) -> np.ndarray:
         deadline = time.monotonic() + timeout
-        seen = snap[:, 0] >= 0
+        seen = snap[:, SNAP_SLOT] >= 0
         last = [snap]
         probe = [first_unsatisfied(snap, layer)]
 
@@ -185,7 +188,7 @@ class ReadyWaits:
                         return None
             s = self._host.index.snapshot(words)
             last[0] = s
-            present = s[:, 0] >= 0
+            present = s[:, SNAP_SLOT] >= 0
             if (seen & ~present).any() or satisfied(s, layer):
                 return s                   # done, or a block vanished (the caller raises)
             seen[:] |= present
@@ -239,7 +242,7 @@ class ReadyWaits:
             return None
         g = self._host.geo
         word, bit = (0, 0) if layer is None else divmod(layer, 64)
-        out = np.zeros((words.shape[0], 8), dtype=np.int64)
+        out = np.zeros((words.shape[0], SNAP_COLS), dtype=np.int64)
         stop = np.zeros(1, dtype=np.uint8)
         end = time.perf_counter_ns() + self._host.spin_ns
         while True:

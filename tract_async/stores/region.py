@@ -67,6 +67,7 @@ from ..gcpause import PAUSE_MIN_BLOCKS, gc_paused
 from ..keys import keys_to_words
 from ..region import Region
 from ..region import index as ix
+from ..region.index import SNAP_POFF
 from ..region.alloc import Allocator
 from ..sync.lock import GlobalLock
 from . import fused
@@ -401,7 +402,7 @@ class RegionStore:
                 ph.add("prepare_read", t0)
             if b.pause_after_snapshot is not None:
                 await b.pause_after_snapshot()
-            plan = kvplan.plan(self.layout, snap[:, 3], np.arange(n), n, layer)
+            plan = kvplan.plan(self.layout, snap[:, SNAP_POFF], np.arange(n), n, layer)
             nbytes = plan.shape[0] * self.layout.half_layer_bytes   # every row: a half-layer
             await self.copy_out(plan, arrays.data_ptr(out), nbytes)
             t0 = time.perf_counter_ns() if ph is not None else 0

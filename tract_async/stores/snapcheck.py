@@ -19,6 +19,7 @@ from __future__ import annotations
 from numba import njit
 
 from ..region import index as ix
+from ..region.index import SNAP_FLAGS, SNAP_NBYTES, SNAP_POFF, SNAP_SLOT, SNAP_STATE
 
 READY = ix.READY
 
@@ -33,14 +34,14 @@ def rows_fine(snap, layer, block_bytes, lo, hi, tag, shift, mask):
     col = 5 + (layer // 64 if layer >= 0 else 0)
     bit = layer % 64 if layer >= 0 else 0
     for i in range(n):
-        if snap[i, 0] < 0:
+        if snap[i, SNAP_SLOT] < 0:
             return False
-        if snap[i, 2] != READY:
+        if snap[i, SNAP_STATE] != READY:
             if layer < 0 or ((snap[i, col] >> bit) & 1) == 0:
                 return False
-        if ((snap[i, 7] >> shift) & mask) != tag:
+        if ((snap[i, SNAP_FLAGS] >> shift) & mask) != tag:
             return False
-        off = snap[i, 3]
-        if snap[i, 4] != block_bytes or off < lo or off > hi - block_bytes:
+        off = snap[i, SNAP_POFF]
+        if snap[i, SNAP_NBYTES] != block_bytes or off < lo or off > hi - block_bytes:
             return False
     return True

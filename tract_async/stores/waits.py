@@ -34,6 +34,7 @@ from numba import njit
 from tract_kernels.intrinsics import monotonic_ns, sched_yield, usleep
 
 from ..region import index as ix
+from ..region.index import SNAP_LAYERS, SNAP_SLOT, SNAP_STATE
 from ..timerslack import call_tight
 
 SPIN_NS = 300_000
@@ -124,15 +125,15 @@ SENTINEL_MIN_KEYS = 16
 @njit(cache=True, nogil=True)
 def _row_ready(snap, i, word, bit, whole, seen):
     """``ready_state`` for row ``i`` of a snapshot: 1 satisfied, 0 not yet, -1 vanished."""
-    if snap[i, 0] < 0:
+    if snap[i, SNAP_SLOT] < 0:
         return -1 if seen[i] else 0
     seen[i] = 1
-    st = snap[i, 2]
+    st = snap[i, SNAP_STATE]
     if st == ix.READY:
         return 1
     if whole or st != ix.RESERVED:
         return 0
-    return 1 if (np.uint64(snap[i, 5 + word]) & np.uint64(bit)) != 0 else 0
+    return 1 if (np.uint64(snap[i, SNAP_LAYERS + word]) & np.uint64(bit)) != 0 else 0
 
 
 @njit(cache=True, nogil=True)
