@@ -27,7 +27,7 @@ import numpy as np
 
 from . import arrays
 from .stores import plan as kvplan
-from .config import EngineConfig
+from .config import EngineConfig, KVLayout
 from .cuda.api import CudaOps  # the CUDA methods live in tract_async.cuda (composition)
 from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionInitializing,
                      RegionInUse, RegionTooSmall, TensorMismatch, TractError)
@@ -52,6 +52,46 @@ def _cuda_method(name: str) -> Any:
         def method(self: "Engine", *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
             return getattr(self._cuda_ops, name)(*args, **kwargs)
     return functools.wraps(impl)(method)
+
+
+class _Parts:
+    """The ``EngineParts`` view (cuda/api.py) of one Engine: its composed CUDA half reads the
+    engine through these names, never through the Engine's private fields, and the engine
+    keeps one place (here) that says what it shares."""
+
+    __slots__ = ("_eng",)
+
+    def __init__(self, eng: "Engine") -> None:
+        self._eng = eng
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._eng.layout
+
+    @property
+    def store(self) -> Any:
+        return self._eng._store
+
+    @property
+    def xfer(self) -> Any:
+        return self._eng._xfer
+
+    @property
+    def region(self) -> Any:
+        return self._eng._region
+
+    def check_open(self) -> None:
+        self._eng._check_open()
+
+    def lock_timeout(self, timeout: float | None) -> float:
+        return self._eng._lock_timeout(timeout)
+
+    def spawn(self, coro: Any, name: str) -> "asyncio.Task[Any]":
+        tg = self._eng._tg
+        if tg is None:
+            coro.close()
+            raise EngineClosed("the engine is not running: open it first")
+        return tg.create_task(coro, name=name)
 
 
 class Engine:
@@ -88,7 +128,7 @@ class Engine:
         self._opened_at = 0.0
         self._hb_thread: threading.Thread | None = None
         self._hb_stop_word = np.zeros(1, dtype=np.uint64)   # non-zero: the heartbeat stops
-        self._cuda_ops = CudaOps(self)                      # CUDA tensors, paged pools, NVML
+        self._cuda_ops = CudaOps(_Parts(self))              # CUDA tensors, paged pools, NVML
         self._cpu_qos: Any = None     # CpuLatencyRequest while open (cfg.cpu_wake_latency_us)
 
     # the CUDA API (tract_async/cuda/api.py: signatures and docstrings there)

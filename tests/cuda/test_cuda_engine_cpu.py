@@ -57,7 +57,7 @@ async def test_telemetry_is_a_noop_without_nvml_and_stops_with_the_engine(region
         assert st["telemetry"]["available"] == s.available
         if not s.available:
             assert s.series()["t_s"] == [] and s.reason
-        task = eng._cuda_ops._cuda._sampler_task
+        task = eng._cuda_ops._cuda.sampler_task
         assert task is not None and not task.done()
     finally:
         await eng.close()

@@ -25,7 +25,7 @@ blocks it read (their deadline frees them); ``get_kv`` does.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from ..arrays import require_torch
 from ..stores import plan as kvplan
@@ -34,13 +34,30 @@ from ..errors import TensorMismatch
 DRAIN_TIMEOUT_S = 30.0
 
 
+class EngineParts(Protocol):
+    """What the CUDA half uses of its engine: a typed view the Engine builds (``engine.py``,
+    ``_Parts``), so that this module reads no private field of the Engine's. ``store`` is the
+    region's store (None on an HTTP-only engine), ``xfer`` what put/get go through (the store,
+    an HTTP store or a fallback), ``region`` the mapping (None without one); the three are None
+    until the engine has started."""
+
+    layout: Any
+    store: Any
+    xfer: Any
+    region: Any
+
+    def check_open(self) -> None: ...
+    def lock_timeout(self, timeout: float | None) -> float: ...
+    def spawn(self, coro: Any, name: str) -> "asyncio.Task[Any]": ...
+
+
 class CudaOps:
     """CUDA entry points of one ``Engine``: owns its ``CudaPath`` (the region's CUDA
-    registration, copiers, transfers in flight) and reads the engine's ``_store``, ``_xfer``,
-    ``_region``, ``layout``, ``cfg`` and task group. The engine's public CUDA methods delegate
-    here one to one (``engine.py``, ``_cuda_method``), with these signatures and docstrings."""
+    registration, copiers, transfers in flight) and uses the engine through ``EngineParts``.
+    The engine's public CUDA methods delegate here one to one (``engine.py``,
+    ``_cuda_method``), with these signatures and docstrings."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineParts) -> None:
         self._eng = engine
         self._cuda: Any = None      # the CudaPath (or _TelemetryOnly), made on first use
 
@@ -48,10 +65,10 @@ class CudaOps:
     def cuda_setup(self, *, method: str | None = None, piece_bytes: int = 32 << 20) -> Any:
         """Register the region with CUDA now (else on the first CUDA call); returns the CudaPath.
         ``method`` forces a copy method for every transfer (default auto)."""
-        self._eng._check_open()
+        self._eng.check_open()
         if self._cuda is None:
             from .store import CudaPath
-            self._cuda = CudaPath(self._eng._region, method=method,
+            self._cuda = CudaPath(self._eng.region, method=method,
                                   piece_bytes=piece_bytes,
                                   row_bytes=self._eng.layout.half_layer_bytes)
         return self._cuda
@@ -71,7 +88,7 @@ class CudaOps:
             await cp.drain(DRAIN_TIMEOUT_S)
         except Exception as e:
             errors.append(e)
-        t = cp._sampler_task
+        t = cp.sampler_task
         if t is not None:
             t.cancel()
             await asyncio.gather(t, return_exceptions=True)
@@ -91,7 +108,7 @@ class CudaOps:
         written; the layer bits are published when its DMA has landed, awaited or not).
         Raises TensorMismatch, KeyMismatch, RegionFull, TransferTimeout, EngineClosed."""
         from . import store as cs
-        self._eng._check_open()
+        self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
         kvplan.check_tensor(kv, self._eng.layout, len(ks), layer, what="kv",
@@ -99,7 +116,7 @@ class CudaOps:
         if kv.device.type != "cuda":
             raise TensorMismatch("start_put_kv takes CUDA tensors; use put_kv for CPU tensors")
         kv = _contiguous(kv)
-        return await cs.start_put(self._eng._store, self.path(), ks, [kv],
+        return await cs.start_put(self._eng.store, self.path(), ks, [kv],
                                   cs.contiguous_plan_fn(self._eng.layout, len(ks), layer), layer,
                                   self.put_timeout(timeout), ready=ready, method=method)
 
@@ -112,7 +129,7 @@ class CudaOps:
                             allow_cuda=True)
         if not ks:
             return 0
-        return await self._eng._xfer.put(ks, _contiguous(kv), layer, self.put_timeout(timeout))
+        return await self._eng.xfer.put(ks, _contiguous(kv), layer, self.put_timeout(timeout))
 
     async def start_get_kv(self, keys: Sequence[bytes], *, out: Any = None,
                            layer: int | None = None, timeout: float | None = None,
@@ -124,7 +141,7 @@ class CudaOps:
         torch = require_torch("a CUDA get (device='cuda')")
 
         from . import store as cs
-        self._eng._check_open()
+        self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
         cp = self.path()
@@ -150,7 +167,7 @@ class CudaOps:
                 raise TensorMismatch("out must be a contiguous CUDA tensor")
         if not ks:
             return _done_future(cp, out)
-        return await cs.start_get(self._eng._store, cp, ks, [out],
+        return await cs.start_get(self._eng.store, cp, ks, [out],
                                   cs.contiguous_plan_fn(self._eng.layout, len(ks), layer), layer,
                                   timeout, result=out, after=_after(after), method=method)
 
@@ -160,10 +177,10 @@ class CudaOps:
         DMA, with the output allocated on the copy stream (``start_get_kv``). With a network
         transport: through the store dispatch, which reads each block from wherever it is."""
         from . import store as cs
-        if self._eng._region is not None and self._eng._xfer is self._eng._store:
+        if self._eng.region is not None and self._eng.xfer is self._eng.store:
             fut = await self.start_get_kv(ks, out=out, layer=layer, timeout=timeout,
                                           device=device)
-            return await cs.finish_get(self._eng._store, self._cuda, ks, fut, layer)
+            return await cs.finish_get(self._eng.store, self._cuda, ks, fut, layer)
         torch = require_torch("a CUDA get (device='cuda')")
         if out is None:
             out = torch.empty(self._eng.layout.kv_shape(len(ks), layer),
@@ -174,7 +191,7 @@ class CudaOps:
                                 allow_cuda=True)
         if not ks:
             return out
-        return await self._eng._xfer.get(ks, out, layer, timeout)
+        return await self._eng.xfer.get(ks, out, layer, timeout)
 
     # -- paged --------------------------------------------------------------------------------
     async def start_put_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
@@ -184,7 +201,7 @@ class CudaOps:
         """Like ``start_put_kv`` from a paged pool (see ``cuda.paged`` for the forms):
         ``block_ids[i]`` is the pool block holding key ``i``."""
         from . import paged, store as cs, tables
-        self._eng._check_open()
+        self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
         p = paged.check_pool(pool, self._eng.layout, layer, pool_layout=pool_layout)
@@ -192,7 +209,7 @@ class CudaOps:
         cp = self.path()
         if not ks:
             return _done_future(cp, 0)
-        return await cs.start_put(self._eng._store, cp, ks, list(p.tensors),
+        return await cs.start_put(self._eng.store, cp, ks, list(p.tensors),
                                   cs.paged_plan_fn(self._eng.layout, p, ids, layer), layer,
                                   self.put_timeout(timeout), ready=ready, method=method)
 
@@ -206,7 +223,7 @@ class CudaOps:
         ks = kvplan.check_keys(keys)
         fut = await self.start_put_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
                                             ready=ready, pool_layout=pool_layout, method=method)
-        return await cs.finish_put(self._eng._store, self._cuda, ks, fut)
+        return await cs.finish_put(self._eng.store, self._cuda, ks, fut)
 
     async def start_get_kv_paged(self, keys: Sequence[bytes], pool: Any, block_ids: Any, *,
                                  layer: int | None = None, timeout: float | None = None,
@@ -215,7 +232,7 @@ class CudaOps:
         """Enqueue reading ``keys`` into pool blocks ``block_ids``; the future's result is the
         pool. ``after`` defaults to the current stream (the pool is the caller's)."""
         from . import paged, store as cs, tables
-        self._eng._check_open()
+        self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
         p = paged.check_pool(pool, self._eng.layout, layer, pool_layout=pool_layout)
@@ -223,7 +240,7 @@ class CudaOps:
         cp = self.path()
         if not ks:
             return _done_future(cp, pool)
-        return await cs.start_get(self._eng._store, cp, ks, list(p.tensors),
+        return await cs.start_get(self._eng.store, cp, ks, list(p.tensors),
                                   cs.paged_plan_fn(self._eng.layout, p, ids, layer), layer, timeout,
                                   result=pool, after=_after(after), method=method)
 
@@ -237,7 +254,7 @@ class CudaOps:
         ks = kvplan.check_keys(keys)
         fut = await self.start_get_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
                                             after=after, pool_layout=pool_layout, method=method)
-        return await cs.finish_get(self._eng._store, self._cuda, ks, fut, layer)
+        return await cs.finish_get(self._eng.store, self._cuda, ks, fut, layer)
 
     # -- telemetry ----------------------------------------------------------------------------
     def start_telemetry(self, *, interval_s: float = 0.1, device_index: int = 0) -> Any:
@@ -247,16 +264,15 @@ class CudaOps:
         cp = self._cuda_path_for_telemetry()
         if cp.sampler is None:
             cp.sampler = NvmlSampler(device_index, interval_s=interval_s)
-            cp._sampler_task = self._eng._tg.create_task(
-                cp.sampler.run(), name="tract-nvml-sampler")
+            cp.sampler_task = self._eng.spawn(cp.sampler.run(), "tract-nvml-sampler")
         return cp.sampler
 
     async def stop_telemetry(self) -> Any:
         """Stop the sampler; returns it (its series stay readable) or None."""
         cp = self._cuda
-        if cp is None or cp._sampler_task is None:
+        if cp is None or cp.sampler_task is None:
             return None
-        t, cp._sampler_task = cp._sampler_task, None
+        t, cp.sampler_task = cp.sampler_task, None
         t.cancel()
         await asyncio.gather(t, return_exceptions=True)
         return cp.sampler
@@ -265,18 +281,18 @@ class CudaOps:
         import torch
         if self._cuda is None and not torch.cuda.is_available():
             # telemetry without CUDA: a holder that only carries the (no-op) sampler
-            self._eng._check_open()
+            self._eng.check_open()
             self._cuda = _TelemetryOnly()
         return self.path()
 
     def put_timeout(self, timeout: float | None) -> float:
-        return self._eng._lock_timeout(timeout)
+        return self._eng.lock_timeout(timeout)
 
 
 class _TelemetryOnly:
     """Stands in for CudaPath on a machine without CUDA, so that telemetry still starts."""
     sampler: Any = None
-    _sampler_task: Any = None
+    sampler_task: Any = None
     registered = False
 
     async def drain(self, timeout: float) -> None:

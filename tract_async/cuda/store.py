@@ -66,7 +66,7 @@ class CudaPath:
         self.validation_failures = 0
         self.cancelled = 0
         self.sampler: Any = None
-        self._sampler_task: asyncio.Task | None = None
+        self.sampler_task: asyncio.Task | None = None   # the engine's (cuda/api.py)
 
     @property
     def registered(self) -> bool:
