@@ -55,9 +55,10 @@ def _cuda_method(name: str) -> Any:
 
 
 class _Parts:
-    """The ``EngineParts`` view (cuda/api.py) of one Engine: its composed CUDA half reads the
-    engine through these names, never through the Engine's private fields, and the engine
-    keeps one place (here) that says what it shares."""
+    """The ``EngineParts`` view (cuda/api.py) of one Engine (``Engine.parts``): its composed
+    CUDA half and the package's own tools (warm-up, soak) read the engine through these
+    names, never through the Engine's private fields, and the engine keeps one place (here)
+    that says what it shares. Not a user API: what it names may change with the stores."""
 
     __slots__ = ("_eng",)
 
@@ -128,7 +129,8 @@ class Engine:
         self._opened_at = 0.0
         self._hb_thread: threading.Thread | None = None
         self._hb_stop_word = np.zeros(1, dtype=np.uint64)   # non-zero: the heartbeat stops
-        self._cuda_ops = CudaOps(_Parts(self))              # CUDA tensors, paged pools, NVML
+        self.parts = _Parts(self)     # the typed view the CUDA half and the package's tools use
+        self._cuda_ops = CudaOps(self.parts)                # CUDA tensors, paged pools, NVML
         self._cpu_qos: Any = None     # CpuLatencyRequest while open (cfg.cpu_wake_latency_us)
 
     # the CUDA API (tract_async/cuda/api.py: signatures and docstrings there)

@@ -349,7 +349,7 @@ def _repair_locked(region: Region, table: ChunkTable, lock, nodes: list[NodeInfo
     own = table.owners()
     bits = table.bitmap()
     for c in np.flatnonzero(bits != (own["owner"] != 0)):
-        table._set_bit(int(c), bool(own[c]["owner"] != 0))
+        table.set_bit(int(c), bool(own[c]["owner"] != 0))
         rep.repairs.append(f"bitmap bit of chunk {int(c)} set from its owner record")
     try:
         idx: PrefixIndex | None = PrefixIndex(region)

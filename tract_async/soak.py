@@ -114,7 +114,7 @@ def worker(path: str, node_id: int, seed: int, q: Any, stop: Any, liveness_s: fl
                         eng.lookup(keys)
                         c["lookups"] += 1
                     else:
-                        c["evicts"] += await eng._store.blocks.evict(keys, timeout=10)
+                        c["evicts"] += await eng.parts.store.blocks.evict(keys, timeout=10)
                 except (E.RegionFull, E.TransferTimeout):
                     c["full"] += 1
                 now = time.monotonic()

@@ -92,8 +92,8 @@ async def _scenario(path: str, backend: str) -> None:
         big_got = np.empty_like(big_kv)
         await a.get_kv(big, out=big_got)
         assert np.array_equal(big_got, big_kv)
-        await a._store.maintain(timeout=10)
-        st = b._store
+        await a.parts.store.maintain(timeout=10)
+        st = b.parts.store
         stop = np.zeros(1, dtype=np.uint8)
         waits.poll_ready(st.mem, st.geo.entries_offset, st.index.mask, st.geo.max_probe,
                          st.geo.lanes, np.zeros((1, 4), dtype=np.uint64), 0, np.uint64(1), True, 0, stop,

@@ -381,7 +381,7 @@ class ChunkTable:
                         _O["generation"], _O["claim_token"], owner_word, epoch, token, gens)
         return gens.tolist()
 
-    def _set_bit(self, chunk: int, value: bool) -> None:
+    def set_bit(self, chunk: int, value: bool) -> None:
         self._set_bits([chunk], value)
 
     def _set_bits(self, chunks: Iterable[int], value: bool) -> None:
@@ -502,7 +502,7 @@ class ChunkTable:
 
     def _release_one(self, chunk: int) -> None:
         self._set_owner(chunk, None, 0, 0)
-        self._set_bit(chunk, False)
+        self.set_bit(chunk, False)
 
     def recover_journal(self, check: Callable[[], None]) -> str | None:
         """Finish or undo a batch left PENDING by a dead or revoked holder; what was done."""
@@ -517,7 +517,7 @@ class ChunkTable:
                 if o.owner == j.node and o.claim_token == j.token:
                     self._release_one(c)
                 elif o.owner is None:
-                    self._set_bit(c, False)
+                    self.set_bit(c, False)
             done = f"rolled back claim of chunk {j.first_chunk} by node {j.node}"
         elif j.op == OP_RELEASE:
             for c in range(j.first_chunk, min(j.first_chunk + j.count, self.geo.nchunks)):
@@ -525,7 +525,7 @@ class ChunkTable:
                 if self.owner(c).owner == j.node:
                     self._release_one(c)
                 else:
-                    self._set_bit(c, False)
+                    self.set_bit(c, False)
             done = f"completed release of chunk {j.first_chunk} by node {j.node}"
         elif j.op == OP_RECLAIM and j.node is not None:
             self._reclaim_node(j.node, j.node_epoch, check)

@@ -285,7 +285,7 @@ def _find_from(m, eoff, mask, max_probe, lanes, act, k0, k1, k2, k3, home_fresh)
 
 
 @njit(cache=True, nogil=True)
-def _find(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3):
+def find_entry(m, eoff, mask, max_probe, lanes, k0, k1, k2, k3):
     """Slot of the live (RESERVED/READY) entry for the key, or -1. Invalidates each line read."""
     return _find_from(m, eoff, mask, max_probe, lanes, _active(m, eoff, lanes), k0, k1, k2, k3,
                       False)

@@ -394,7 +394,9 @@ class NodeTable:
         if handle in self._handles:
             self._handles.remove(handle)
 
-    def _close(self) -> None:
+    def close_mapping(self) -> None:
+        """Leave every node this process joined, as the region is unmapped (``Region.close``):
+        a damaged region must not make closing fail."""
         for h in list(self._handles):
             try:
                 self.leave(h)

@@ -593,7 +593,7 @@ class Region:
                      readonly=False)
         # 3. sections into the root directory (the creator is the only party alive)
         for sec in placed:
-            region.root._publish_unlocked(sec.name, sec.offset_bytes, sec.nbytes, sec.kind)
+            region.root.publish_unlocked(sec.name, sec.offset_bytes, sec.nbytes, sec.kind)
         if is_dax:  # a device is not zeroed by ftruncate: clear every section but the last
             for sec in placed[:-1]:
                 z = np.zeros(sec.nbytes, dtype=np.uint8)
@@ -752,7 +752,7 @@ class Region:
         """Unmap and close. Idempotent. Views handed out earlier must have been dropped."""
         if self._mm is None:
             return
-        self.nodes._close()
+        self.nodes.close_mapping()
         self.mem = None
         for m in self._made:
             K.release_mem(m)

@@ -108,9 +108,9 @@ class RootDirectory:
         if not holding_lock:
             raise ValueError("RootDirectory.publish needs the global lock: call it while holding "
                              "it and pass holding_lock=True")
-        return self._publish_unlocked(name, offset_bytes, nbytes, kind)
+        return self.publish_unlocked(name, offset_bytes, nbytes, kind)
 
-    def _publish_unlocked(self, name: str, offset_bytes: int, nbytes: int, kind: int) -> RootEntry:
+    def publish_unlocked(self, name: str, offset_bytes: int, nbytes: int, kind: int) -> RootEntry:
         raw_name = _encode(name)
         size = self._region_bytes
         if offset_bytes < 0 or nbytes < 0 or offset_bytes + nbytes > size:

@@ -277,7 +277,7 @@ class PrefillResult:
         return int(torch.argmax(self.logits))
 
 
-def _as_ids(input_ids: TokenIds, vocab_size: int) -> list[int]:
+def as_ids(input_ids: TokenIds, vocab_size: int) -> list[int]:
     """Token ids as a list, checked against the vocabulary.
 
     Raises:
@@ -333,7 +333,7 @@ def prefill(
         NothingToCompute: ``past_len >= len(prompt)``; compute at least the last token.
     """
     num_layers, kv_heads, head_dim, dtype, device = _geometry(model)
-    ids = _as_ids(input_ids, model.config.vocab_size)
+    ids = as_ids(input_ids, model.config.vocab_size)
     if past_kv is None:
         if past_len not in (None, 0):
             raise KVShapeError(f"past_len={past_len} given without past_kv")
@@ -423,7 +423,7 @@ def decode(
     if isinstance(prompt_len_or_ids, int):
         prompt_len, ids = prompt_len_or_ids, None
     else:
-        ids = _as_ids(prompt_len_or_ids, model.config.vocab_size)
+        ids = as_ids(prompt_len_or_ids, model.config.vocab_size)
         prompt_len = len(ids)
     if prompt_len <= 0:
         raise TokenIdError(f"prompt length must be positive, got {prompt_len}")
@@ -437,7 +437,7 @@ def decode(
         head = prefill(model, ids, past_kv=kv, past_len=prompt_len - 1)
         first_token, past = head.next_token, head.kv
     else:
-        _as_ids([first_token], model.config.vocab_size)
+        as_ids([first_token], model.config.vocab_size)
         past = kv[:, :, :prompt_len].to(device)
     cache = build_cache(num_layers, past_kv=past)
     return greedy_continue(model, cache, first_token, max_new_tokens=max_new_tokens,
@@ -462,7 +462,7 @@ def reference_generate(
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    ids = _as_ids(input_ids, model.config.vocab_size)
+    ids = as_ids(input_ids, model.config.vocab_size)
     if max_new_tokens == 0:
         return []
     device = model.lm_head.weight.device

@@ -40,7 +40,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 from tract_async.serving.errors import KVShapeError, LayerWaitTimeout, NothingToCompute, TokenIdError
 from tract_async.serving.kv_cache import build_cache, check_kv
 from tract_async.serving.model import cache_kwargs
-from tract_async.serving.model import PrefillResult, TokenIds, _as_ids, greedy_continue, prefill
+from tract_async.serving.model import PrefillResult, TokenIds, as_ids, greedy_continue, prefill
 
 T = TypeVar("T")
 
@@ -302,7 +302,7 @@ def check_generation(model: LlamaForCausalLM, input_ids: TokenIds, past_len: int
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    ids = _as_ids(input_ids, model.config.vocab_size)
+    ids = as_ids(input_ids, model.config.vocab_size)
     if not 0 <= past_len < len(ids):
         raise NothingToCompute(f"past_len={past_len} must be in [0, {len(ids)}): the last prompt "
                                f"token is computed here to produce the first generated token")

@@ -680,7 +680,7 @@ class HttpStore:
 
     def describe(self) -> dict[str, Any]:
         """What Engine.stats() shows about the HTTP side beyond the counters."""
-        return {"url": self.url if self.agent._port is not None else None, "agent": self.agent.name,
+        return {"url": self.url if self.agent.started else None, "agent": self.agent.name,
                 "region_uuid": self.region_uuid,
                 "peers": {p.name: {"node_id": p.node_id, "region_uuid": p.uuid}
                           for p in self.peers.values()},

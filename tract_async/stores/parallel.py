@@ -113,7 +113,7 @@ class ParallelReads:
         b.preclaimer.read_started()            # as ``prepare_read``: reads are not idle time
         n = len(keys)
         lay = st.layout
-        tmpl, pos_step = kvplan._plan_template(lay, layer, n)
+        tmpl, pos_step = kvplan.plan_template(lay, layer, n)
         nbytes = self._bytes(n, layer)
         gang = st.copier.idle_gang()
         if gang is None:

@@ -127,7 +127,7 @@ def check_layer(layer: int | None, layout: KVLayout) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_template(layout: KVLayout, layer: int | None, num_blocks_in_tensor: int
+def plan_template(layout: KVLayout, layer: int | None, num_blocks_in_tensor: int
                    ) -> tuple[np.ndarray, int]:
     """The rows of one block at payload offset 0 and tensor block position 0 (read-only), and
     the tensor-offset step per block position.
@@ -157,7 +157,7 @@ def template(layout: KVLayout, num_blocks_in_tensor: int) -> np.ndarray:
     """The rows of one whole block at payload offset 0 and tensor position 0 (read-only) in a
     tensor of every layer holding ``num_blocks_in_tensor`` blocks: what the fused kernels
     (``stores/fused.py``) shift per block, by its payload offset and ``block_step``."""
-    return _plan_template(layout, None, num_blocks_in_tensor)[0]
+    return plan_template(layout, None, num_blocks_in_tensor)[0]
 
 
 def block_step(layout: KVLayout) -> int:
@@ -189,7 +189,7 @@ def plan(layout: KVLayout, payload_offsets: np.ndarray, block_positions: np.ndar
     of the tensor (which holds ``num_blocks_in_tensor`` blocks). Rows are block-major: block
     i's rows are ``i*R .. i*R+R-1`` (R = 2 per layer covered), in (layer, K/V) order.
     """
-    tmpl, pos_step = _plan_template(layout, layer, num_blocks_in_tensor)
+    tmpl, pos_step = plan_template(layout, layer, num_blocks_in_tensor)
     pos = np.asarray(block_positions, dtype=np.int64).reshape(-1)
     poff = np.asarray(payload_offsets, dtype=np.int64).reshape(-1)
     if pos.size == 1:        # the small-put path: one add of a 3-vector to the template

@@ -126,7 +126,7 @@ class RegionStore:
         return (layer is None and n <= fused.FUSED_MAX_BLOCKS
                 and n * self.layout.block_bytes <= INLINE_COPY_BYTES)
 
-    def _template(self, n: int) -> np.ndarray:
+    def template(self, n: int) -> np.ndarray:
         """The whole-block plan template of an n-block tensor (``plan.template``), cached."""
         t = self._tmpls.get(n)
         if t is None:
@@ -213,7 +213,7 @@ class RegionStore:
         t0 = time.perf_counter_ns() if ph is not None else 0
         if self._fusable(len(keys), layer):
             done = self.put_fused(keys, keys_to_words(keys), arrays.data_ptr(kv),
-                                  self._template(len(keys)))
+                                  self.template(len(keys)))
             if done is not None:
                 return done
         # a later layer of blocks this node is filling needs neither the index, nor the lock,
@@ -374,7 +374,7 @@ class RegionStore:
         t0 = time.perf_counter_ns() if ph is not None else 0
         if self._fusable(n, layer):
             words = keys_to_words(keys)
-            dst, tmpl = arrays.data_ptr(out), self._template(n)
+            dst, tmpl = arrays.data_ptr(out), self.template(n)
             snap = b.get_fused(keys, words, dst, tmpl)
             if snap is None and timeout is not None and timeout > 0:
                 await b.wait_whole(words, b.fused_snapshot(n), timeout)

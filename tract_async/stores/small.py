@@ -51,7 +51,7 @@ class SmallHost(Protocol):
     phases: Any
     yield_to_lock: bool
 
-    def _template(self, n: int) -> np.ndarray: ...
+    def template(self, n: int) -> np.ndarray: ...
     def put_fused(self, keys: list[bytes], words: np.ndarray, src: int,
                   tmpl: np.ndarray) -> int | None: ...
 
@@ -72,7 +72,7 @@ class SmallPath:
         self._tensor: type | None = None     # torch.Tensor, once torch is imported
         self._dtype: Any = None
         self._words = np.zeros((1, 4), dtype=np.uint64)
-        self._tmpl = store._template(1)
+        self._tmpl = store.template(1)
         self.usable = fused.FUSED_MAX_BLOCKS >= 1 and layout.block_bytes <= INLINE_COPY_BYTES
         """Whether a one-block transfer is one the fused kernels take at all (fixed by the
         layout)."""

@@ -85,7 +85,7 @@ def auto_wait_spin_us(cpus: int | None = None) -> int:
 @njit(cache=True, nogil=True)
 def _all_present(m, eoff, mask, max_probe, lanes, keys):
     for i in range(keys.shape[0]):
-        if ix._find(m, eoff, mask, max_probe, lanes, keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3]) < 0:
+        if ix.find_entry(m, eoff, mask, max_probe, lanes, keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3]) < 0:
             return False
     return True
 

@@ -207,6 +207,11 @@ class Agent:
         await self.close()
 
     @property
+    def started(self) -> bool:
+        """Whether the agent is bound (``port`` would answer)."""
+        return self._port is not None
+
+    @property
     def port(self) -> int:
         """The bound port. Raises AgentClosed before start()."""
         if self._port is None:
