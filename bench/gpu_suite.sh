@@ -110,6 +110,8 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   gpu_layers (bench/gpu_layers.py: issue 35's acceptance run, ~2-4 min)
 #   putget_cpu (bench/putget.py on the host's cores, NIXL in the same run)
 #   serve_gpu (bench/serve_gpu.py, three modes)  serve_load (bench/serve_load.py --size h200)
+#   prefill_shapes (bench/prefill_shapes.py: a first-seen prompt length's prefill, cuDNN SDPA
+#   allowed or not, ~1-2 min)
 #   doorbell_tests (tests/engine/test_doorbell.py: same-host wake-ups on these cores)
 #   wakeup (bench/wakeup.py: the doorbell's wake-up against a bare datagram wake-up)
 #   transport_cpu / transport_gpu (bench/transport.py --quick, DRAM / VRAM, 3 rounds)
@@ -151,6 +153,7 @@ want handoff_spin_ab && { TRACT_WAIT_SPIN_US=0 step handoff_spin0 120 $PY bench/
   TRACT_WAIT_SPIN_US= step handoff_spin_auto 120 $PY bench/putget.py --parts 2 --deadline-s 110
   cp bench/results/putget.json bench/results/putget-handoff-spin-auto.json; finish; }
 want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
+want prefill_shapes && step prefill_shapes 200 $PY bench/prefill_shapes.py
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 
 ls /dev/shm | grep -c '^tract-' | xargs -I{} echo "tract files left in /dev/shm: {}" >>"$SUMMARY"

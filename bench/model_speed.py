@@ -11,7 +11,9 @@ same run, so the ratios hold on a noisy host:
   the floor of one decode step: every weight a step reads (all but the embedding table) over that
   bandwidth;
 * prefill (``serving.model.prefill``, last-position logits only, no per-layer host sync) of each
-  ``--tokens`` with each ``--attn`` implementation: median time, model FLOPs (2 x linear
+  ``--tokens`` with each ``--attn`` implementation (``sdpa``: as the serving workers run it,
+  cuDNN's attention off, ``serving.model.allow_cudnn_attention``; ``sdpa-cudnn``: PyTorch's
+  default choice, cuDNN allowed; each length warmed once first): median time, model FLOPs (2 x linear
   parameters x tokens, plus causal attention 2 x T^2 x heads x head_dim per layer) over time,
   and that over the card's dense bf16 peak (a table by device name; ``--peak-tflops`` overrides);
 * decode TPOT after a ``--context`` token prompt: transformers' own step (``greedy_continue``,
@@ -92,7 +94,8 @@ def prefill_flops(model: Any, tokens: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
-    p.add_argument("--attn", nargs="+", default=["eager", "sdpa"])
+    p.add_argument("--attn", nargs="+", default=["eager", "sdpa", "sdpa-cudnn"],
+                   choices=["eager", "sdpa", "sdpa-cudnn"])
     p.add_argument("--context", type=int, default=2048, help="prompt tokens before decode steps")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed")
     p.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8],
@@ -106,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         print("model_speed needs a CUDA device", file=sys.stderr)
         return 2
     import json
-    from tract_async.serving.model import build_model, greedy_continue, llama3_8b_config, prefill
+    from tract_async.serving.model import (allow_cudnn_attention, build_model, greedy_continue,
+                                           llama3_8b_config, prefill)
+
+    def use(attn: str) -> None:
+        """The attention variant ``attn`` on the model (and cuDNN's SDPA on or off)."""
+        model.config._attn_implementation = "eager" if attn == "eager" else "sdpa"
+        allow_cudnn_attention(attn == "sdpa-cudnn")
     from tract_async.serving.kv_cache import build_cache
 
     info = machine()
@@ -126,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     rows: list[dict[str, Any]] = []
     for attn in args.attn:
-        model.config._attn_implementation = attn
+        use(attn)
         for tokens in args.tokens:
             ids = torch.randint(0, 128000, (tokens,), generator=gen).tolist()
             try:
@@ -146,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             torch.cuda.empty_cache()
     # transformers' own decode step, batch 1
-    model.config._attn_implementation = "sdpa"
+    use("sdpa")
     ids = torch.randint(0, 128000, (args.context,), generator=gen).tolist()
     for attn in args.attn:
-        model.config._attn_implementation = attn
+        use(attn)
         res = prefill(model, ids)
         cache = build_cache(model.config.num_hidden_layers, past_kv=res.kv)
         greedy_continue(model, cache, res.next_token, max_new_tokens=4, eos_token_id=None)
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                      "tpot_ms": tpot, "x_floor": tpot / floor_ms})
         print(table(rows[-1:], ["what", "attn", "batch", "context", "tpot_ms", "x_floor"]),
               flush=True)
-    model.config._attn_implementation = "sdpa"
+    use("sdpa")
     try:
         from tract_async.serving import fast_decode
     except ImportError:

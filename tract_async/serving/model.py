@@ -185,6 +185,21 @@ def _param_seed(seed: int, name: str) -> int:
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa")
 
 
+def allow_cudnn_attention(allow: bool) -> None:
+    """Whether PyTorch's SDPA may pick cuDNN's attention kernels, process-wide.
+
+    On Hopper PyTorch may prefer cuDNN's attention, which builds a cuDNN graph for every new
+    (query length, key length) pair before it runs. A serving worker sees a new prompt length
+    on nearly every request, and a prefix hit adds a new pair per hit length: the H100 serving
+    runs of 2026-12-06 (``bench/results/gpu-20261206-s41``) lost 40-70 ms in the computing
+    thread between layers 0 and 1 on half their requests and 0.8-1.1 s on the first prefix hits
+    (``bench/layer_gaps.py``). Off, SDPA keeps to the flash and memory-efficient kernels, which
+    take any length without a build step. ``bench/prefill_shapes.py`` measures both.
+    """
+    import torch
+    torch.backends.cuda.enable_cudnn_sdp(allow)
+
+
 def build_model(
     config: LlamaConfig,
     seed: int,

@@ -205,20 +205,15 @@ def torch_dtype(cfg: ServiceConfig) -> Any:
 def load_model(cfg: ServiceConfig) -> Any:
     """The worker's model: seeded random weights, identical in every worker of the run."""
     import torch
-    from tract_async.serving.model import build_model
+    from tract_async.serving.model import allow_cudnn_attention, build_model
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     init_device = "cuda" if cfg.device.startswith("cuda") else "cpu"
     attn = attn_implementation(cfg)
-    if attn == "sdpa" and init_device == "cuda" and not cfg.cudnn_attention:
-        # PyTorch's SDPA may choose cuDNN's attention on Hopper, which builds a cuDNN graph
-        # for every new (query, key) length: 40-70 ms inside a prefill of a first-seen prompt
-        # length and ~1 s for the first prefix-hit shapes, in the computing thread between
-        # layers 0 and 1 (bench/results/gpu-20261206-s41). A serving worker sees a new length
-        # on nearly every request, so it keeps to the flash and memory-efficient kernels,
-        # which take any length without a build step. The switch is process-wide: the
-        # worker's process is the model's.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    if attn == "sdpa" and init_device == "cuda":
+        # no cuDNN attention unless asked: a graph build per new prompt length inside the
+        # prefill (model.allow_cudnn_attention says why); the worker's process is the model's
+        allow_cudnn_attention(cfg.cudnn_attention)
     return build_model(model_config(cfg), cfg.seed, cfg.device, torch_dtype(cfg),
                        init_device=init_device, attn=attn)
 
