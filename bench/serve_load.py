@@ -16,7 +16,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from tract_async.serving.loadbench import main  # noqa: E402
+from tract_async.loadtest.runner import main  # noqa: E402
 
 
 def default_out_dir(argv: list[str]) -> str:

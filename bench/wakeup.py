@@ -18,7 +18,7 @@ bench separates the doorbell's floor from what the engine adds:
               (its doorbell callback finished the wait: the re-read of the index included),
               both from ``Engine.time_phases``. Twice: B is the lock manager's node (it created
               the region), and B is not; ``engine_peer_qos`` as the latter with both engines
-              opened with ``cpu_wake_latency_us=0`` (``tract_async/cpu_qos.py``).
+              opened with ``cpu_wake_latency_us=0`` (``tract_async/host/cpu_qos.py``).
 
 Each case: ``--n`` wake-ups, 2 ms apart (the consumer is asleep each time). Prints p50/p90/p99
 and writes ``bench/results/wakeup.json`` with every sample and the machine.
@@ -45,7 +45,7 @@ import _common as C  # noqa: E402
 import _procs  # noqa: E402
 
 import tract_async as tract  # noqa: E402
-from tract_async.cpu_qos import CpuLatencyRequest  # noqa: E402
+from tract_async.host.cpu_qos import CpuLatencyRequest  # noqa: E402
 
 GAP_S = 0.002
 CASES = ("raw", "raw_gil", "raw_qos", "engine_mgr", "engine_peer", "engine_peer_qos")

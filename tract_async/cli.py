@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from .serving.loadbench import main as bench_main
+    from .loadtest.runner import main as bench_main
     return bench_main(list(args.bench_args))
 
 

@@ -166,7 +166,7 @@ class Engine:
     async def _start_stores(self) -> None:
         cfg = self.cfg
         if cfg.cpu_wake_latency_us is not None and self._cpu_qos is None:
-            from .cpu_qos import CpuLatencyRequest
+            from .host.cpu_qos import CpuLatencyRequest
             self._cpu_qos = CpuLatencyRequest(cfg.cpu_wake_latency_us)
             self._cpu_qos.acquire()         # a warning where not permitted, never an error
         if cfg.region is None:

@@ -1,5 +1,5 @@
 """``EngineConfig.cpu_wake_latency_us``: a PM QoS request held exactly while the engine is open
-(``tract_async/cpu_qos.py``), a warning (never an error) where it cannot be made."""
+(``tract_async/host/cpu_qos.py``), a warning (never an error) where it cannot be made."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ import pytest
 
 import tract_async as tract
 from tests.support.engine_util import cfg
-from tract_async.cpu_qos import CpuLatencyRequest
+from tract_async.host.cpu_qos import CpuLatencyRequest
 from tract_async.errors import ConfigError
 
 
@@ -29,7 +29,7 @@ def test_the_request_is_written_and_dropped(tmp_path) -> None:  # noqa: ANN001
 
 def test_an_unwritable_file_warns_and_holds_nothing(tmp_path, caplog) -> None:  # noqa: ANN001
     req = CpuLatencyRequest(0, path=str(tmp_path / "missing" / "qos"))
-    with caplog.at_level(logging.WARNING, logger="tract_async.cpu_qos"):
+    with caplog.at_level(logging.WARNING, logger="tract_async.host.cpu_qos"):
         assert not req.acquire()
     assert not req.held and "FileNotFoundError" in req.why_not
     assert "cpu_wake_latency_us=0 not applied" in caplog.text

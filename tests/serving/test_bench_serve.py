@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tract_async.cli import build_parser
-from tract_async.serving.loadbench import SYSTEM_NAMES, loads, resolve_args
+from tract_async.loadtest.runner import SYSTEM_NAMES, loads, resolve_args
 
 # issue 37: one xdist worker runs these racks of processes one after another (two at once on
 # two cores starved a decode service past its 10 s SIGTERM grace)

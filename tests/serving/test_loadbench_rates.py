@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tract_async.serving import loadbench as LB
+from tract_async.loadtest import runner as LB
 
 
 def test_relative_rates_put_the_closed_loops_first() -> None:
@@ -50,7 +50,7 @@ def test_the_h200_size_is_the_acceptance_point() -> None:
 def test_nixl_rows_name_their_ucx_transports() -> None:
     """nixl is UCX over TCP (the network stand-in), nixl-local over shared memory and, on a
     GPU, cuda_ipc; both add cuda_copy on a GPU (NIXL's UCX backend needs it for VRAM)."""
-    from tract_async.serving.loadbench import SYSTEMS, ucx_env
+    from tract_async.loadtest.runner import SYSTEMS, ucx_env
     rows = {s.name: s for s in SYSTEMS}
     assert ucx_env(rows["nixl"], "cpu") == {"UCX_TLS": "tcp"}
     assert ucx_env(rows["nixl"], "cuda") == {"UCX_TLS": "tcp,cuda_copy"}

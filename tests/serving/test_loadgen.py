@@ -13,10 +13,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tract_async.serving.loadgen import (Progress, RequestRecord, arrival_times,
+from tract_async.loadtest.generator import (Progress, RequestRecord, arrival_times,
                                          interarrival_gaps, run_closed_loop, run_open_loop)
-from tract_async.serving.loadstats import breakdown_ms, summarize
-from tract_async.serving.workloads import (WORKLOADS, LoadRequest, Vocab, WorkloadSpec,
+from tract_async.loadtest.stats import breakdown_ms, summarize
+from tract_async.loadtest.workloads import (WORKLOADS, LoadRequest, Vocab, WorkloadSpec,
                                            build_requests, ideal_hit_blocks, ideal_hit_rate)
 
 T = 16
@@ -334,8 +334,8 @@ async def test_open_loop_sends_on_schedule_whatever_is_in_flight(fake_router):
 
 def test_resummarize_recomputes_a_run_from_its_records(tmp_path):
     """A finished run's metrics come back from records.jsonl alone (no server)."""
-    from tract_async.serving.loadreport import resummarize
-    from tract_async.serving.loadreport import machine_info
+    from tract_async.loadtest.report import resummarize
+    from tract_async.loadtest.report import machine_info
     recs = [_rec(0, 0.0, [0.010, 0.020], prompt=100, hit=2, full=6),
             _rec(1, 0.1, [0.190, 0.200], prompt=200, hit=0, full=12)]
     phase = {"phase": 1, "workload": "chat", "loop": "open", "value": 8.0, "label": "8 req/s",
@@ -358,7 +358,7 @@ def test_resummarize_recomputes_a_run_from_its_records(tmp_path):
 
 
 def test_output_agreement_compares_requests_across_systems():
-    from tract_async.serving.loadreport import output_agreement
+    from tract_async.loadtest.report import output_agreement
 
     def phase(outputs: list[list[int] | None]) -> dict:
         recs = []
@@ -379,7 +379,7 @@ def test_output_agreement_compares_requests_across_systems():
 
 
 def _write_run(path, systems: list[str], *, seed: int = 0, host: str = "h1") -> None:
-    from tract_async.serving.loadreport import machine_info
+    from tract_async.loadtest.report import machine_info
     path.mkdir()
     machine = {**machine_info(), "hostname": host}
     report = {"bench": "serve_load", "machine": machine, "seed": seed, "status": "ok",
@@ -400,8 +400,8 @@ def _write_run(path, systems: list[str], *, seed: int = 0, host: str = "h1") -> 
 
 
 def test_merge_makes_one_report_of_parts_and_refuses_what_does_not_fit(tmp_path):
-    from tract_async.serving.loadbench import main
-    from tract_async.serving.loadmerge import MergeError, merge_runs
+    from tract_async.loadtest.runner import main
+    from tract_async.loadtest.merge import MergeError, merge_runs
     _write_run(tmp_path / "a", ["http", "rdma-model"], host="h1")
     _write_run(tmp_path / "b", ["region-transfer"], host="h2")
     out = merge_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "m"))

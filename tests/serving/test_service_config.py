@@ -52,7 +52,7 @@ def test_decode_early_reads_default_and_bound() -> None:
 
 
 def test_load_benchmark_service_options_reach_the_racks() -> None:
-    from tract_async.serving.loadbench import resolve_args, service_options
+    from tract_async.loadtest.runner import resolve_args, service_options
     opts = service_options(["decode:early_reads=1", "wait_spin_us=150",
                             "switch_interval_us=250.5", "prefill:die_with_parent=true"])
     assert opts == {"wait_spin_us": 150, "switch_interval_us": 250.5,

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
-from ..timerslack import tighten
+from ..host.timerslack import tighten
 from .events import DONE
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import tract_kernels as K
 
 from ..stores import plan as kvplan
-from ..gcpause import PAUSE_MIN_BLOCKS, gc_paused
+from ..host.gcpause import PAUSE_MIN_BLOCKS, gc_paused
 from ..errors import BlockEvicted
 from ..keys import keys_to_words
 from ..region import index as ix

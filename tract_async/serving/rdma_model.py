@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tract_async.timerslack import tighten
+from tract_async.host.timerslack import tighten
 
 #: Modelled RDMA bandwidth: one 200 Gb/s HDR InfiniBand port at line rate (bytes per second).
 RDMA_BANDWIDTH_BPS: float = 25e9

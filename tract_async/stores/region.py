@@ -63,7 +63,7 @@ import tract_kernels as K
 
 from .. import arrays
 from ..config import EngineConfig
-from ..gcpause import PAUSE_MIN_BLOCKS, gc_paused
+from ..host.gcpause import PAUSE_MIN_BLOCKS, gc_paused
 from ..keys import keys_to_words
 from ..region import Region
 from ..region import index as ix

@@ -35,7 +35,7 @@ from tract_kernels.intrinsics import monotonic_ns, sched_yield, usleep
 
 from ..region import index as ix
 from ..region.index import SNAP_LAYERS, SNAP_SLOT, SNAP_STATE
-from ..timerslack import call_tight
+from ..host.timerslack import call_tight
 
 SPIN_NS = 300_000
 FAST_NS = 2_000_000

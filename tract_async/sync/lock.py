@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..timerslack import call_tight
+from ..host.timerslack import call_tight
 from ..errors import LockBusy, LockNotHeld, LockRevoked, LockTimeout
 from ..region import nodes as nodes_mod
 from . import slots as S

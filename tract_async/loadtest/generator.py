@@ -33,7 +33,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from tract_async.serving.workloads import LoadRequest
+from tract_async.loadtest.workloads import LoadRequest
 
 
 # --- arrivals -----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Why: the whole evaluation (every system, every phase, on the Llama-3-8B geometry
 one 10-minute call of a lent GPU host, so it runs as named parts (each a ``--systems`` subset
 with the same workload options, each in its own ``--out-dir``) and this merges them: each system
 comes from exactly one part, with its records, and every metric, table and plot is recomputed
-from the merged records (:func:`~tract_async.serving.loadreport.resummarize`).
+from the merged records (:func:`~tract_async.loadtest.report.resummarize`).
 
 What it refuses: parts whose workloads differ (another seed, prompt lengths, request count...:
 their requests would not be the same requests), and a system present in two parts. What it
@@ -49,7 +49,7 @@ def merge_runs(parts: list[str], out_dir: str) -> dict[str, Any]:
         MergeError: fewer than two parts, a part that is not a finished run, workload options
             that differ, a system in two parts, or ``out_dir`` already holding results.
     """
-    from tract_async.serving.loadreport import resummarize
+    from tract_async.loadtest.report import resummarize
     if len(parts) < 2:
         raise MergeError(f"--merge takes two or more run directories, got {len(parts)}")
     if os.path.exists(os.path.join(out_dir, "results.json")):

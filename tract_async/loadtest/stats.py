@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tract_async.serving.loadgen import RequestRecord
+from tract_async.loadtest.generator import RequestRecord
 from tract_async.serving.workload import percentile
 
 #: Breakdown components, in the order the bars stack.

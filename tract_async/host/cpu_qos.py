@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("tract_async.cpu_qos")
+log = logging.getLogger("tract_async.host.cpu_qos")
 
 PATH = "/dev/cpu_dma_latency"
 

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from tract_async.serving.loadstats import COMPONENTS
+from tract_async.loadtest.stats import COMPONENTS
 
 _VERSIONED = ("torch", "transformers", "numpy", "numba", "aiohttp", "orjson", "uvloop", "tqdm",
               "matplotlib", "pynvml", "nixl")
@@ -253,7 +253,7 @@ def write_report(report: dict[str, Any], out_dir: str, *, plots: bool = True) ->
         f.write(markdown_summary(report))
     if not plots:
         return []
-    from tract_async.serving.loadplots import write_plots
+    from tract_async.loadtest.plots import write_plots
     return write_plots(report, out_dir)
 
 
@@ -263,8 +263,8 @@ def resummarize(out_dir: str) -> dict[str, Any]:
     rewrite ``results.json``, ``summary.md`` and the plots. The report notes the commit that
     recomputed it. Raises FileNotFoundError (no such run) or KeyError (a record of a phase the
     results do not list)."""
-    from tract_async.serving.loadgen import RequestRecord
-    from tract_async.serving.loadstats import summarize
+    from tract_async.loadtest.generator import RequestRecord
+    from tract_async.loadtest.stats import summarize
     with open(os.path.join(out_dir, "results.json")) as f:
         report = json.load(f)
     # a float that was NaN comes back as null from a strict JSON writer: NaN again

@@ -19,7 +19,7 @@ import math
 import os
 from typing import Any
 
-from tract_async.serving.loadstats import COMPONENTS
+from tract_async.loadtest.stats import COMPONENTS
 
 _DPI = 90
 

@@ -7,7 +7,7 @@ a few warm-up requests, then runs every phase (workload x load) against the rout
 with the phases interleaved across systems (:func:`run_all` says when each is the right
 choice). A phase is one seeded request stream
 (:mod:`.workloads`) sent in an open loop at a Poisson rate or in a closed loop of N clients
-(:mod:`.loadgen`); its metrics are :mod:`.loadstats`'. Phase ``p`` gets the same prompts on
+(:mod:`.generator`); its metrics are :mod:`.stats`'. Phase ``p`` gets the same prompts on
 every system and shares no block with any other phase.
 
 The systems, each named for what it is:
@@ -18,7 +18,7 @@ The systems, each named for what it is:
   with UCX's own transports (shared memory, cuda copy), the same-host best case. Each row
   records the ``UCX_TLS`` it ran with; without the ``nixl`` package they are absent and say why;
 * ``rdma-model``: a model: the measured prefill, then the KV's arrival held to 20 µs + bytes /
-  25 GB/s (:mod:`.rdma_model`);
+  25 GB/s (:mod:`tract_async.serving.rdma_model`);
 * ``recompute``: no transfer: the decode worker computes the whole prompt;
 * ``region-transfer``: KV through the shared region, transfer only, layer-streamed;
 * ``region-cache``: KV through the shared region with the rack-wide prefix cache.
@@ -27,7 +27,7 @@ Before and after each phase it reads the workers' ``/health`` (engine counters: 
 lock waits) and keeps the difference; with an NVML GPU it samples PCIe RX/TX all along. The
 results go to ``results.json`` (machine, versions, seed, arguments, every phase's metrics) after
 every phase, so a run cut short by ``--budget`` or Ctrl-C keeps what finished, and each request's
-record to ``records.jsonl`` at the end; then ``summary.md`` and the plots (:mod:`.loadplots`).
+record to ``records.jsonl`` at the end; then ``summary.md`` and the plots (:mod:`.plots`).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from tract_async.serving.workloads import WORKLOADS
+from tract_async.loadtest.workloads import WORKLOADS
 
 _GIB = 1 << 30
 
@@ -329,7 +329,7 @@ def _engine_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 
 
 def _spec(args: argparse.Namespace, kind: str, phase: int, requests: int) -> Any:
-    from tract_async.serving.workloads import Vocab, WorkloadSpec
+    from tract_async.loadtest.workloads import Vocab, WorkloadSpec
     return WorkloadSpec(kind=kind, requests=requests, seed=args.seed, phase=phase,
                         min_input_tokens=args.min_input_tokens,
                         max_input_tokens=args.max_input_tokens, output_tokens=args.output_len,
@@ -369,7 +369,7 @@ def service_options(items: list[str]) -> dict[str, Any]:
 def make_rack(system: System, args: argparse.Namespace) -> Any:
     """The (not yet started) rack that serves ``system``."""
     from tract_async.serving.launcher import Rack
-    assert system.mode is not None, f"loadbench: {system.name} has no rack mode"
+    assert system.mode is not None, f"runner: {system.name} has no rack mode"
     return Rack(mode=system.mode, region=f"/dev/shm/tract-bench-{os.getpid()}-{system.name}",
                 log_dir=os.path.join(args.out_dir, "logs"), start_timeout_s=args.start_timeout,
                 env=ucx_env(system, args.device),
@@ -424,8 +424,8 @@ def phase_plan(args: argparse.Namespace) -> list[Step]:
 
 async def warm_system(rack: Any, args: argparse.Namespace, entry: dict[str, Any]) -> None:
     """A few requests that are not counted (first-request costs: connections, allocations)."""
-    from tract_async.serving.loadgen import run_closed_loop
-    from tract_async.serving.workloads import build_requests
+    from tract_async.loadtest.generator import run_closed_loop
+    from tract_async.loadtest.workloads import build_requests
     if args.warmup:
         warm = build_requests(_spec(args, args.workload_list[0], WARMUP_PHASE, args.warmup))
         recs = await run_closed_loop(rack.router_url, warm, 1, timeout_s=args.request_timeout)
@@ -438,10 +438,10 @@ async def run_phase(system: System, rack: Any, step: Step, args: argparse.Namesp
     ``entry['phases']``, and the results file is rewritten."""
     import aiohttp
 
-    from tract_async.serving.loadgen import (Progress, arrival_times, run_closed_loop,
+    from tract_async.loadtest.generator import (Progress, arrival_times, run_closed_loop,
                                              run_open_loop)
-    from tract_async.serving.loadstats import summarize
-    from tract_async.serving.workloads import build_requests, ideal_hit_rate
+    from tract_async.loadtest.stats import summarize
+    from tract_async.loadtest.workloads import build_requests, ideal_hit_rate
     workers = {role: rack.url_of(role) for role in ("prefill", "decode")}
     reqs = build_requests(_spec(args, step.kind, step.phase, args.requests))
     loop, value, label, scaled = step.loop, step.value, step.label, None
@@ -620,7 +620,7 @@ async def _run_interleaved(servable: list[System], racks: dict[str, Any], plan: 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 0 when every servable system ran every phase."""
     args = resolve_args(argv)
-    from tract_async.serving.loadreport import (machine_info, print_summary_table, resummarize,
+    from tract_async.loadtest.report import (machine_info, print_summary_table, resummarize,
                                                 write_records, write_report, write_results)
     if args.resummarize:
         report = resummarize(args.resummarize)
@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recomputed {args.resummarize} from its records")
         return 0
     if args.merge:
-        from tract_async.serving.loadmerge import MergeError, merge_runs
+        from tract_async.loadtest.merge import MergeError, merge_runs
         try:
             report = merge_runs(args.merge, args.out_dir)
         except MergeError as exc:
