@@ -5,5 +5,6 @@ from __future__ import annotations
 import tract_async  # noqa: F401
 from tract_async import kernel_cache
 import tests.support.procs_engine  # noqa: F401  (the children's targets)
+import tests.support.procs_lock  # noqa: F401
 
 LOADED = kernel_cache.preload()

@@ -5,10 +5,11 @@ freed: ``procs_lock._work_through_kill``) and every one of their operations comp
 ``.ci/busy-run``); no wrong word, fsck is clean, nothing is allocated twice."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -16,8 +17,15 @@ from tract_async.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_lock as P
+from tests.support import warmproc
 
-SPAWN = mp.get_context("spawn")
+SPAWN = warmproc.context()   # the workers fork warm (tests/support/warmproc)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_forkserver_left() -> Iterator[None]:
+    yield
+    warmproc.stop()
 LIVENESS_S = 1.0
 BOUND_S = 2 * LIVENESS_S
 """Every survivor operation completes within this of the kill (issue 36's acceptance: 2 s)."""
@@ -31,7 +39,7 @@ class Rack:
         self.q = SPAWN.Queue()
         self.go, self.stop = SPAWN.Event(), SPAWN.Event()
         self.kill_at = SPAWN.Value("d", 0.0)      # monotonic time of the kill, for survivors
-        self.procs: dict[int, mp.Process] = {}
+        self.procs: dict[int, Any] = {}
         self.msgs: list[tuple] = []
 
     def start(self, node_id: int, role: str, *, manager: bool = True) -> None:
