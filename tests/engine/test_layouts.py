@@ -12,8 +12,9 @@ two processes shares one record; the cross-process cases run on the incoherent s
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import asyncio
-import multiprocessing as mp
 
 import numpy as np
 import pytest
@@ -23,9 +24,16 @@ from tract_async import errors as E
 from tract_async.region.namespaces import NamespaceTable
 from tract_async.stores import fused
 from tests.support import procs_engine as P
+from tests.support import warmproc
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
 
-SPAWN = mp.get_context("spawn")
+SPAWN = warmproc.context()   # children fork warm (tests/support/warmproc)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_forkserver_left() -> Iterator[None]:
+    yield
+    warmproc.stop()
 TWIN = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=4, head_dim=32, dtype="float32")
 WIDE = tract.KVLayout(num_layers=8, block_tokens=16, kv_heads=2, head_dim=32, dtype="float32")
 assert TWIN.block_bytes == TINY.block_bytes and WIDE.block_bytes == 2 * TINY.block_bytes

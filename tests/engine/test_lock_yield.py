@@ -17,8 +17,9 @@ the defences off: node 0 then waits for the whole busy time.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import asyncio
-import multiprocessing as mp
 import time
 
 import pytest
@@ -27,9 +28,16 @@ import tract_async as tract
 import tract_kernels as K
 from tract_async.sync import slots as S
 from tests.support import procs_engine as P
+from tests.support import warmproc
 from tests.support.engine_util import TINY, cfg, kv_for_keys
 
-SPAWN = mp.get_context("spawn")
+SPAWN = warmproc.context()   # children fork warm (tests/support/warmproc)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_forkserver_left() -> Iterator[None]:
+    yield
+    warmproc.stop()
 BUSY_S = 3.0
 
 

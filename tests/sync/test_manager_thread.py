@@ -3,8 +3,9 @@ thread and loop), and a manager that stops granting while its node stays live (a
 manager thread) loses its role to another node."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import asyncio
-import multiprocessing as mp
 import time
 
 import pytest
@@ -12,9 +13,16 @@ import pytest
 import tract_async as tract
 from tract_async.sync.manager import read_manager
 from tests.support import procs_engine as P
+from tests.support import warmproc
 from tests.support.engine_util import block_matches, cfg, kv_for_keys
 
-SPAWN = mp.get_context("spawn")
+SPAWN = warmproc.context()   # children fork warm (tests/support/warmproc)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_forkserver_left() -> Iterator[None]:
+    yield
+    warmproc.stop()
 
 
 async def _qget(q, timeout: float = 120.0):  # noqa: ANN001, ANN202
