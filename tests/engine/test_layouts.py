@@ -12,9 +12,8 @@ two processes shares one record; the cross-process cases run on the incoherent s
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import asyncio
+from collections.abc import Iterator
 
 import numpy as np
 import pytest

@@ -17,10 +17,9 @@ the defences off: node 0 then waits for the whole busy time.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import asyncio
 import time
+from collections.abc import Iterator
 
 import pytest
 

@@ -3,10 +3,9 @@ thread and loop), and a manager that stops granting while its node stays live (a
 manager thread) loses its role to another node."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import asyncio
 import time
+from collections.abc import Iterator
 
 import pytest
 
