@@ -195,6 +195,11 @@ def allow_cudnn_attention(allow: bool) -> None:
     thread between layers 0 and 1 on half their requests and 0.8-1.1 s on the first prefix hits
     (``bench/layer_gaps.py``). Off, SDPA keeps to the flash and memory-efficient kernels, which
     take any length without a build step. ``bench/prefill_shapes.py`` measures both.
+
+    Why cuDNN is chosen at all: PyTorch's SDPA tries its backends in a priority order whose
+    default puts cuDNN last, but (as read in PyTorch's ``sdp_utils.cpp``, not yet confirmed on
+    our GPU image) a CUDA 13 build on sm90/sm100 with a runtime cuDNN newer than 9.15.0 moves
+    cuDNN first; ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1`` is PyTorch's own switch for the same.
     """
     import torch
     torch.backends.cuda.enable_cudnn_sdp(allow)
