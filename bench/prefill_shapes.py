@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device, dtype, cfg = "cuda", torch.bfloat16, llama3_8b_config()
     model = build_model(cfg, 0, device, dtype, init_device=device, attn="sdpa")
+    print(f"{torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}",
+          flush=True)
     vocab = model.config.vocab_size
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     with open(path, "w") as f:
         json.dump({"machine": machine(), "card": card, "commit": commit, "torch": torch.__version__,
+                   "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                    "smoke": a.smoke, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
     return 0
