@@ -121,7 +121,7 @@ STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transpo
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
 # (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
-want warmup && step warmup 180 $PY -m tract_async.warmup
+want warmup && step warmup 180 $PY -m tract_async.tools.warmup
 want gpu_tests && step gpu_tests "${GPU_TESTS_S:-270}" $PY -m pytest -q -m gpu -p no:cacheprovider \
   -o addopts="" tests/cuda/test_cuda_gpu.py --maxfail=10
 want doorbell_tests && step doorbell_tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts= \

@@ -15,7 +15,7 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import _common as C  # noqa: E402
-from tract_async import soak  # noqa: E402
+from tract_async.tools import soak  # noqa: E402
 
 
 def main() -> int:

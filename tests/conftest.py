@@ -34,12 +34,12 @@ def _warm_numba_cache() -> None:
     With a cold cache (a fresh NUMBA_CACHE_DIR) four spawned workers compiling the same kernels
     at once on two cores take long enough to miss their own heartbeats and deadlines. A backend
     whose warm-up already ran into this cache for this build (its stamp, as ``.ci/run``'s
-    ``python -m tract_async.warmup`` leaves it) is not run again: CI compiles once. Under
+    ``python -m tract_async.tools.warmup`` leaves it) is not run again: CI compiles once. Under
     pytest-xdist every worker is a session: the first to come compiles, under the warm-up's own
     file lock (the one ``Engine.open``'s ``ensure_warm`` takes), and the others then find the
     stamps and load."""
     import fcntl
-    from tract_async.warmup import stamp_path, warm_up
+    from tract_async.tools.warmup import stamp_path, warm_up
 
     def cold() -> tuple[str, ...]:
         return tuple(b for b in ("hw", "sim")
@@ -82,7 +82,7 @@ def _fsck_findings(path: str) -> list[str]:
     """fsck's problems for the region at ``path``; none for a file that is not an attachable
     region (tests of bad files make those on purpose; attach's own tests cover them)."""
     from tract_async.errors import RegionError
-    from tract_async.fsck import run_fsck
+    from tract_async.tools.fsck import run_fsck
     try:
         return list(run_fsck(path).problems)
     except RegionError:

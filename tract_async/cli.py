@@ -70,7 +70,7 @@ def inspect_text(path: str, *, backend: str | None = None) -> str:
         for rec in NamespaceTable.of(r).records():
             lines.append(f"  {rec.tag:<3} {rec.layout.describe()}; recorded by node "
                          f"{rec.recorded_by}")
-        from .fsck import usage_lines  # lock, allocator and index state
+        from .tools.fsck import usage_lines  # lock, allocator and index state
         lines.extend(usage_lines(r))
     return "\n".join(lines)
 
@@ -103,14 +103,14 @@ def cmd_region_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_region_fsck(args: argparse.Namespace) -> int:
-    from .fsck import run_fsck
+    from .tools.fsck import run_fsck
     report = run_fsck(args.path, repair=args.repair)
     print(report.text())
     return 0 if report.clean else 1
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from .warmup import warm_up
+    from .tools.warmup import warm_up
     warm_up(backends=tuple(args.backend or ("hw", "sim")), verbose=True)
     return 0
 

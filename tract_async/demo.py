@@ -205,7 +205,7 @@ async def _main(args: argparse.Namespace, modes: list[str], seen: list[int]) -> 
           f"{workload.conversations} chats x {workload.turns} turns, {workload.max_new_tokens} "
           f"new tokens each; modes: {', '.join(modes)}", flush=True)
     if any(m != "http" for m in modes):
-        from .warmup import notice_if_cold
+        from .tools.warmup import notice_if_cold
         t = time.perf_counter()
         notice_if_cold()   # the warm-up below compiles for tens of seconds on a cold cache
         await _warm_kernels(region_dir)

@@ -10,7 +10,7 @@ global compiler lock while it does; a process that compiles for seconds *after* 
 starves its own lock-manager thread (its scans stall, and it steps down: the cold ``tract demo``
 did, twice) and, where the heartbeat thread's own kernel is not loaded yet, its heartbeat. So
 ``Engine.open`` calls ``ensure_warm`` before it joins the node table: on a cache this build has
-not warmed yet (no stamp, ``stamp_path``) it runs the warm-up scenario (``tract_async.warmup``)
+not warmed yet (no stamp, ``stamp_path``) it runs the warm-up scenario (``tract_async.tools.warmup``)
 first, in a child process, on a throw-away region, under a file lock so that processes started
 together compile once; then it loads every kernel the cache holds into this process
 (``preload``, ~1 s on the 2-core VM, once per process). After that a compile is a kernel the
@@ -316,7 +316,7 @@ async def _warm_under_lock(stamp: str, backend: str) -> bool:
 
 
 async def _run_scenario_process(backend: str, stamp: str) -> None:
-    """``python -m tract_async.warmup --backend <backend> --stamp <stamp>`` in a child process,
+    """``python -m tract_async.tools.warmup --backend <backend> --stamp <stamp>`` in a child process,
     which compiles into this process's cache and writes ``stamp``; this process then loads
     (``preload``). A child,
     not this process: the scenario runs Engines, and the Engine is what calls this module (a
@@ -334,7 +334,7 @@ async def _run_scenario_process(backend: str, stamp: str) -> None:
         raise RuntimeError("tract: no Python executable to run the warm-up scenario in "
                            "(sys.executable is empty): run `tract warmup` before opening an Engine")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tract_async.warmup", "--backend", backend, "--stamp", stamp,
+        sys.executable, "-m", "tract_async.tools.warmup", "--backend", backend, "--stamp", stamp,
         "--quiet",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await proc.communicate()

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import tract_async as tract
 from tract_async import errors as E
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.region import index as ix
 from tract_async.stores import cpucopy as rs
 

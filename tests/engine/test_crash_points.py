@@ -28,7 +28,7 @@ import pytest
 import tract_async as tract
 from tract_async import crashpoints as CP
 from tract_async import errors as E
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_engine as P

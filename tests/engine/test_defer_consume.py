@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import tract_async as tract
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tests.support.engine_util import TINY, cfg, kv_for_keys
 
 

@@ -23,7 +23,7 @@ from tract_async.stores import blocks as bfb
 from tract_async import errors as E
 from tests.support.engine_http_util import http_cfg, http_pair, needs_nixl
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.keys import keys_to_words
 from tract_kernels.intrinsics import monotonic_ns
 

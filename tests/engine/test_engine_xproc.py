@@ -142,7 +142,7 @@ async def test_a_restarted_node_id_evicts_and_closes_over_its_predecessors_block
     recovery reclaims them."""
     import signal
 
-    from tract_async.fsck import run_fsck
+    from tract_async.tools.fsck import run_fsck
     ids = list(range(16 * 6))
     async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng0:
         eng0._store.blocks.reclaims_dead = lambda: False    # the window: no reclaim yet

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import pytest
 
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_rack as R

@@ -30,7 +30,7 @@ import pytest
 
 import tract_async as tract
 from tract_async import errors as E
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tests.support.paused import (assert_region_clean, end_worker, in_thread, report,
                                   start_paused_worker, stopped)
 from tests.support.engine_util import block_matches, cfg, kv_for_keys, until

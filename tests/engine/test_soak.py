@@ -1,4 +1,4 @@
-"""The soak (``tract_async.soak``) for CI: random put, get, lookup and evict by real processes
+"""The soak (``tract_async.tools.soak``) for CI: random put, get, lookup and evict by real processes
 under the incoherent backend, kill -9 and restart, then zero wrong bytes, zero fsck findings
 and bounded memory. CI runs it bounded by counts (kills, operations); the long form (``slow``)
 by time: ``TRACT_SOAK_S`` (default 120 s; ``bench/soak.py`` runs an hour)."""
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tract_async import soak
+from tract_async.tools import soak
 
 # issue 37: one xdist worker runs these racks of processes one after another (two at once on
 # two cores starved a decode service past its 10 s SIGTERM grace)

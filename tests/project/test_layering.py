@@ -10,7 +10,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 UPPER = ("tract_async.sync", "tract_async.engine", "tract_async.transport", "tract_async.cuda",
-         "tract_async.serving", "tract_async.stores", "tract_async.fsck", "tract_async.cli",
+         "tract_async.serving", "tract_async.stores", "tract_async.tools.fsck", "tract_async.cli",
          "tract_async.loadtest")
 
 

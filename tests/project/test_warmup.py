@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tract_async.cli import build_parser
-from tract_async.warmup import cache_state
+from tract_async.tools.warmup import cache_state
 
 
 def test_warm_after_the_sessions_warm_up() -> None:
@@ -22,7 +22,7 @@ def test_warm_after_the_sessions_warm_up() -> None:
 def test_a_cold_cache_is_announced_once_with_counts(tmp_path) -> None:
     """A fresh NUMBA_CACHE_DIR (Numba reads it at import: hence a process of its own). The
     notice comes before anything compiles, names the modules and the directory, once."""
-    code = ("from tract_async.warmup import notice_if_cold\n"
+    code = ("from tract_async.tools.warmup import notice_if_cold\n"
             "st = notice_if_cold()\nassert st is not None and st.cold\n"
             "assert notice_if_cold() is None\n"
             "print(st.cold_functions, st.total_functions, len(st.cold_modules))\n")
@@ -51,7 +51,7 @@ def test_nothing_compiles_after_the_warm_up(tmp_path) -> None:
     path = f"/dev/shm/tract-test-warm-{os.getpid()}"
     code = f"""
 import asyncio, numpy as np, tract_async as tract
-from tract_async import warmup
+from tract_async.tools import warmup
 async def main():
     lay = tract.KVLayout(num_layers=2, block_tokens=4, kv_heads=1, head_dim=8, dtype="float32")
     cfg = dict(layout=lay, region={path!r}, region_bytes=16 << 20, namespace="w")

@@ -12,7 +12,7 @@ import pytest
 
 from tract_async import errors as E
 from tract_async.region.alloc import Allocation, Allocator, allocations_of_rows, sections_for
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.sync import GlobalLock, LockManager, heartbeat_forever
 from tests.support import procs_lock as P
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import tract_async as tract
 from tract_async import errors as E
-from tract_async import fsck
+from tract_async.tools import fsck
 from tract_async.keys import keys_to_words
 from tract_async.region import Region
 from tract_async.region import layout as L

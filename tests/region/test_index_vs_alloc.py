@@ -28,7 +28,7 @@ import tract_kernels as K
 from tract_async import errors as E
 from tract_async.keys import keys_to_words
 from tract_async.region import index as ix
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tests.support import procs_engine as P
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
 

@@ -12,7 +12,7 @@ import signal
 from typing import Any, Callable
 
 from tract_async import crashpoints as CP
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_engine as P

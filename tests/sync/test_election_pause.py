@@ -21,7 +21,7 @@ import signal
 import time
 
 from tract_async import crashpoints as CP
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.sync import read_manager
 from tests.support import procs_elect as E

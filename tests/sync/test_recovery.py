@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tract_async.fsck import run_fsck
+from tract_async.tools.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_lock as P

@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(s.mode in REGION_MODES for s in SYSTEMS if s.name in args.system_list):
         # Compile (or load from Numba's cache) the region kernels once, here: on a fresh host
         # six workers compiling them at once miss their own deadlines (README, "Cold Numba cache")
-        from tract_async.warmup import warm_up
+        from tract_async.tools.warmup import warm_up
         report["kernel_warmup_s"] = round(warm_up(backends=("hw",)), 1)
     try:
         tract.run(bounded())

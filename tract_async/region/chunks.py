@@ -6,7 +6,7 @@ one writer at a time, handed over by the lock: a new holder invalidates before i
 old one flushed before it released (the lock's release order, ``sync/slots.py``). The global tier
 never touches the chunks themselves or the per-node heap records (``alloc.py``).
 
-Invariants (checked by ``tract_async/fsck.py``):
+Invariants (checked by ``tract_async/tools/fsck.py``):
 * bit ``c`` of the bitmap is set exactly when ``owners[c].owner != 0``;
 * ``counts[n].chunks`` is the number of chunks whose owner is ``n``;
 * every owned chunk's owner is a live node with the recorded epoch (otherwise recovery reclaims);

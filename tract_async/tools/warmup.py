@@ -2,7 +2,7 @@
 
 Numba compiles on first call (seconds per function family on a cold cache). A rack of freshly
 started processes that all compile at once on a small machine can miss its own heartbeats and
-lock deadlines while it does. ``python -m tract_async.warmup`` (or ``warm_up()``) runs a short
+lock deadlines while it does. ``python -m tract_async.tools.warmup`` (or ``warm_up()``) runs a short
 scenario that exercises the kernels, the index, the waits, the lock and its manager, the
 allocator and fsck on a throw-away region in ``/dev/shm``, on both memory backends, and removes
 the region. With ``NUMBA_CACHE_DIR`` set, everything after it starts warm.
@@ -133,7 +133,7 @@ async def _scenario(path: str, backend: str) -> None:
     # compile them after the warm-up
     from tract_async.cuda import direct
     direct.template(layout, np.arange(3, dtype=np.int64) * layout.block_bytes, False, 0)
-    from tract_async.fsck import run_fsck
+    from tract_async.tools.fsck import run_fsck
     run_fsck(path, backend=backend)
 
 

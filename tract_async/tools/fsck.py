@@ -48,15 +48,15 @@ import numpy as np
 
 import tract_kernels as K
 
-from .errors import RootNameNotFound
-from .region import layout as L
-from .region.alloc import GEN_MASK, decode_entry, heap_record, ring_state
-from .region.chunks import J_PENDING, OP_NAMES, ChunkTable
-from .region.index import READY, RESERVED, TOMBSTONE, PrefixIndex, evict_batch, tag_value
-from .region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
-from .region.region import Region
-from .sync import slots as S
-from .sync.manager_line import manager_valid, read_manager
+from ..errors import RootNameNotFound
+from ..region import layout as L
+from ..region.alloc import GEN_MASK, decode_entry, heap_record, ring_state
+from ..region.chunks import J_PENDING, OP_NAMES, ChunkTable
+from ..region.index import READY, RESERVED, TOMBSTONE, PrefixIndex, evict_batch, tag_value
+from ..region.nodes import DEFAULT_LIVENESS_TIMEOUT_S, NodeInfo
+from ..region.region import Region
+from ..sync import slots as S
+from ..sync.manager_line import manager_valid, read_manager
 
 S_FSCK_READ = K.site("fsck.read.invalidate")
 S_FSCK_FLUSH = K.site("fsck.repair.flush")
@@ -417,7 +417,7 @@ def _repair_offline(region: Region, rep: FsckReport, liveness_timeout_s: float) 
 
 
 async def _repair_online(region: Region, rep: FsckReport, liveness_timeout_s: float) -> None:
-    from .sync import GlobalLock, LockManager, heartbeat_forever
+    from ..sync import GlobalLock, LockManager, heartbeat_forever
     nodes = region.nodes.all(timeout_s=liveness_timeout_s)
     free_ids = [n.node_id for n in nodes if not n.live]
     for nid in free_ids:

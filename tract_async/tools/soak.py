@@ -177,7 +177,7 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
     with ``ops_per_kill`` operations of its own; ``seconds`` is then only a limit, and reaching
     it is an error (``SoakResult.errors``). ``kill_every_s`` applies only to the timed form."""
     import tract_async as tract
-    from tract_async.fsck import run_fsck
+    from tract_async.tools.fsck import run_fsck
 
     async def create() -> None:
         async with tract.Engine.open(config(path, 0, create=True, liveness_s=liveness_s)):
