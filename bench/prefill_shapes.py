@@ -35,19 +35,6 @@ import torch  # noqa: E402
 LENGTHS = [646, 3795, 5023, 5956, 6138, 7410]    # the rag workload's prompt lengths
 
 
-def _commit() -> str:
-    env = os.environ.get("TRACT_GIT_COMMIT")
-    if env:
-        return env
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", nargs="+", default=["default", "no-cudnn"],
@@ -111,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
                          "total_first_ms": f[1], "total_second_ms": s[1]})
             print(table(rows[-1:], list(rows[-1])), flush=True)
     allow_cudnn_attention(True) if device == "cuda" else None
-    commit = _commit()
+    info = machine()
+    commit = info.get("git") or "unknown"   # TRACT_GIT_COMMIT where the tree has no .git
     card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     print("\n" + table(rows, list(rows[0])))
     os.makedirs(a.out_dir, exist_ok=True)
     path = os.path.join(a.out_dir, time.strftime("prefill-shapes-%Y%m%d-%H%M%S-") + commit + ".json")
     import json
     with open(path, "w") as f:
-        json.dump({"machine": machine(), "card": card, "commit": commit, "torch": torch.__version__,
+        json.dump({"machine": info, "card": card, "commit": commit, "torch": torch.__version__,
                    "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                    "smoke": a.smoke, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
