@@ -21,7 +21,6 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -36,14 +35,10 @@ from tests.support.paused import (assert_region_clean, end_worker, in_thread, re
                                   start_paused_worker, stopped)
 from tests.support.engine_util import block_matches, cfg, kv_for_keys, until
 from tests.support import warmproc
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 
 WARM = warmproc.context()   # the two children of each point: forked warm (tests/support/warmproc)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_forkserver_left() -> Iterator[None]:
-    yield
-    warmproc.stop()
 LIVENESS_S = 1.0
 REGION = dict(region_bytes=8 << 20, chunk_bytes=256 << 10)
 NODE2_IDS = list(range(9_000_000, 9_000_000 + 16 * 8))

@@ -13,7 +13,6 @@ two processes shares one record; the cross-process cases run on the incoherent s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -24,15 +23,11 @@ from tract_async.region.namespaces import NamespaceTable
 from tract_async.stores import fused
 from tests.support import procs_engine as P
 from tests.support import warmproc
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
 
 SPAWN = warmproc.context()   # children fork warm (tests/support/warmproc)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_forkserver_left() -> Iterator[None]:
-    yield
-    warmproc.stop()
 TWIN = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=4, head_dim=32, dtype="float32")
 WIDE = tract.KVLayout(num_layers=8, block_tokens=16, kv_heads=2, head_dim=32, dtype="float32")
 assert TWIN.block_bytes == TINY.block_bytes and WIDE.block_bytes == 2 * TINY.block_bytes

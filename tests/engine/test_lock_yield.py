@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -28,15 +27,11 @@ import tract_kernels as K
 from tract_async.sync import slots as S
 from tests.support import procs_engine as P
 from tests.support import warmproc
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 from tests.support.engine_util import TINY, cfg, kv_for_keys
 
 SPAWN = warmproc.context()   # children fork warm (tests/support/warmproc)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_forkserver_left() -> Iterator[None]:
-    yield
-    warmproc.stop()
 BUSY_S = 3.0
 
 

@@ -14,7 +14,10 @@ arguments (``crashpoints.arm(point)``), never through the environment.
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Iterator
 from multiprocessing.context import BaseContext
+
+import pytest
 
 PRELOAD = "tests.support.warmproc_preload"
 
@@ -33,3 +36,10 @@ def stop() -> None:
     tests use."""
     from multiprocessing import forkserver
     forkserver._forkserver._stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver_stopped_after_module() -> Iterator[None]:
+    """Imported by a test module that uses :func:`context`: stops the server at its end."""
+    yield
+    stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,16 +15,12 @@ from tract_async.sync import slots as S
 from tract_async.sync import manager as M  # noqa: F401  (registers the election sites)
 from tests.support import procs_lock as P
 from tests.support import warmproc
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 from tests.sync.test_election import ELECTION_SITES
 
 SPAWN = warmproc.context()   # the counter workers fork warm (tests/support/warmproc)
 LIVENESS_S = 1.0
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_forkserver_left() -> Iterator[None]:
-    yield
-    warmproc.stop()
 
 
 def run_counter(path: str, backend: str, *, nodes: int = 4, cycles: int = 2000,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,15 +12,11 @@ import tract_async as tract
 from tract_async.sync.manager import read_manager
 from tests.support import procs_engine as P
 from tests.support import warmproc
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 from tests.support.engine_util import block_matches, cfg, kv_for_keys
 
 SPAWN = warmproc.context()   # children fork warm (tests/support/warmproc)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_forkserver_left() -> Iterator[None]:
-    yield
-    warmproc.stop()
 
 
 async def _qget(q, timeout: float = 120.0):  # noqa: ANN001, ANN202

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,14 +17,10 @@ from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_lock as P
 from tests.support import warmproc
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 
 SPAWN = warmproc.context()   # the workers fork warm (tests/support/warmproc)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_forkserver_left() -> Iterator[None]:
-    yield
-    warmproc.stop()
 LIVENESS_S = 1.0
 BOUND_S = 2 * LIVENESS_S
 """Every survivor operation completes within this of the kill (issue 36's acceptance: 2 s)."""
