@@ -3,11 +3,22 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import uuid
 
 import pytest
 
-import tract_async  # noqa: F401 - first: its import keeps ./kernels from shadowing Hugging Face's
+# One OpenMP thread per torch process (a test run's own, and every process it starts, which
+# inherit it; the serving racks' workers set torch_threads=1 themselves). torch's default is a
+# thread per core, and an idle OpenMP thread spin-waits: two xdist workers on two cores each
+# ran two such threads, and the in-process model tests (test_serving_model.py,
+# test_batching.py) took 37-49 s instead of 17-18 s, at 2.5x the CPU time, on the 2-core VM.
+# Set before anything imports torch (nothing has yet: pytest and its plugins do not); an
+# OMP_NUM_THREADS set outside is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import tract_async  # noqa: E402,F401 - first: its import keeps ./kernels from shadowing Hugging Face's
+from tests.support import xdist_groups  # noqa: E402
 
 
 def _cuda_available() -> bool:
@@ -18,7 +29,9 @@ def _cuda_available() -> bool:
         return False
 
 
+@pytest.hookimpl(trylast=True)   # after pytest-xdist's own (a worker's group suffix)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    xdist_groups.apply(config, items)   # tests/support/xdist_groups.py
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run bench/gpu_suite.sh on the device)")
@@ -37,7 +50,14 @@ def _warm_numba_cache() -> None:
     ``python -m tract_async.tools.warmup`` leaves it) is not run again: CI compiles once. Under
     pytest-xdist every worker is a session: the first to come compiles, under the warm-up's own
     file lock (the one ``Engine.open``'s ``ensure_warm`` takes), and the others then find the
-    stamps and load."""
+    stamps and load.
+
+    ``TRACT_TESTS_NO_KERNELS=1``: a session that calls no kernel (``.ci/run``'s early pass of
+    the spin model checks, while the warm-up compiles) neither warms nor loads; ``.ci/run``
+    gives it a cache directory of its own, so that a kernel it did call anyway would compile
+    there, not into the cache the warm-up is filling."""
+    if os.environ.get("TRACT_TESTS_NO_KERNELS") == "1":
+        return
     import fcntl
     from tract_async.tools.warmup import stamp_path, warm_up
 
@@ -291,6 +311,9 @@ def _stop_stray_children() -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    zygotes = sys.modules.get("tract_async.serving.zygote")
+    if zygotes is not None:     # the warm parents of forked services live to the end: stop them
+        zygotes.shutdown_all()
     _stop_stray_children()
     # Only this session's files (the pid is in the name): other pytest sessions may be running.
     leftovers = glob.glob(f"/dev/shm/tract-test-{os.getpid()}-*")

@@ -64,11 +64,16 @@ ARMED = False
 this before calling ``hit``."""
 
 
-def arm(target: str | None = None) -> None:
+def arm(target: str | None = None, action: str | None = None) -> None:
     """Start killing at the configured point (a no-op without ``TRACT_CRASH_AT``), or at
     ``target`` where given: a process forked from a warm parent that imported this module
-    before the point was chosen (the environment is read only at import) names it here."""
-    global ARMED, _TARGET
+    before the point was chosen (the environment is read only at import) names it here, and
+    its ``action`` (``kill`` or ``stop``, as ``TRACT_CRASH_ACTION``) too."""
+    global ARMED, _TARGET, _ACTION
+    if action is not None:
+        if action not in ("kill", "stop"):
+            raise ValueError(f"action {action!r}: expected 'kill' or 'stop'")
+        _ACTION = action
     if target is not None:
         if target not in POINTS:
             raise ValueError(f"{target!r} names no crash point; known: {', '.join(POINTS)}")

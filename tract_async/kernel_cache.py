@@ -197,7 +197,9 @@ def stamp_path(backend: str) -> str | None:
     this cache" (``build_digest``); None where Numba's cache cannot be located."""
     ds = _engine_dispatchers()
     try:
-        base = os.environ.get("NUMBA_CACHE_DIR") or os.path.dirname(ds[0]._cache._cache_path)
+        # Numba's own cache folder (``__pycache__`` beside the module without NUMBA_CACHE_DIR),
+        # never the source folder: the stamp and its lock are cache files, not package files
+        base = os.environ.get("NUMBA_CACHE_DIR") or ds[0]._cache._cache_path
     except (AttributeError, IndexError):
         return None
     return os.path.join(base, f"tract-warm-{backend}-{build_digest(backend)}")

@@ -113,3 +113,23 @@ def keys_to_words(keys: Iterable[bytes]) -> "np.ndarray":  # noqa: F821
         bad = next(k for k in ks if len(k) != KEY_BYTES)
         raise ValueError(f"a block key has {KEY_BYTES} bytes, got {len(bad)}")
     return np.frombuffer(b"".join(ks), dtype="<u8").reshape(len(ks), 4).copy()
+
+
+class KeyBatch:
+    """The keys of one operation and their index words: one value, not a pair.
+
+    A put or read needs its keys as bytes (the book of blocks in flight, error messages,
+    announcements) and as words (``keys_to_words``: what the jitted index probes). Both travel
+    together from the transaction that computed the words once down to the index, the fill
+    book and the eviction policy. The transactions (``stores/txn.py``) are key batches
+    themselves, so that a step hands itself on and nothing is built per operation; ``words``
+    is None there until a step needs it (a later layer of blocks in flight needs none).
+    Everything a batch is handed to reads ``words`` as set."""
+    __slots__ = ("keys", "words")
+
+    def __init__(self, keys: list[bytes], words: "np.ndarray | None" = None) -> None:  # noqa: F821
+        self.keys = keys
+        self.words = keys_to_words(keys) if words is None else words
+
+    def __len__(self) -> int:
+        return len(self.keys)

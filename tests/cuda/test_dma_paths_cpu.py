@@ -317,7 +317,7 @@ def test_early_publish_from_another_thread_while_the_loop_is_blocked(region_path
             got = await cons.get_kv(keys, out=np_out(keys), timeout=1.0)
             assert all(block_matches(keys, got))
             assert b.stats.early_publishes == 1
-            assert not b._reserved
+            assert not b.book.reserved
     asyncio.run(main())
 
 

@@ -22,7 +22,7 @@ from tests.support.engine_util import TINY, cfg, kv_for_keys
 from tract_async.region import Region
 from tract_async.region import gangcopy as G
 from tract_async.region import index as ix
-from tract_async.stores import cpucopy
+from tract_async.stores import cpucopy, routing
 
 MiB = 1 << 20
 ROW = 16 << 10
@@ -61,7 +61,7 @@ async def test_every_kind_copies_exactly_on_the_gang(region: Region) -> None:
             for nt in (False, True):       # copy_out, and copy_out_nt (forced by the size)
                 dst = torch.zeros(nbytes, dtype=torch.uint8)
                 if nt:
-                    big = cpucopy.NT_READ_BYTES
+                    big = routing.NT_READ_BYTES
                     plan_nt = _plan(big, region.data_offset)
                     dst = torch.zeros(big, dtype=torch.uint8)
                     src_nt = torch.randint(0, 256, (big,), dtype=torch.uint8)

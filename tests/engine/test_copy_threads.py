@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tract_async as tract
+from tract_async.stores import routing
 from tract_async import errors as E
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
 from tract_async.tools.fsck import run_fsck
@@ -174,7 +175,7 @@ async def test_default_store_resolves_copy_threads_from_the_host(region_path: st
 
 def test_threads_grow_with_the_copy_up_to_copy_threads() -> None:
     mib = 1 << 20
-    assert rs.PARALLEL_COPY_BYTES == 2 * mib and rs.THREAD_MIN_BYTES == mib
+    assert routing.PARALLEL_COPY_BYTES == 2 * mib and routing.THREAD_MIN_BYTES == mib
     assert rs.threads_for(2 * mib - 1, 8) == 1        # below the threshold: one thread
     assert rs.threads_for(2 * mib, 8) == 2
     assert rs.threads_for(4 * mib, 8) == 4            # a 16 MiB handoff's layer

@@ -50,7 +50,7 @@ async def test_without_defer_the_read_frees_before_it_returns(region_path: str) 
         await a.put_kv(keys, kv)
         assert torch.equal(await b.get_kv(keys), kv)
         assert b.lookup(keys) == 0 and b.stats()["consumed"] == len(keys)
-        assert b._store.blocks._consume_task is None
+        assert b._store.blocks.consumer.task is None
     finally:
         await b.close()
         await a.close()

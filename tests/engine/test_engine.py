@@ -209,7 +209,7 @@ async def test_a_batch_split_while_its_layer_is_in_flight(region_path: str, back
         await blocks.abandon(keys[:5])
         assert not handle.whole and blocks.in_flight == len(keys) - 5
         assert blocks.publish(keys, list(range(len(keys))), handle, 1, 0) == len(keys) - 5
-        assert all(blocks._reserved[k].layers_lo == 0b11 for k in keys[5:])
+        assert all(blocks.book.reserved[k].layers_lo == 0b11 for k in keys[5:])
         for layer in range(1, TINY.num_layers):    # the rest of the put, all keys again
             await a.put_kv(keys, kv[layer].contiguous(), layer=layer)
         assert blocks.in_flight == 5                  # the abandoned five lack layer 0

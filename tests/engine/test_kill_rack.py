@@ -30,9 +30,11 @@ from tract_async.tools.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_rack as R
+from tests.support import warmproc
 from tests.support.procs_engine import dump_and_kill
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 
-SPAWN = mp.get_context("spawn")
+SPAWN = warmproc.context()   # the six nodes fork warm (tests/support/warmproc)
 LIVENESS_S = 1.0
 BOUND_S = 2.0
 """Issue 36's acceptance: every survivor operation completes within 2 s of the kill."""

@@ -56,7 +56,7 @@ async def test_a_block_evicted_between_layers_is_a_miss_never_stale_bytes(
         b = eng._store.blocks
         got = await eng.get_kv(keys, layer=0)          # the known slots: this read's
         assert np.array_equal(np.asarray(got), kv[0])
-        old = b._read_rows[0][1].copy()
+        old = b.reader.known[0][1].copy()
         kv2 = await _evict_and_put_again(eng, keys, kv)
         now = b.snapshot(b.read_words(keys))
         assert (now[:, 0] == old[:, 0]).all(), "the index slots were not reused"
@@ -76,7 +76,7 @@ async def test_negative_control_without_revalidation_the_old_payload_is_read(
         keys, kv = await _setup(eng)
         b = eng._store.blocks
         await eng.get_kv(keys, layer=0)
-        old = b._read_rows[0][1].copy()
+        old = b.reader.known[0][1].copy()
         kv2 = await _evict_and_put_again(eng, keys, kv)
         now = b.snapshot(b.read_words(keys))
         assert (now[:, 3] != old[:, 3]).all(), "some payloads stayed in place"

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import tract_async as tract
+from tract_async.stores import routing
 from tract_async import errors as E
 from tract_async.keys import keys_to_words
 from tract_async.region import gangcopy as G
-from tract_async.stores import parallel as P
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
 
 N = 96          # blocks: 3 MiB of TINY's 32 KiB blocks (>= PARALLEL_COPY_BYTES whole)
@@ -133,7 +133,7 @@ async def test_reads_of_few_blocks_keep_the_step_by_step_path(region_path: str) 
     """Fewer than ``PARALLEL_MIN_BLOCKS`` blocks, even of enough bytes for several threads."""
     lay = tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=8, head_dim=128,
                          dtype=TINY.dtype)                         # 256 KiB blocks
-    n = P.PARALLEL_MIN_BLOCKS - 1
+    n = routing.PARALLEL_MIN_BLOCKS - 1
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=4, layout=lay,
                                      chunk_bytes=4 << 20, region_bytes=64 << 20)) as a:
         keys = a.block_keys(range(n * lay.block_tokens))
@@ -175,7 +175,7 @@ async def test_large_groups_all_go_to_the_workers(region_path: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups above ``LOOP_SHARE_MAX_BYTES`` are all read by the workers (the loop's thread
     would be held for their whole copy); the bytes are exact either way."""
-    monkeypatch.setattr(P, "LOOP_SHARE_MAX_BYTES", 1 << 20)      # 3 MiB in 3 groups: 1 MiB
+    monkeypatch.setattr(routing, "LOOP_SHARE_MAX_BYTES", 1 << 20)      # 3 MiB in 3 groups: 1 MiB
     async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=3)) as a:
         x = _keys(a, 0)
         await a.put_kv(x, kv_for_keys(x, as_numpy=True))
@@ -184,7 +184,7 @@ async def test_large_groups_all_go_to_the_workers(region_path: str,
         got = await a.get_kv(x, out=np_out(x))
         assert all(block_matches(x, got))
         assert a._store.stats.parallel_read_groups == 3    # 1 MiB a group: the loop reads one
-        monkeypatch.setattr(P, "LOOP_SHARE_MAX_BYTES", (1 << 20) - 1)
+        monkeypatch.setattr(routing, "LOOP_SHARE_MAX_BYTES", (1 << 20) - 1)
         got = await a.get_kv(x, out=np_out(x))
         assert all(block_matches(x, got))
         st = a._store.stats

@@ -9,6 +9,8 @@ import os
 import pytest
 
 from tract_async.tools import soak
+from tests.support import warmproc
+from tests.support.warmproc import forkserver_stopped_after_module  # noqa: F401  (autouse)
 
 # issue 37: one xdist worker runs these racks of processes one after another (two at once on
 # two cores starved a decode service past its 10 s SIGTERM grace)
@@ -25,8 +27,10 @@ RSS_GROWTH_KIB = 96 << 10
 
 
 def test_soak_zero_wrong_bytes_zero_findings_bounded_memory(region_path: str) -> None:
+    # its seven worker starts fork from a warm server (tests/support/warmproc.py) instead of
+    # each importing the package and loading the kernels
     res = soak.run(region_path, 300.0, workers=3, kills=SOAK_KILLS,
-                   ops_per_kill=SOAK_OPS_PER_KILL)
+                   ops_per_kill=SOAK_OPS_PER_KILL, mp_context=warmproc.context())
     assert res.kills == SOAK_KILLS and res.restarts == SOAK_KILLS, (res.kills, res.restarts)
     _assert_clean_soak(res, f"{SOAK_KILLS} kills")
 

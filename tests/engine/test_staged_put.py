@@ -25,7 +25,7 @@ from tract_async import errors as E
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
 from tract_async.tools.fsck import run_fsck
 from tract_async.region import index as ix
-from tract_async.stores import region as rstore
+from tract_async.stores import routing
 
 STAGE = 160
 """Blocks per stage in these tests: 5 MiB of TINY's 32 KiB blocks, 1.25 MiB of one layer (a
@@ -34,9 +34,9 @@ stage copied inline, at most ``INLINE_COPY_BYTES``, is not staged)."""
 
 @pytest.fixture(autouse=True)
 def _small_stages(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rstore, "STAGE_BLOCKS", STAGE)
-    monkeypatch.setattr(rstore, "STAGE_MIN_BLOCKS", 2 * STAGE)
-    monkeypatch.setattr(rstore, "STAGE_MIN_BYTES", 4 << 20)
+    monkeypatch.setattr(routing, "STAGE_BLOCKS", STAGE)
+    monkeypatch.setattr(routing, "STAGE_MIN_BLOCKS", 2 * STAGE)
+    monkeypatch.setattr(routing, "STAGE_MIN_BYTES", 4 << 20)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 
 import tract_async as tract
-from tract_async.stores import blocks as B
+from tract_async.stores import reservation as B
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
 
 

@@ -23,6 +23,7 @@ THIRD_PARTY_ATTRS = {
     "_asdict": "namedtuple's public API",
     "_C": "torch._C: the CUDA runtime bindings torch exposes no other way (cuda/events.py)",
     "_attn_implementation": "transformers' attention switch on a config (serving/model.py)",
+    "_exit": "os._exit: how a forked child ends without its parent's cleanups (serving/zygote.py)",
 }
 # per file: Numba's cache internals, which the kernel-cache preload reads (no public API);
 # ctypes.CDLL's library path

@@ -124,3 +124,15 @@ print("compiled here:", len(compiled))
                          timeout=600, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "compiled here: 0" in res.stdout, res.stdout + res.stderr
+
+
+def test_the_warm_up_imports_no_torch() -> None:
+    """.ci/run installs the extras (transformers among them) while the warm-up compiles, and
+    the core needs no torch: the warm-up imports neither. Its scenario reads into numpy arrays
+    (a get without ``out`` returns a torch tensor where torch is installed)."""
+    code = ("import sys\nfrom tract_async.tools.warmup import warm_up\nwarm_up(backends=('hw',))\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout

@@ -431,3 +431,86 @@ def test_merge_makes_one_report_of_parts_and_refuses_what_does_not_fit(tmp_path)
                  "--out-dir", str(tmp_path / "m6")]) == 0
     assert main(["--merge", str(tmp_path / "a"), str(tmp_path / "c"),
                  "--out-dir", str(tmp_path / "m7")]) == 2
+
+
+# --- the one SSE reader (serving/workload.completion_messages) through both clients, and the
+# --- budget of a load run (loadtest/runner.within_budget) ---------------------------------------
+@pytest.fixture
+async def sse_server():
+    """``/v1/completions`` streams one token, then: ``cut`` (prompt[1] == 1) ends without
+    ``[DONE]``, ``error`` (2) sends an in-band error event, anything else ``[DONE]``."""
+    async def handle(request: web.Request) -> web.StreamResponse:
+        kind = orjson.loads(await request.read())["prompt"][1]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b": a comment line\n\ndata: " + orjson.dumps(
+            {"choices": [{"token_ids": [7]}], "tract": {"ttft_ms": 2.0}}) + b"\n\n")
+        if kind == 2:
+            await resp.write(b'data: {"error": {"message": "decode died"}}\n\n')
+        elif kind != 1:
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+async def test_both_clients_read_the_stream_alike(sse_server):
+    import aiohttp
+    from tract_async.serving.errors import UpstreamFailed
+    from tract_async.serving.workload import StreamCutShort, complete_streaming
+    url = sse_server
+    async with aiohttp.ClientSession() as s:
+        tokens, ttft_s, tract = await complete_streaming(s, url, [256, 0, 3], 4)
+        assert tokens == [7] and tract == {"ttft_ms": 2.0} and ttft_s > 0
+        with pytest.raises(StreamCutShort, match=r"without data: \[DONE\]"):
+            await complete_streaming(s, url, [256, 1, 3], 4)
+        with pytest.raises(UpstreamFailed, match="decode died"):
+            await complete_streaming(s, url, [256, 2, 3], 4)
+    recs = await run_closed_loop(url, [
+        LoadRequest(index=i, workload="unique", group=i, step=0, max_tokens=4,
+                    prompt_ids=(256, i, 3)) for i in range(3)], 1)
+    assert recs[0].ok and recs[0].output_ids == [7] and recs[0].router_ttft_ms == 2.0
+    assert recs[1].error == "the stream ended without data: [DONE]"
+    assert recs[2].error.startswith("in-band error") and "decode died" in recs[2].error
+    assert all(not math.isnan(r.end_s) for r in recs)
+
+
+async def test_a_load_run_ends_by_its_work_its_budget_or_a_signal():
+    import os
+    import signal
+    from tract_async.loadtest.runner import within_budget
+    report: dict = {}
+    await within_budget(lambda: asyncio.sleep(0), 5, report)
+    assert report["status"] == "ok"
+    cancelled = asyncio.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+    await within_budget(forever, 0.05, report)
+    assert report["status"] == "budget of 0.05 s exhausted" and cancelled.is_set()
+
+    async def interrupt_me() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(3600)
+    # a task of its own: the SIGINT cancels the task that runs the load, as in `tract bench`
+    await asyncio.create_task(within_budget(interrupt_me, 60, report))
+    assert report["status"] == "interrupted"
+    # its handlers are gone afterwards: SIGINT is Python's KeyboardInterrupt again
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(RuntimeError):
+        await within_budget(_raise_runtime_error, 5, report)
+
+
+async def _raise_runtime_error() -> None:
+    raise RuntimeError("not the budget's business")

@@ -9,6 +9,7 @@ timed.
 """
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 
@@ -18,6 +19,7 @@ import pytest
 
 from tract_async.serving.launcher import Rack
 from tract_async.serving.protocol import REGION_MODES
+from tract_async.serving.zygote import ForkedProcess
 from tract_async.serving.workload import ChatWorkload, Conversation, complete_streaming
 from tests.support.engine_http_util import needs_nixl
 
@@ -53,16 +55,25 @@ def expected_hit(prompt: list[int], earlier: list[list[int]]) -> int:
     return min(best, len(prompt) // T)
 
 
-@pytest.mark.parametrize("mode", ["http", "region-transfer", "region-cache", "recompute",
-                                  "rdma-model", pytest.param("nixl", marks=needs_nixl)])
-async def test_disaggregated_outputs_equal_single_process(mode, model, region_path, tmp_path):
+# launch: each mode's services forked from the warm zygote (the default on the CPU), and one
+# mode's exec'd as fresh interpreters, the other way a service starts (tract_async.serving.zygote)
+@pytest.mark.parametrize("mode,launch", [
+    ("http", "auto"), ("region-transfer", "auto"), ("region-cache", "auto"),
+    pytest.param("region-cache", "exec", id="region-cache-exec"), ("recompute", "auto"),
+    ("rdma-model", "auto"), pytest.param("nixl", "auto", marks=needs_nixl)],
+    ids=lambda v: "fork" if v == "auto" else v)
+async def test_disaggregated_outputs_equal_single_process(mode, launch, model, region_path,
+                                                          tmp_path):
     workload = ChatWorkload(conversations=2, turns=2, system_chars=200, user_chars=60,
                             max_new_tokens=MAX_NEW, seed=3)
     rack = Rack(mode=mode, region=region_path, log_dir=str(tmp_path), seed=0, block_tokens=T,
-                region_bytes=64 << 20, torch_threads=1, layer_timeout_s=60.0)
+                region_bytes=64 << 20, torch_threads=1, layer_timeout_s=60.0, launch=launch)
     sent: list[list[int]] = []
     async with rack, aiohttp.ClientSession() as session:
         url = rack.router_url
+        want = asyncio.subprocess.Process if launch == "exec" else ForkedProcess
+        assert all(isinstance(sp.proc, want) for sp in rack.services), [
+            (sp.role, type(sp.proc)) for sp in rack.services]
         if mode in REGION_MODES:
             assert os.path.exists(region_path)
         # the workload: turns in order, conversations one after the other

@@ -5,17 +5,16 @@ stopped itself, and the end of such a test (the child gone, the region clean, no
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import queue
 import signal
 from typing import Any, Callable
 
-from tract_async import crashpoints as CP
 from tract_async.tools.fsck import run_fsck
 from tract_async.region import Region
 from tract_async.region.chunks import ChunkTable
 from tests.support import procs_engine as P
+from tests.support import warmproc
 
 
 async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -35,17 +34,14 @@ async def report(q: Any, procs: list, timeout: float) -> Any:
 
 
 def start_paused_worker(region_path: str, point: str) -> tuple[Any, Any, Any]:
-    """``procs_engine.paused_worker`` in a spawned child that stops itself (SIGSTOP) at crash
-    point ``point``; returns ``(process, q_in, q_out)``. The crash-point variables are set for
-    the spawn only."""
-    spawn = mp.get_context("spawn")
-    q_in, q_out = spawn.Queue(), spawn.Queue()
-    os.environ[CP.ENV], os.environ[CP.ENV_ACTION] = point, "stop"
-    try:
-        worker = spawn.Process(target=P.paused_worker, args=(region_path, q_in, q_out))
-        worker.start()
-    finally:
-        del os.environ[CP.ENV], os.environ[CP.ENV_ACTION]
+    """``procs_engine.paused_worker`` in a child forked warm (``tests/support/warmproc``: a
+    module that calls this stops the server at its end) that stops itself (SIGSTOP) at crash
+    point ``point``, given as an argument (the child has the server's environment); returns
+    ``(process, q_in, q_out)``."""
+    ctx = warmproc.context()
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    worker = ctx.Process(target=P.paused_worker, args=(region_path, q_in, q_out, point))
+    worker.start()
     return worker, q_in, q_out
 
 

@@ -340,10 +340,11 @@ def busy_loop_node(path: str, backend: str, node_id: int, token_ids: list[int], 
     tract.run(main())
 
 
-def paused_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
+def paused_worker(path: str, q_in, q_out, point: str | None = None) -> None:  # noqa: ANN001
     """Node 0 of the paused-holder test (started with TRACT_CRASH_AT=<point> and
-    TRACT_CRASH_ACTION=stop): stores its "before" blocks and reports them; on "go" arms the
-    point and puts and reads until it has stopped itself there once (SIGSTOP: a node paused,
+    TRACT_CRASH_ACTION=stop, or given ``point``: a child forked from a warm server has the
+    server's environment, and then stops at ``point``): stores its "before" blocks and reports
+    them; on "go" arms the point and puts and reads until it has stopped itself there once (SIGSTOP: a node paused,
     not dead) and was continued, then runs ``AFTER_ROUNDS`` more rounds. Every step that
     fails with a TractError is counted by type, not raised: a revoked or evicted node must
     refuse its writes cleanly, never corrupt or leak. Reads are checked byte for byte. Closes
@@ -368,7 +369,7 @@ def paused_worker(path: str, q_in, q_out) -> None:  # noqa: ANN001
             await eng.put_kv(before, kv_for_keys(before, as_numpy=True))
             q_out.put(("before", 0, len(before)))
             assert await loop.run_in_executor(None, q_in.get) == "go"
-            CP.arm()
+            CP.arm(point, action="stop" if point is not None else None)
             after = 0
             for r in range(400):
                 if CP.STOPPED:

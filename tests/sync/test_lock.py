@@ -391,8 +391,11 @@ async def test_a_live_rival_with_a_stale_snapshot_keeps_its_place_in_the_bakery(
                 host.beat()
                 await asyncio.sleep(0.02)
 
+        starts: list[float] = []
+
         async def one_round(waiter: LockManager) -> tuple[bool, float]:
             t0 = time.monotonic()
+            starts.append(t0)
             won = await waiter._elect()
             return won, time.monotonic() - t0
 
@@ -405,7 +408,11 @@ async def test_a_live_rival_with_a_stale_snapshot_keeps_its_place_in_the_bakery(
             rival._write_candidate(candidate=1, choosing=0, number=1)
             assert not r.nodes.info(0, timeout_s=LIVENESS_S).live      # the snapshot says stale
             rnd = tg.create_task(one_round(waiter))
-            await asyncio.sleep(2.5 * LIVENESS_S)
+            # 2.5 liveness periods from the round's own start (not from here: beside busy loops
+            # the task began a slice after a sleep armed here, and took 2.499 s once)
+            while not starts:
+                await asyncio.sleep(0)
+            await asyncio.sleep(starts[0] + 2.5 * LIVENESS_S - time.monotonic())
             assert not rnd.done(), "the waiter passed a live rival on a stale snapshot"
             rival._write_candidate(candidate=1, choosing=0, number=0)   # the rival leaves
             won, took = await asyncio.wait_for(rnd, 5)

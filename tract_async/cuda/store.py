@@ -32,10 +32,11 @@ import tract_kernels as K
 from ..stores import plan as kvplan
 from ..host.gcpause import PAUSE_MIN_BLOCKS, gc_paused
 from ..errors import BlockEvicted
-from ..keys import keys_to_words
 from ..region import index as ix
 from ..region.index import SNAP_POFF
-from ..stores.blocks import FillBatch
+from ..stores.fillbook import FillBatch
+from ..stores.txn import PutTxn, ReadTxn
+from ..stores import routing as R
 from . import tables
 from .copy import Copier
 from .events import DONE
@@ -200,25 +201,19 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         ready = _PUT_READY.get()
     # a later layer of blocks this node is filling needs neither the key words, nor the index,
     # nor the lock (the request's blocks were reserved once, by its first layer's put)
-    res = b.filling(keys) if layer is not None else None
-    if res is not None:
-        todo: list[int] | range = range(len(keys))
-    else:
-        words = keys_to_words(keys)
-        todo = await b.reserve(keys, words, b.snapshot_for_put(words), timeout)
-        if not todo:
-            b.stats.puts += 1
-            return cpath.track(StreamFuture(DONE, completion=lambda: 0, label="put"))
-        res = b.reservations(keys, todo)
+    txn = PutTxn(b, keys, layer, timeout, "cuda")
+    if not txn.resume() and not await txn.begin():
+        return cpath.track(StreamFuture(DONE, completion=lambda: 0, label="put"))
+    res = txn.res
     if ph is not None:
         ph.add("reserve_incl_lock", t0)
         t0 = time.perf_counter_ns()
-    poffs = b.payload_offsets(res)
+    poffs = txn.offsets()
     try:
         b.alloc.check_not_fenced()      # stores/region.py, "Fenced copies"
         copier = cpath.copier(tensors[0].device)
         dc = None
-        if (cpath.registered and type(make_plan) is ContiguousPlan and len(todo) == len(keys)
+        if (cpath.registered and type(make_plan) is ContiguousPlan and txn.whole()
                 and copier.wants_direct(method)):
             dc = copier.direct_plan(store.layout, poffs, layer, tensors[0].data_ptr())
         if dc is not None:
@@ -226,11 +221,10 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             ev, keep = copier.put_direct(dc, tensors[0], ready)
             m = "direct"
         else:
-            plan = make_plan(poffs, kvplan.positions(list(todo), len(keys)))
+            plan = make_plan(poffs, txn.positions())
             nbytes = plan.nbytes
             if not cpath.registered:
-                return await _put_pinned(store, cpath, copier, keys, todo, res, tensors, plan,
-                                         layer, ready)
+                return await _put_pinned(store, cpath, copier, txn, tensors, plan, ready)
             ev, keep, m = copier.put(plan, tensors, planes=planes_of(store.layout, layer),
                                      ready=ready, method=method)
         fut: StreamFuture | None = None
@@ -238,35 +232,33 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         def publish() -> int:
             # once the DMA has landed (the future's completion, on the loop): the lifecycle's
             # step 3, or its bookkeeping when the poller's early step stored the layer bits
-            return b.publish(keys, todo, res, layer, nbytes,
-                             region_done=fut is not None and fut.early_done)
+            return txn.publish(nbytes, region_done=fut is not None and fut.early_done)
 
         fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
                            not_before_s=nbytes / LINK_BYTES_PER_S, label=f"put/{m}",
-                           early=(lambda: b.publish_early(res, layer))
-                           if type(res) is FillBatch else None, spin_ns=b.spin_ns)
+                           early=txn.publish_early if type(res) is FillBatch else None,
+                           spin_ns=b.spin_ns)
         if ph is not None:
             ph.add("enqueue", t0)
         return cpath.track(fut)
     except BaseException:
-        await b.abandon([keys[i] for i in todo])
+        await txn.abandon()
         raise
 
 
-async def _put_pinned(store: Any, cpath: CudaPath, copier: Copier, keys: list[bytes],
-                      todo: list[int] | range, res: Any, tensors: Sequence[Any],
-                      plan: tables.RowPlan, layer: int | None, ready: Any) -> StreamFuture:
+async def _put_pinned(store: Any, cpath: CudaPath, copier: Copier, txn: PutTxn,
+                      tensors: Sequence[Any], plan: tables.RowPlan, ready: Any) -> StreamFuture:
     """The unregistered fallback: device -> pinned buffer -> CPU copy into the region, then
     publish (on the loop, in order)."""
     nbytes = plan.nbytes
-    ev, keep, pinned = copier.d2h_pinned(plan, tensors, planes=planes_of(store.layout, layer),
+    ev, keep, pinned = copier.d2h_pinned(plan, tensors, planes=planes_of(store.layout, txn.layer),
                                          ready=ready)
     landed = cpath.track(StreamFuture(ev, keep=keep, nbytes=nbytes, label="put/pinned"))
     await landed.wait_landed()
     rows = np.stack([plan.region_off, np.arange(len(plan), dtype=np.int64) * plan.row_bytes,
                      np.full(len(plan), plan.row_bytes, dtype=np.int64)], axis=1)
     await store.copy_in(rows, pinned.data_ptr(), nbytes)
-    value = store.blocks.publish(keys, todo, res, layer, nbytes)
+    value = txn.publish(nbytes)
     return cpath.track(StreamFuture(DONE, completion=lambda: value, label="put/pinned"))
 
 
@@ -317,7 +309,8 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                      result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
     n = len(keys)
     b = store.blocks
-    words, snap = await b.prepare_read(keys, layer, timeout)
+    txn = ReadTxn(b, keys, layer, timeout, "cuda")
+    snap = await txn.prepare()
     poffs = snap[:, SNAP_POFF].copy()
     lay = store.layout
     copier = cpath.copier(tensors[0].device)
@@ -330,7 +323,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     def validate() -> Any:
         # once the DMA has landed (the future's completion): the lifecycle's step 4
         try:
-            b.validate_read(keys, words, snap, nbytes, cpu=not cpath.registered)
+            txn.validate(nbytes, cpu=not cpath.registered)
         except BlockEvicted:
             cpath.validation_failures += 1
             raise
@@ -360,7 +353,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             ev, keep = copier.h2d_pinned(plan, tensors, pinned, planes=planes)
             fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                                label="get/pinned")
-    fut.transfer_mode_info = (words, snap)  # type: ignore[attr-defined]
+    fut.transfer_mode_info = txn  # type: ignore[attr-defined]
     return cpath.track(fut)
 
 
@@ -381,9 +374,6 @@ async def invalidate_for_dma(b: Any, poffs: np.ndarray, layer: int | None) -> in
     return int(need.size)
 
 
-PARALLEL_INVALIDATE_BYTES = 64 << 20
-"""Gets at least this large drop their payload lines from several threads (hardware backend)."""
-
 _inval_pool: Any = None
 
 
@@ -400,7 +390,7 @@ async def drop_cached_payloads(m: Any, poffs: np.ndarray, rel: int, span: int) -
     private cache model is per thread and not thread-safe."""
     nbytes = int(poffs.shape[0]) * span
     threads = _invalidate_threads()
-    if nbytes < PARALLEL_INVALIDATE_BYTES or threads == 1 or m[K.MEM_BACKEND] != K.BACKEND_HW:
+    if nbytes < R.PARALLEL_INVALIDATE_BYTES or threads == 1 or m[K.MEM_BACKEND] != K.BACKEND_HW:
         ix.invalidate_payloads(m, poffs, rel, span)
         return
     global _inval_pool
@@ -430,7 +420,7 @@ async def finish_get(store: Any, cpath: CudaPath, keys: list[bytes], fut: Stream
             cpath.cancelled += 1
         await asyncio.shield(fut.wait_landed())
         raise
-    words, snap = fut.transfer_mode_info  # type: ignore[attr-defined]
-    await store.blocks.consume(keys, words, snap, layer)
+    txn: ReadTxn = fut.transfer_mode_info  # type: ignore[attr-defined]
+    await txn.consume()
     return out
 

@@ -34,6 +34,7 @@ import numpy as np
 import orjson
 
 from tract_async.loadtest.workloads import LoadRequest
+from tract_async.serving.workload import StreamCutShort, completion_messages
 
 
 # --- arrivals -----------------------------------------------------------------------------------
@@ -147,15 +148,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: bytes, rec: Re
             if r.status != 200:
                 rec.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return rec
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                if data == b"[DONE]":
-                    rec.end_s = clock()
-                    return rec
-                msg = orjson.loads(data)
+            async for msg in completion_messages(r):
                 if "error" in msg:
                     rec.error = f"in-band error: {str(msg['error'])[:200]}"
                     return rec
@@ -170,7 +163,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: bytes, rec: Re
                 tract = msg.get("tract")
                 if tract:
                     _take_router_report(rec, tract)
-        rec.error = "the stream ended without data: [DONE]"
+        rec.end_s = clock()
+    except StreamCutShort as exc:
+        rec.error = str(exc)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     return rec

@@ -42,7 +42,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tract_async.loadtest.workloads import WORKLOADS
@@ -228,6 +228,29 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"({', '.join(args.system_list)})")
     args.peaks = {}          # workload -> the reference's closed-loop peak (req/s), when measured
     return args
+
+
+async def within_budget(work: Callable[[], Awaitable[None]], budget_s: float,
+                        report: dict[str, Any]) -> None:
+    """Run ``work()`` until it ends, ``budget_s`` is spent, or SIGINT / SIGTERM arrives; the
+    report's ``status`` says which (``ok``, ``budget of N s exhausted``, ``interrupted``), so
+    that a cut-off run still writes what it measured. Any other error propagates."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        async with asyncio.timeout(budget_s):
+            await work()
+        report["status"] = "ok"
+    except TimeoutError:
+        report["status"] = f"budget of {budget_s} s exhausted"
+    except asyncio.CancelledError:
+        report["status"] = "interrupted"
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def _split(text: str) -> list[str]:
@@ -652,20 +675,6 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         write_results(report, args.out_dir)
 
-    async def bounded() -> None:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
-        try:
-            async with asyncio.timeout(args.budget):
-                await run_all(args, report, write)
-            report["status"] = "ok"
-        except TimeoutError:
-            report["status"] = f"budget of {args.budget} s exhausted"
-        except asyncio.CancelledError:
-            report["status"] = "interrupted"
-
     t0 = time.perf_counter()
     from tract_async.serving.protocol import REGION_MODES
     if any(s.mode in REGION_MODES for s in SYSTEMS if s.name in args.system_list):
@@ -674,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         from tract_async.tools.warmup import warm_up
         report["kernel_warmup_s"] = round(warm_up(backends=("hw",)), 1)
     try:
-        tract.run(bounded())
+        tract.run(within_budget(lambda: run_all(args, report, write), args.budget, report))
     except Exception as exc:  # noqa: BLE001 - recorded, then re-reported by the exit status
         report["status"] = f"error: {type(exc).__name__}: {exc}"
     finally:

@@ -1,7 +1,9 @@
 """Process management: start a rack (prefill, decode, router) as separate processes, stop it.
 
-Each service runs ``python -m tract_async.serving ROLE ...`` in a session of its own (a Ctrl-C
-at the terminal reaches the launcher only, which then stops the services in order), with
+Each service runs ``python -m tract_async.serving ROLE ...`` (exec'd, or on the CPU forked
+from the warm zygote of :mod:`tract_async.serving.zygote`, which imported it all once) in a
+session of its own (a Ctrl-C at the terminal reaches the launcher only, which then stops the
+services in order), with
 ``--die-with-parent`` (the kernel stops them if the launcher dies without cleaning up), stdout a
 pipe for the one ``TRACT-READY {json}`` line, stderr a log file. Ports are 0: each service binds
 a free port on 127.0.0.1 and reports it in its ready line.
@@ -17,21 +19,25 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import IO, Any
 
 from tract_async.serving.errors import ServiceStartFailed
 from tract_async.serving.protocol import NET_MODES, READY_PREFIX, REGION_MODES, SECRET_ENV
 from tract_async.serving.service import ServiceConfig, config_to_argv
+from tract_async.serving.zygote import ForkedProcess, ZygoteError, use_fork, zygote
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class ServiceProcess:
     """One started service: its process, what its ready line said, where it logs."""
     role: str
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     log_path: str
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -48,18 +54,58 @@ def _log_tail(path: str, lines: int = 15) -> str:
         return ""
 
 
+async def _exec(args: list[str], env: dict[str, str], log: IO[bytes]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tract_async.serving", *args, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+
+
+async def _fork(args: list[str], env: dict[str, str], log: IO[bytes]) -> ForkedProcess:
+    """Fork the service from the warm zygote (tract_async.serving.zygote): stdin /dev/null,
+    stdout a pipe read here, stderr the log. Raises ZygoteError."""
+    z = zygote()
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(loop=loop)
+    r, w = os.pipe()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                                os.fdopen(r, "rb", buffering=0))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        return await z.spawn(args, env=env, stdin=devnull, stdout=w, stderr=log.fileno(),
+                             stdout_reader=reader)
+    except BaseException:
+        transport.close()
+        raise
+    finally:
+        os.close(devnull)
+        os.close(w)
+
+
 async def spawn_service(cfg: ServiceConfig, *, log_path: str, env: dict[str, str] | None = None,
-                        start_timeout_s: float = 120.0) -> ServiceProcess:
+                        start_timeout_s: float = 120.0, launch: str | None = None) -> ServiceProcess:
     """Start one service and wait for its ready line.
+
+    ``launch``: ``"exec"`` (a fresh ``python -m tract_async.serving``), ``"fork"`` (forked from
+    the warm zygote: ~4.5 CPU-s of imports fewer; CPU services only) or ``"auto"`` (fork where
+    it may); None reads ``TRACT_SERVICE_LAUNCH`` (default auto). See
+    :mod:`tract_async.serving.zygote`. A zygote that cannot fork (it died, or refused) is
+    logged and the service is exec'd.
 
     Raises ServiceStartFailed: it exited, or said nothing within ``start_timeout_s``; the message
     carries the end of its log. The process is stopped before the error is raised.
     """
-    argv = [sys.executable, "-m", "tract_async.serving", *config_to_argv(cfg)]
+    args = config_to_argv(cfg)
+    full_env = {**os.environ, **(env or {})}
+    proc: asyncio.subprocess.Process | ForkedProcess
     with open(log_path, "ab") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log,
-            env={**os.environ, **(env or {})}, start_new_session=True)
+        if use_fork(launch, cfg.device):
+            try:
+                proc = await _fork(args, full_env, log)
+            except ZygoteError as e:
+                logger.warning("tract: the %s service is exec'd: %s", cfg.role, e)
+                proc = await _exec(args, full_env, log)
+        else:
+            proc = await _exec(args, full_env, log)
     sp = ServiceProcess(role=cfg.role, proc=proc, log_path=log_path)
     try:
         async with asyncio.timeout(start_timeout_s):
@@ -108,11 +154,13 @@ class Rack:
     def __init__(self, *, mode: str, region: str | None, log_dir: str, start_timeout_s: float = 120.0,
                  stop_timeout_s: float = 10.0,
                  role_options: dict[str, dict[str, Any]] | None = None,
-                 env: dict[str, str] | None = None, **options: Any) -> None:
+                 env: dict[str, str] | None = None, launch: str | None = None,
+                 **options: Any) -> None:
         """``options`` go to every service's ServiceConfig; ``role_options`` override them for
         one role, e.g. ``{"prefill": {"device": "cuda:0"}, "decode": {"device": "cuda:1"}}``
         to put the two workers on separate GPUs. ``env`` is added to every service's
-        environment (the nixl rows' ``UCX_TLS``)."""
+        environment (the nixl rows' ``UCX_TLS``). ``launch``: how each service starts
+        (:func:`spawn_service`: exec, fork from the warm zygote, or auto)."""
         unknown = set(role_options or ()) - {"prefill", "decode", "router"}
         if unknown:
             raise ValueError(f"role_options for unknown roles {sorted(unknown)}")
@@ -122,6 +170,7 @@ class Rack:
         self.log_dir = log_dir
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.launch = launch
         self.options = options
         self.services: list[ServiceProcess] = []
         self._env: dict[str, str] = dict(env or {})
@@ -148,9 +197,9 @@ class Rack:
                     spawn_service(self._cfg("prefill", node_id=0,
                                             create_region=self.region is not None),
                                   log_path=self._log("prefill"), env=self._env,
-                                  start_timeout_s=self.start_timeout_s),
+                                  start_timeout_s=self.start_timeout_s, launch=self.launch),
                     spawn_service(self._cfg("decode", node_id=1), log_path=self._log("decode"),
-                                  env=self._env, start_timeout_s=self.start_timeout_s),
+                                  env=self._env, start_timeout_s=self.start_timeout_s, launch=self.launch),
                     return_exceptions=True)
             self.services.extend(s for s in spawned if isinstance(s, ServiceProcess))
             for s in spawned:
@@ -159,7 +208,7 @@ class Rack:
             prefill, decode = spawned
             self.services.append(await spawn_service(
                 self._cfg("router", prefill_url=prefill.url, decode_url=decode.url),
-                log_path=self._log("router"), env=self._env, start_timeout_s=self.start_timeout_s))
+                log_path=self._log("router"), env=self._env, start_timeout_s=self.start_timeout_s, launch=self.launch))
         except BaseException:
             await asyncio.shield(self.stop())
             raise
@@ -168,14 +217,14 @@ class Rack:
         """Network modes: the prefill first, then the decode naming the prefill's engine as its
         peer (``kv_peers``; peering is symmetric, so the prefill then announces to it)."""
         prefill = await spawn_service(self._cfg("prefill", node_id=0), log_path=self._log("prefill"),
-                                      env=self._env, start_timeout_s=self.start_timeout_s)
+                                      env=self._env, start_timeout_s=self.start_timeout_s, launch=self.launch)
         self.services.append(prefill)
         url = prefill.info.get("engine_url")
         if not url:
             raise ServiceStartFailed(f"the {self.mode} prefill reported no engine_url: {prefill.info}")
         decode = await spawn_service(self._cfg("decode", node_id=1, kv_peers=url),
                                      log_path=self._log("decode"), env=self._env,
-                                     start_timeout_s=self.start_timeout_s)
+                                     start_timeout_s=self.start_timeout_s, launch=self.launch)
         self.services.remove(prefill)      # start() adds both
         return [prefill, decode]
 

@@ -404,13 +404,14 @@ class KVDevice:
 
 
 # --- life cycle ---------------------------------------------------------------------------------
-def _set_pdeathsig() -> None:
-    """Ask the kernel for SIGTERM when the parent dies (Linux); no-op elsewhere."""
+def set_pdeathsig(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel for ``sig`` when the parent dies (Linux); no-op elsewhere. A service asks
+    for SIGTERM; the zygote its services fork from (serving/zygote.py) for SIGKILL."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        libc.prctl(1, sig)   # PR_SET_PDEATHSIG
 
 
 def agent_secret() -> bytes | None:
@@ -457,7 +458,7 @@ async def serve(app: web.Application, cfg: ServiceConfig, *, ready_info: Callabl
     sys.setswitchinterval(cfg.switch_interval_us * 1e-6)   # see ServiceConfig
     parent = os.getppid()
     if cfg.die_with_parent:
-        _set_pdeathsig()
+        set_pdeathsig()
         if os.getppid() != parent:   # the parent died before prctl took effect
             return
     stop = stop or asyncio.Event()

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -96,6 +96,28 @@ class TurnResult:
     events_ms: dict[str, float]
 
 
+class StreamCutShort(UpstreamFailed):
+    """A streaming completion ended without its ``data: [DONE]``."""
+
+
+async def completion_messages(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The parsed events of a streaming ``/v1/completions`` response, in order, up to its
+    ``data: [DONE]`` (which ends the iteration). The one reader of the router's server-sent
+    events for every client here (this module's, the load generator's).
+
+    Raises StreamCutShort: the stream ended without ``[DONE]``; ValueError: an event that is
+    not JSON. An in-band error event is yielded like any other (``"error"`` in it)."""
+    async for raw in r.content:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            return
+        yield orjson.loads(data)
+    raise StreamCutShort("the stream ended without data: [DONE]")
+
+
 async def complete_streaming(session: aiohttp.ClientSession, url: str, prompt_ids: Sequence[int],
                              max_tokens: int, *, timeout: float = 120.0) -> tuple[list[int], float, dict[str, Any]]:
     """One streaming completion: ``(token_ids, client_ttft_s, tract_breakdown)``.
@@ -112,14 +134,7 @@ async def complete_streaming(session: aiohttp.ClientSession, url: str, prompt_id
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 raise UpstreamFailed(f"router answered {r.status}: {(await r.text())[:300]}")
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                if data == b"[DONE]":
-                    return tokens, (first or time.perf_counter()) - t0, tract
-                msg = orjson.loads(data)
+            async for msg in completion_messages(r):
                 if "error" in msg:
                     raise UpstreamFailed(f"router stream error: {msg['error']}")
                 ids = msg["choices"][0].get("token_ids", [])
@@ -129,7 +144,7 @@ async def complete_streaming(session: aiohttp.ClientSession, url: str, prompt_id
                 tract = msg.get("tract", tract)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise UpstreamFailed(f"POST {url}/v1/completions: {type(exc).__name__}: {exc}") from exc
-    raise UpstreamFailed("the stream ended without data: [DONE]")
+    return tokens, (first or time.perf_counter()) - t0, tract
 
 
 async def run_chat_workload(url: str, workload: ChatWorkload, *, concurrency: int = 1,

@@ -31,7 +31,7 @@ from .spares import Spares
 GIVE_CHECK_S = 0.005
 """A reservation looks at other nodes' asks for chunks at most this often. Reading every
 node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when done on every
-batch; an asker waits up to ``blocks.CHUNK_WAIT_S``, so a few milliseconds of delay cost it
+batch; an asker waits up to ``reservation.CHUNK_WAIT_S``, so a few milliseconds of delay cost it
 nothing."""
 
 

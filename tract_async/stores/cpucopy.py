@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import os
 import time
 from typing import Any
 
@@ -69,31 +68,11 @@ from ..region import index as ix
 from . import waits
 from .copygang import CopyGang
 from .phases import PhaseTimes
-
-INLINE_COPY_BYTES = 1 << 20
-"""Copies up to this size run on the event loop (a thread hop costs ~50-150 µs)."""
-
-NT_READ_BYTES = 8 << 20
-"""Gets at least this large write their output with non-temporal stores (``read_rows``)."""
-
-PARALLEL_COPY_BYTES = 2 << 20
-"""Copies at least this large (hardware backend) may run on several threads (``threads_for``)."""
-
-THREAD_MIN_BYTES = 1 << 20
-"""Each thread of a parallel copy gets at least this much: below it the thread's wake-up
-(~10-50 µs) is a good part of its copy time (1 MiB: ~70-200 µs at 5-15 GB/s)."""
+from . import routing as R
 
 SPLIT_ALIGN = 4096
 """A row cut between two groups is cut at a multiple of this in the region (a page: the two
 threads never write parts of one region line)."""
-
-LOOP_SHARE_MAX_BYTES = 8 << 20
-"""With ``loop_share`` (the default), the loop's thread copies one group of a cut copy itself
-when no group is larger than this, and a copy that would run on a single pool thread runs on
-the loop's thread up to this size (no thread hop at all). At ~5-15 GB/s per thread that holds
-the loop for at most ~0.5-1.6 ms -- time it would otherwise spend asleep waiting for the copy,
-plus its 50-150 µs wake-up (``stores/copygang.py``). Larger groups all go to the workers, so a
-256 MiB transfer never blocks the loop for its whole duration."""
 
 MAX_AUTO_COPY_THREADS = 8
 
@@ -118,12 +97,8 @@ def auto_copy_threads(cpus: int | None = None) -> int:
     return max(1, min(MAX_AUTO_COPY_THREADS, n // 2))
 
 
-def threads_for(nbytes: int, copy_threads: int) -> int:
-    """Threads a copy of ``nbytes`` runs on (hardware backend): 1 below
-    ``PARALLEL_COPY_BYTES``, else one per ``THREAD_MIN_BYTES``, at most ``copy_threads``."""
-    if nbytes < PARALLEL_COPY_BYTES or copy_threads < 2:
-        return 1
-    return max(1, min(copy_threads, nbytes // THREAD_MIN_BYTES))
+threads_for = R.threads_for
+"""``routing.threads_for`` (the copy paths and their tests name it here too)."""
 
 
 def split_plan(plan: np.ndarray, parts: int, align: int = SPLIT_ALIGN) -> list[np.ndarray]:
@@ -246,7 +221,7 @@ class CpuCopier:
         """Copy region bytes to private memory at ``dst_addr`` by plan rows; every line is
         invalidated before it is read (on each thread, for a large read: module doc).
         ``threads``: as for ``copy_in``."""
-        if (threads is None and nbytes >= NT_READ_BYTES and self.read_ahead
+        if (threads is None and nbytes >= R.NT_READ_BYTES and self.read_ahead
                 and self.region.mem[K.MEM_BACKEND] == K.BACKEND_HW):
             ph = self.phases
             t0 = time.perf_counter_ns() if ph is not None else 0
@@ -255,14 +230,14 @@ class CpuCopier:
                 ph.add("copy_call", t0)
                 ph.add("copy_kernel", t0)
         else:
-            fn = ix.copy_out_nt if nbytes >= NT_READ_BYTES else ix.copy_out
+            fn = ix.copy_out_nt if nbytes >= R.NT_READ_BYTES else ix.copy_out
             await self._copy(fn, plan, dst_addr, nbytes, threads)
 
     async def _copy(self, fn: Any, plan: np.ndarray, base: int, nbytes: int,
                     threads: int | None = None, loop_share: bool = True) -> None:
         ph = self.phases
         t0 = time.perf_counter_ns() if ph is not None else 0
-        if nbytes <= INLINE_COPY_BYTES:
+        if nbytes <= R.INLINE_COPY_BYTES:
             fn(self.region.mem, plan, base)
             if ph is not None:
                 ph.add("copy_call", t0)
@@ -272,7 +247,7 @@ class CpuCopier:
         hw = self.region.mem[K.MEM_BACKEND] == K.BACKEND_HW
         loop_share = loop_share and self.loop_share
         if (parts <= 1 and threads is None and hw and loop_share
-                and nbytes <= LOOP_SHARE_MAX_BYTES):
+                and nbytes <= R.LOOP_SHARE_MAX_BYTES):
             fn(self.region.mem, plan, base)     # one thread: the loop's own (no hop)
             if ph is not None:
                 ph.add("copy_call", t0)
@@ -284,7 +259,7 @@ class CpuCopier:
                 kind = _gang_kind(fn)
                 gang = self.idle_gang() if kind is not None else None
                 share = (loop_share and
-                         max(int(g[:, 2].sum()) for g in groups) <= LOOP_SHARE_MAX_BYTES)
+                         max(int(g[:, 2].sum()) for g in groups) <= R.LOOP_SHARE_MAX_BYTES)
                 if gang is not None and len(groups) - share <= gang.workers:
                     self.gang_copies += 1
                     if share:

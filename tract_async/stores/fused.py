@@ -63,11 +63,10 @@ from ..region import gangcopy as G
 from ..region import index as ix
 from ..region.chunks import S_COUNT_READ
 from .doorbell import waiting_mask
+from . import routing as R
 
-FUSED_MAX_BLOCKS = 8
-"""Puts and gets of at most this many blocks take the fused call, if their bytes are also at
-most ``cpucopy.INLINE_COPY_BYTES`` (``RegionStore._fusable``): larger ones are copy-bound and
-keep the step-by-step path, whose copies may run on several threads."""
+FUSED_MAX_BLOCKS = R.FUSED_MAX_BLOCKS
+"""``routing.FUSED_MAX_BLOCKS``: also the size of the fused calls' scratch rows (fixed at import)."""
 
 # the parameter array p (int64), built once per node (BlockLifecycle.fused_params)
 P_LOFF = 0          # this lane's counter line

@@ -16,7 +16,7 @@ of its bytes); each group is one ``gangcopy.get_checked`` call -- snapshot of it
 checks, the copy of its rows, the revalidation of its blocks -- the steps of the lock-free
 read of ``region/index.py`` in their order, for a subset of the blocks. The copy gang's
 workers run the other groups (``KIND_GET_CHECKED``) while the loop's thread runs the first --
-when a group is at most ``cpucopy.LOOP_SHARE_MAX_BYTES`` (a larger one would hold the loop
+when a group is at most ``routing.LOOP_SHARE_MAX_BYTES`` (a larger one would hold the loop
 for milliseconds); else the workers run every group and the loop waits.
 Each group's snapshot precedes its own copy and its revalidation follows it, which is all the
 seqlock read needs per block: a block is good when the entry read after its copy still names
@@ -49,10 +49,11 @@ import tract_kernels as K
 
 from .. import arrays
 from ..errors import TransferTimeout
+from ..keys import KeyBatch
 from ..region import gangcopy as G
 from ..region.index import SNAP_COLS, SNAP_POFF, SNAP_SLOT, SNAP_VERSION
 from . import plan as kvplan
-from .cpucopy import LOOP_SHARE_MAX_BYTES, NT_READ_BYTES, threads_for
+from . import routing as R
 
 
 
@@ -68,11 +69,6 @@ class ParallelHost(Protocol):
     mem: Any
     phases: Any
     region: Any
-
-PARALLEL_MIN_BLOCKS = 32
-"""Reads of fewer blocks keep the step-by-step path (a group of a few blocks saves less
-metadata time than its worker's hand-off costs)."""
-
 
 class ParallelReads:
     """The parallel read of one region store (module docstring)."""
@@ -98,16 +94,17 @@ class ParallelReads:
         st = self.store
         c = st.copier
         nbytes = self._bytes(n, layer)
-        return (self.enabled and n >= PARALLEL_MIN_BLOCKS and not c.read_ahead
+        return (self.enabled and n >= R.PARALLEL_MIN_BLOCKS and not c.read_ahead
                 and st.region.mem[K.MEM_BACKEND] == K.BACKEND_HW
                 and st.blocks.pause_after_snapshot is None
-                and threads_for(nbytes, c.copy_threads) >= 2)
+                and R.threads_for(nbytes, c.copy_threads) >= 2)
 
-    async def get(self, keys: list[bytes], words: np.ndarray, out: Any, layer: int | None,
+    async def get(self, kb: KeyBatch, out: Any, layer: int | None,
                   timeout: float | None) -> np.ndarray | None:
-        """Read ``keys`` (``words``: their key words) into ``out`` in parallel groups after
-        waiting (``timeout``) for the last key; the snapshot of every block once all groups
-        are good, else None (the caller's step-by-step read decides; module docstring)."""
+        """Read ``kb``'s blocks into ``out`` in parallel groups after waiting (``timeout``) for
+        the last key; the snapshot of every block once all groups are good, else None (the
+        caller's step-by-step read decides; module docstring)."""
+        keys, words = kb.keys, kb.words
         st = self.store
         b = st.blocks
         b.preclaimer.read_started()            # as ``prepare_read``: reads are not idle time
@@ -127,11 +124,11 @@ class ParallelReads:
             gang = st.copier.idle_gang()          # the wait let other tasks run
             if gang is None:
                 return None
-        parts = min(threads_for(nbytes, st.copier.copy_threads), gang.workers + 1,
-                    n // (PARALLEL_MIN_BLOCKS // 4))
+        parts = min(R.threads_for(nbytes, st.copier.copy_threads), gang.workers + 1,
+                    n // (R.PARALLEL_MIN_BLOCKS // 4))
         # the loop's thread reads a group itself only when a group is small enough to hold
-        # the loop for (``cpucopy.LOOP_SHARE_MAX_BYTES``); else every group goes to a worker
-        loop_reads = nbytes // max(1, parts) <= LOOP_SHARE_MAX_BYTES
+        # the loop for (``routing.LOOP_SHARE_MAX_BYTES``); else every group goes to a worker
+        loop_reads = nbytes // max(1, parts) <= R.LOOP_SHARE_MAX_BYTES
         if not loop_reads:
             parts = min(parts, gang.workers)
         if parts < 2:
@@ -145,7 +142,7 @@ class ParallelReads:
         dst = arrays.data_ptr(out)
         g, ag = st.geo, b.ageo
         tgeo = st.index.tgeo
-        nt = nbytes >= NT_READ_BYTES
+        nt = nbytes >= R.NT_READ_BYTES
         whole = layer is None
         word, bit = (0, 0) if whole else divmod(layer, 64)
         chunks_end = ag.chunks_offset + ag.nchunks * ag.chunk_bytes

@@ -172,10 +172,10 @@ def _arange(n: int) -> np.ndarray:
     return a
 
 
-def positions(todo: list[int], num_keys: int) -> np.ndarray:
-    """``todo`` (ascending positions, from ``BlockLifecycle.reserve``) as an int64 array,
-    read-only; every position is a cached ``arange`` (a 4096-block put's list took ~0.2 ms to
-    convert)."""
+def positions(todo: Sequence[int], num_keys: int) -> np.ndarray:
+    """``todo`` (ascending positions, from ``BlockLifecycle.reserve``, or a ``range`` of every
+    position) as an int64 array, read-only; every position is a cached ``arange`` (a 4096-block
+    put's list took ~0.2 ms to convert), without looking at ``todo`` beyond its length."""
     if len(todo) == num_keys:
         return _arange(num_keys)
     return np.array(todo, dtype=np.int64)

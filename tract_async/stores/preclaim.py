@@ -19,7 +19,7 @@ used -- the same task, in the same idle moments, evicts this node's least recent
 blocks (sampled LRU, ``evict_lru_batch`` restricted to this node's chunks: another node's
 victims would free *its* slots, not ours) until the free lists hold the headroom,
 ``EVICT_AHEAD_BATCH`` per hold of the lock. Without it every put of a full cache evicted under
-the lock (``blocks.EVICT_AHEAD`` blocks beyond its need, so one small put in ~16-64 took the
+the lock (``reservation.EVICT_AHEAD`` blocks beyond its need, so one small put in ~16-64 took the
 lock, and every large one). The cost is the same as a put's own eviction, moved to idle time,
 and that many blocks of this node's cache (at most its largest put) held free instead of
 cached.

@@ -64,33 +64,20 @@ import tract_kernels as K
 from .. import arrays
 from ..config import EngineConfig
 from ..host.gcpause import PAUSE_MIN_BLOCKS, gc_paused
-from ..keys import keys_to_words
 from ..region import Region
 from ..region import index as ix
 from ..region.index import SNAP_POFF
 from ..region.alloc import Allocator
 from ..sync.lock import GlobalLock
-from . import fused
 from . import plan as kvplan
-from .blocks import BlockLifecycle, StoreStats
-from .cpucopy import INLINE_COPY_BYTES, CpuCopier
+from .blocks import BlockLifecycle
+from .stats import StoreStats
+from .txn import PutTxn, ReadTxn
+from .cpucopy import CpuCopier
+from . import routing as R
 from .phases import PhaseTimes
 from .parallel import ParallelReads
 from .small import SmallPath
-
-STAGE_BLOCKS = 512
-"""Keys per stage of a staged put (module docstring): 32 MiB of whole 64 KiB blocks, ~1 ms of
-copy on the H200 host's eight copy threads against ~0.6 ms of reservation, so the loop's
-reservation of the next stage hides under the copy of this one."""
-
-STAGE_MIN_BLOCKS = 4 * STAGE_BLOCKS
-STAGE_MIN_BYTES = 16 << 20
-"""A put is staged from this many new blocks and bytes up, with at least two copy threads.
-At least four stages: the first stage's reservation, which nothing hides, is then at most a
-quarter of the whole. Below 16 MiB the copies are too short to hide anything, and each stage
-costs a snapshot, a reservation and a copy hand-off (tens of µs). With one copy thread (a
-2-core host) the copy thread and the loop share the cores: staged and unstaged 256 MiB puts
-measured the same on the 2-core VM (18-20 ms), so those stay unstaged."""
 
 class RegionStore:
     """put / get / lookup over one region for one node. Created and owned by the Engine.
@@ -120,11 +107,8 @@ class RegionStore:
         """Large reads in parallel groups, metadata included (``stores/parallel.py``)."""
 
     def _fusable(self, n: int, layer: int | None) -> bool:
-        """A transfer the fused kernels take (``stores/fused.py``): whole blocks, at most
-        ``FUSED_MAX_BLOCKS`` of them, and small enough to copy on the loop's thread (larger
-        copies run on the copy threads)."""
-        return (layer is None and n <= fused.FUSED_MAX_BLOCKS
-                and n * self.layout.block_bytes <= INLINE_COPY_BYTES)
+        """A transfer the fused kernels take (``routing.fusable``)."""
+        return R.fusable(self.layout, n, layer)
 
     def template(self, n: int) -> np.ndarray:
         """The whole-block plan template of an n-block tensor (``plan.template``), cached."""
@@ -211,105 +195,86 @@ class RegionStore:
         b, ph = self.blocks, self.phases
         kv = arrays.contiguous(kv)
         t0 = time.perf_counter_ns() if ph is not None else 0
-        if self._fusable(len(keys), layer):
-            done = self.put_fused(keys, keys_to_words(keys), arrays.data_ptr(kv),
-                                  self.template(len(keys)))
+        n = len(keys)
+        if self._fusable(n, layer):
+            txn = PutTxn(b, keys, layer, timeout, "fused", phases=ph)
+            done = self._timed_fused(txn, arrays.data_ptr(kv), self.template(n))
             if done is not None:
                 return done
+        else:
+            txn = PutTxn(b, keys, layer, timeout,
+                         "staged" if self._stageable(n, layer) else "cpu", phases=ph)
         # a later layer of blocks this node is filling needs neither the index, nor the lock,
         # nor the key words
-        res = b.filling(keys) if layer is not None else None
-        if res is not None:
-            todo = list(range(len(keys)))
+        if txn.resume():
             if ph is not None:
                 ph.add("reserve_incl_lock", t0)
         else:
-            words = keys_to_words(keys)
-            if self._stageable(len(keys), layer):
-                return await self._put_staged(keys, words, kv, layer, timeout)
-            todo = await self._reserve_new(keys, words, timeout)
-            res = b.reservations(keys, todo) if todo else []
-        if not todo:
-            b.stats.puts += 1
-            return 0
-        poffs = b.payload_offsets(res)
-        plan = kvplan.plan(self.layout, poffs, kvplan.positions(todo, len(keys)), len(keys),
-                           layer)
+            if self._stageable(n, layer):
+                return await self._put_staged(txn, kv)
+            if not await txn.begin():
+                return 0
+        plan = kvplan.plan(self.layout, txn.offsets(), txn.positions(), n, layer)
         nbytes = plan.shape[0] * self.layout.half_layer_bytes     # every row is one half-layer
         try:
             b.alloc.check_not_fenced()      # "Fenced copies" (module docstring)
             await self.copy_in(plan, arrays.data_ptr(kv), nbytes)
         except BaseException:
-            await b.abandon([keys[i] for i in todo])
+            await txn.abandon()
             raise
         if ph is not None:
             ph.stamp("publish")
         t0 = time.perf_counter_ns() if ph is not None else 0
-        done = b.publish(keys, todo, res, layer, nbytes)
+        done = txn.publish(nbytes)
         if ph is not None:
             ph.add("publish", t0)
         return done
 
-    def put_fused(self, keys: list[bytes], words: np.ndarray, src: int,
-                  tmpl: np.ndarray) -> int | None:
-        """``BlockLifecycle.put_fused``, timed while phases are on: the ``fused`` phase, and the
-        ``publish`` stamp on return (the kernel ended with the publish). The full put path and
-        the Engine's one-block fast path (``stores/small.py``) both come through here."""
+    def put_fused(self, txn: PutTxn, src: int, tmpl: np.ndarray) -> int | None:
+        """A fused put (``PutTxn.fused``) of the Engine's one-block fast path
+        (``stores/small.py``, which opens ``txn``), timed as ``_timed_fused``."""
+        return txn.fused(src, tmpl) if self.phases is None else self._timed_fused(txn, src, tmpl)
+
+    def _timed_fused(self, txn: PutTxn, src: int, tmpl: np.ndarray) -> int | None:
+        """``txn.fused``, timed while phases are on: the ``fused`` phase, and the ``publish``
+        stamp on return (the kernel ended with the publish)."""
         ph = self.phases
         t0 = time.perf_counter_ns() if ph is not None else 0
-        done = self.blocks.put_fused(keys, words, src, tmpl)
+        done = txn.fused(src, tmpl)
         if done is not None and ph is not None:
             ph.add("fused", t0)
             ph.stamp("publish")
         return done
 
-    async def _reserve_new(self, keys: list[bytes], words: np.ndarray,
-                           timeout: float | None) -> list[int]:
-        """The index snapshot, then ``BlockLifecycle.reserve``: the positions this put writes
-        (of a whole put, or of one stage), each step timed into its phase."""
-        b, ph = self.blocks, self.phases
-        t0 = time.perf_counter_ns() if ph is not None else 0
-        snap = b.snapshot_for_put(words)
-        if ph is not None:
-            ph.add("snapshot", t0)
-            t0 = time.perf_counter_ns()
-        todo = await b.reserve(keys, words, snap, timeout)
-        if ph is not None:
-            ph.add("reserve_incl_lock", t0)
-        return todo
-
     def _stageable(self, n: int, layer: int | None) -> bool:
-        """A put of ``n`` new blocks that ``_put_staged`` takes (module docstring)."""
-        if n < STAGE_MIN_BLOCKS or self.copier.copy_threads < 2:
-            return False
-        per = self.layout.block_bytes if layer is None else self.layout.layer_bytes
-        # a stage copied inline on the loop (INLINE_COPY_BYTES) would overlap nothing
-        return n * per >= STAGE_MIN_BYTES and STAGE_BLOCKS * per > INLINE_COPY_BYTES
+        """A put of ``n`` new blocks that ``_put_staged`` takes (``routing.stageable``)."""
+        return R.stageable(self.layout, n, layer, self.copier.copy_threads)
 
-    async def _put_staged(self, keys: list[bytes], words: np.ndarray, kv: Any,
-                          layer: int | None, timeout: float | None) -> int:
+    async def _put_staged(self, txn: PutTxn, kv: Any) -> int:
         """A large put in stages of ``STAGE_BLOCKS`` keys, the reservation of each stage
-        overlapping the copy of the one before (module docstring, "Staged large puts")."""
+        overlapping the copy of the one before (module docstring, "Staged large puts"): one
+        transaction per stage, each under the put's deadline."""
         b, ph = self.blocks, self.phases
+        keys, layer = txn.keys, txn.layer
+        words = txn.key_words()
         n = len(keys)
         src = arrays.data_ptr(kv)
         half = self.layout.half_layer_bytes
-        stages: list[tuple[list[bytes], list[int], list[Any], int]] = []
+        stages: list[tuple[PutTxn, int]] = []
         copy: asyncio.Future[None] | None = None
         t_all = time.perf_counter_ns() if ph is not None else 0
         b.preclaimer.note_put(n)          # the pre-claim task keeps room for the whole put, not a stage
         try:
-            for s0 in range(0, n, STAGE_BLOCKS):
-                s1 = min(n, s0 + STAGE_BLOCKS)
-                ks, ws = keys[s0:s1], words[s0:s1]
-                todo = await self._reserve_new(ks, ws, timeout)
-                if not todo:
+            step = R.STAGE_BLOCKS
+            for s0 in range(0, n, step):
+                s1 = min(n, s0 + step)
+                st = PutTxn(b, keys[s0:s1], layer, txn.left(), "stage",
+                            words=words[s0:s1], phases=ph)
+                if not await st.begin(count_empty=False):
                     continue
-                res = b.reservations(ks, todo)
-                plan = kvplan.plan(self.layout, b.payload_offsets(res),
-                                   kvplan.positions(todo, len(ks)) + s0, n, layer)
+                plan = kvplan.plan(self.layout, st.offsets(), st.positions() + s0, n, layer)
                 nbytes = plan.shape[0] * half           # every row is one half-layer
-                stages.append((ks, todo, res, nbytes))
+                stages.append((st, nbytes))
                 if copy is not None:
                     await copy                  # the copy threads take one stage at a time
                 b.alloc.check_not_fenced()      # "Fenced copies" (module docstring)
@@ -325,8 +290,8 @@ class RegionStore:
         except BaseException:
             if copy is not None:
                 await _settled(copy)            # no byte may still land (docs/design.md inv. 7)
-            for ks, todo, _, _ in stages:
-                await b.abandon([ks[i] for i in todo])
+            for st, _ in stages:
+                await st.abandon()
             raise
         if not stages:
             b.stats.puts += 1
@@ -335,7 +300,7 @@ class RegionStore:
             ph.add("staged", t_all)
             ph.stamp("publish")
         t0 = time.perf_counter_ns() if ph is not None else 0
-        done = sum(b.publish(ks, todo, res, layer, nbytes) for ks, todo, res, nbytes in stages)
+        done = sum(st.publish(nbytes) for st, nbytes in stages)
         b.stats.puts -= len(stages) - 1         # one put, however many stages
         if ph is not None:
             ph.add("publish", t0)
@@ -372,32 +337,27 @@ class RegionStore:
         b, ph = self.blocks, self.phases
         n = len(keys)
         t0 = time.perf_counter_ns() if ph is not None else 0
+        txn: ReadTxn | None = None
         if self._fusable(n, layer):
-            words = keys_to_words(keys)
-            dst, tmpl = arrays.data_ptr(out), self.template(n)
-            snap = b.get_fused(keys, words, dst, tmpl)
-            if snap is None and timeout is not None and timeout > 0:
-                await b.wait_whole(words, b.fused_snapshot(n), timeout)
-                snap = b.get_fused(keys, words, dst, tmpl)
-                timeout = None         # waited: the step-by-step path reports what is missing
-            if snap is not None:
+            txn = ReadTxn(b, keys, layer, timeout, "fused")
+            if await txn.fused_waiting(arrays.data_ptr(out), self.template(n)):
                 if ph is not None:
                     ph.add("fused", t0)
-                if self.cfg.mode == "transfer":
-                    await b.consume(keys, words, snap.copy(), layer)
+                await txn.consume()
                 return out
+        par = False
+        if txn is None:
+            par = self.parallel.takes(n, layer)
+            txn = ReadTxn(b, keys, layer, timeout, "parallel" if par else "cpu")
         with b.preclaimer.reading():           # no evicting ahead meanwhile (PreClaimer.busy)
-            if self.parallel.takes(n, layer):
-                words = b.read_words(keys)
-                t_wait = time.monotonic()
-                snap = await self.parallel.get(keys, words, out, layer, timeout)
+            if par:
+                txn.key_words()
+                snap = await self.parallel.get(txn, out, layer, txn.left())
                 if snap is not None:
-                    if self.cfg.mode == "transfer":
-                        await b.consume(keys, words, snap, layer)
+                    txn.took(snap)
+                    await txn.consume()
                     return out
-                if timeout is not None and timeout > 0:   # what its wait left of the timeout
-                    timeout = max(1e-3, timeout - (time.monotonic() - t_wait))
-            words, snap = await b.prepare_read(keys, layer, timeout)
+            snap = await txn.prepare()
             if ph is not None:
                 ph.add("prepare_read", t0)
             if b.pause_after_snapshot is not None:
@@ -406,10 +366,10 @@ class RegionStore:
             nbytes = plan.shape[0] * self.layout.half_layer_bytes   # every row: a half-layer
             await self.copy_out(plan, arrays.data_ptr(out), nbytes)
             t0 = time.perf_counter_ns() if ph is not None else 0
-            b.validate_read(keys, words, snap, nbytes)
+            txn.validate(nbytes)
             if ph is not None:
                 ph.add("validate", t0)
-        await b.consume(keys, words, snap, layer)
+        await txn.consume()
         return out
 
     async def _get_cuda(self, keys: list[bytes], out: Any, layer: int | None,

@@ -37,7 +37,8 @@ import numpy as np
 
 from ..keys import KEY_BYTES, BlockKey
 from . import fused
-from .cpucopy import INLINE_COPY_BYTES
+from . import routing as R
+from .txn import PutTxn, ReadTxn
 
 
 
@@ -52,8 +53,7 @@ class SmallHost(Protocol):
     yield_to_lock: bool
 
     def template(self, n: int) -> np.ndarray: ...
-    def put_fused(self, keys: list[bytes], words: np.ndarray, src: int,
-                  tmpl: np.ndarray) -> int | None: ...
+    def put_fused(self, txn: PutTxn, src: int, tmpl: np.ndarray) -> int | None: ...
 
 _WORDS = struct.Struct("<4Q")
 _KEY_TYPES = (bytes, BlockKey)
@@ -73,7 +73,7 @@ class SmallPath:
         self._dtype: Any = None
         self._words = np.zeros((1, 4), dtype=np.uint64)
         self._tmpl = store.template(1)
-        self.usable = fused.FUSED_MAX_BLOCKS >= 1 and layout.block_bytes <= INLINE_COPY_BYTES
+        self.usable = fused.FUSED_MAX_BLOCKS >= 1 and layout.block_bytes <= R.INLINE_COPY_BYTES
         """Whether a one-block transfer is one the fused kernels take at all (fixed by the
         layout)."""
 
@@ -113,7 +113,8 @@ class SmallPath:
         kw = self._key_words(keys)
         if kw is None:
             return None
-        done = self.store.put_fused(kw[0], kw[1], kv.data_ptr(), self._tmpl)
+        txn = PutTxn(self.blocks, kw[0], None, None, "small", words=kw[1])
+        done = self.store.put_fused(txn, kv.data_ptr(), self._tmpl)
         if done is not None:
             self.blocks.stats.small_puts += 1
         return done
@@ -129,7 +130,8 @@ class SmallPath:
             return False
         ph = self.store.phases
         t0 = time.perf_counter_ns() if ph is not None else 0
-        if self.blocks.get_fused(kw[0], kw[1], out.data_ptr(), self._tmpl) is None:
+        if not ReadTxn(self.blocks, kw[0], None, None, "small", words=kw[1]).fused(
+                out.data_ptr(), self._tmpl):
             return False
         self.blocks.stats.small_gets += 1
         if ph is not None:

@@ -10,7 +10,8 @@ are in ``slots.py``; this module is the asyncio shape around it.
 Waiting: the grant is first polled in the event loop for ``PollPolicy.loop_spin_s``, in nogil
 slices of ``loop_slice_s`` (the GIL free for a manager thread of this process; other tasks run
 between slices: the cheap path when the manager is quick), then from one worker thread
-in slices of ``slice_s`` (a nogil jitted poll: ``sched_yield`` for ``thread_spin_s``, then
+in slices of ``slice_s`` (a nogil jitted poll: ``sched_yield`` for ``thread_spin_s`` while
+yields are cheap -- beside a busy task it sleeps instead, ``tract_kernels.yielding`` -- then
 ``usleep`` doubling up to ``sleep_us_max``), which checks the deadline and a stop flag (set on
 cancellation) between slices, so that both are honoured within one slice. The thread needs
 nothing of the loop between slices (it used to return to the loop after every slice: a blocked
@@ -38,6 +39,8 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
+
+from tract_kernels.yielding import STATE as YIELD_STATE
 
 from ..host.timerslack import call_tight
 from ..errors import LockBusy, LockNotHeld, LockRevoked, LockTimeout
@@ -229,7 +232,7 @@ class GlobalLock:
                 # a lock manager thread of this process can grant (a Python-level poll between
                 # sleep(0)s held the GIL and kept it waiting)
                 tok = int(S.wait_grant(m, self._grant_off, req, slice_ns, slice_ns,
-                                       pol.sleep_us_max))
+                                       pol.sleep_us_max, YIELD_STATE))
             if tok:
                 return tok
             if time.monotonic() >= deadline:
@@ -255,7 +258,8 @@ class GlobalLock:
             if now >= deadline or stop[0]:
                 return 0
             budget = int(min(pol.slice_s, deadline - now) * 1e9)
-            tok = int(S.wait_grant(m, self._grant_off, req, budget, spin_ns, pol.sleep_us_max))
+            tok = int(S.wait_grant(m, self._grant_off, req, budget, spin_ns, pol.sleep_us_max,
+                                   YIELD_STATE))
             if tok:
                 break
             spin_ns = 0  # later slices go straight to the sleeping phase
@@ -288,7 +292,7 @@ class GlobalLock:
         req = int(S.post_request(m, self._req_off, self._epoch))
         self._bell.ring()
         budget = int(self.policy.nowait_s * 1e9)
-        token = int(S.wait_grant(m, self._grant_off, req, budget, budget, 1))
+        token = int(S.wait_grant(m, self._grant_off, req, budget, budget, 1, YIELD_STATE))
         if token == 0:
             self._withdraw(req)
             self._local.release()

@@ -88,7 +88,8 @@ granted again; a new process of that node withdraws it before requesting
 (``slots.post_request``).
 
 Polling. The scan runs in a worker thread (``manager_slice``, nogil) for ``slice_s`` at a time:
-``sched_yield`` between scans while the lock saw a request or release within ``spin_s``, then
+``sched_yield`` between scans while the lock saw a request or release within ``spin_s`` (while
+yields are cheap: ``tract_kernels.yielding``), then
 ``usleep`` doubling to ``sleep_us_max``; idle for ``bell.BELL_AFTER_S``, it sleeps on its bell
 between scans (``sync/bell.py``: a same-host requester rings it, anyone else is seen within
 ``BELL_WAIT_MS``). Busy, it yields the core to waiters on every scan (never busy-poll with more
@@ -106,6 +107,7 @@ from typing import Callable
 import numpy as np
 
 import tract_kernels as K
+from tract_kernels.yielding import STATE as YIELD_STATE
 
 from .. import crashpoints as CP
 from ..errors import NodeEvicted
@@ -486,7 +488,7 @@ class LockManager:
                 idle_ns if self._idle_ns >= bell_after_ns and (holders < 0).all() else busy_ns,
                 int(pol.spin_s * 1e9),
                 pol.sleep_us_max, self._idle_ns, bell_fd, bell_after_ns, bell_ms,
-                self._bell_buf.ctypes.data, self._bell_stats)
+                self._bell_buf.ctypes.data, self._bell_stats, YIELD_STATE)
             self._slices += 1
             self._idle_ns = int(idle)
             if CP.ARMED and rc > 0:

@@ -37,7 +37,9 @@ cannot be closed on memory without atomics or device-side fencing; it is bounded
 of a batch (one store group), not by the batch or the hold time.
 
 Polling: every wait loop here has a deadline (``monotonic_ns``) and a spin phase that calls
-``sched_yield`` between polls, then sleeps with ``usleep`` growing up to a cap; the caller runs it
+``sched_yield`` between polls (``tract_kernels.yielding.polite_yield``: only while yields are
+cheap; beside a busy task the spin sleeps instead), then sleeps with ``usleep`` growing up to a
+cap; the caller passes the process's yield state (``tract_kernels.yielding.STATE``) and runs it
 in a worker thread (these functions are ``nogil``), so a waiting process neither burns a core nor
 blocks its event loop (measured policy: ``/work/shared/notes/numba-shm-spike.md`` section 3).
 """
@@ -49,8 +51,8 @@ import numpy as np
 from numba import njit
 
 import tract_kernels as K
-from tract_kernels.intrinsics import (fd_read, fd_wait_readable, monotonic_ns, realtime_ns,
-                                      sched_yield, usleep)
+from tract_kernels.intrinsics import fd_read, fd_wait_readable, monotonic_ns, realtime_ns, usleep
+from tract_kernels.yielding import polite_yield
 
 from ..region import layout as L
 
@@ -214,10 +216,11 @@ def poll_grant(m, grant_off, req):
 
 
 @njit(cache=True, nogil=True)
-def wait_grant(m, grant_off, req, budget_ns, spin_ns, sleep_us_max):
+def wait_grant(m, grant_off, req, budget_ns, spin_ns, sleep_us_max, yield_state):
     """Poll for the grant of ``req`` for at most ``budget_ns``: token, or 0 at the deadline.
 
-    Spins with ``sched_yield`` for ``spin_ns``, then sleeps with ``usleep`` doubling up to
+    Spins with ``sched_yield`` for ``spin_ns`` (``polite_yield`` with ``yield_state``: sleeps
+    instead while yields are slow), then sleeps with ``usleep`` doubling up to
     ``sleep_us_max``. Runs without the GIL (call it from a worker thread).
     """
     start = monotonic_ns()
@@ -229,9 +232,7 @@ def wait_grant(m, grant_off, req, budget_ns, spin_ns, sleep_us_max):
         now = monotonic_ns()
         if now - start >= budget_ns:
             return np.uint64(0)
-        if now - start < spin_ns:
-            sched_yield()
-        else:
+        if not (now - start < spin_ns and polite_yield(yield_state, now)):
             usleep(sleep_us)
             sleep_us = min(sleep_us * 2, sleep_us_max)
 
@@ -392,11 +393,12 @@ def manager_step(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, me
 @njit(cache=True, nogil=True)
 def manager_slice(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, me, term,
                   fence_deadline_ns, budget_ns, spin_ns, sleep_us_max, idle_ns, bell_fd,
-                  bell_after_ns, bell_wait_ms, bell_buf, bell_stats):
+                  bell_after_ns, bell_wait_ms, bell_buf, bell_stats, yield_state):
     """Run ``manager_step`` for up to ``budget_ns``, polling politely; nogil.
 
     ``idle_ns`` is how long the manager has already been idle when the slice starts: it spins
-    with ``sched_yield`` while the lock was busy within the last ``spin_ns`` and backs off to
+    with ``sched_yield`` while the lock was busy within the last ``spin_ns`` (``polite_yield``
+    with ``yield_state``: sleeping instead while yields are slow) and backs off to
     ``usleep`` (doubling up to ``sleep_us_max``) after that; idle for ``bell_after_ns``, it
     waits up to ``bell_wait_ms`` (and not past the slice's budget) for the bell socket
     ``bell_fd`` (non-blocking) to be readable instead, then drains it (``sync/bell.py``: a
@@ -420,8 +422,8 @@ def manager_slice(m, locks_off, mgr_off, nlocks, max_nodes, live, st, granted, m
             sleep_us = 1
         if now - start >= budget_ns:
             return total, now - last_event
-        if now - last_event < spin_ns:
-            sched_yield()
+        if now - last_event < spin_ns and polite_yield(yield_state, now):
+            pass
         elif bell_fd >= 0 and now - last_event >= bell_after_ns:
             bell_stats[0] += 1
             left_ms = (budget_ns - (now - start)) // 1_000_000 + 1   # not past the slice's end

@@ -28,6 +28,7 @@ import resource
 import signal
 import time
 from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
 from typing import Any
 
 import numpy as np
@@ -166,7 +167,7 @@ class SoakResult:
 
 def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.0,
         liveness_s: float = 1.0, seed: int = 0, progress: Any = None, kills: int | None = None,
-        ops_per_kill: int = 200) -> SoakResult:
+        ops_per_kill: int = 200, mp_context: BaseContext | None = None) -> SoakResult:
     """Create the region, run the soak for ``seconds``, stop everyone, fsck. The region file
     is left for the caller to remove.
 
@@ -175,7 +176,13 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
     ``ops_per_kill`` operations (a restarted one's first operations meet its predecessor's
     leftovers), and the soak stops once ``kills`` kills are done and every worker is up again
     with ``ops_per_kill`` operations of its own; ``seconds`` is then only a limit, and reaching
-    it is an error (``SoakResult.errors``). ``kill_every_s`` applies only to the timed form."""
+    it is an error (``SoakResult.errors``). ``kill_every_s`` applies only to the timed form.
+
+    ``mp_context``: how workers start (default ``spawn``: a fresh interpreter that imports the
+    package and loads the kernels, ~1-2 s on a 2-core VM). The CI form passes a forkserver
+    whose preload did that once (``tests/support/warmproc.py``): each of its seven starts is
+    then a fork. A worker reads no per-start setting from the environment (a forkserver child
+    has the server's)."""
     import tract_async as tract
     from tract_async.tools.fsck import run_fsck
 
@@ -192,9 +199,11 @@ def run(path: str, seconds: float, *, workers: int = 3, kill_every_s: float = 6.
     latest: dict[int, dict[str, int]] = {}
     res = SoakResult(seconds=seconds, workers=workers)
 
+    ctx = mp_context if mp_context is not None else SPAWN
+
     def start(n: int) -> None:
-        r, w = SPAWN.Pipe(duplex=False)
-        p = SPAWN.Process(target=worker, args=(path, n, rnd.randrange(1 << 30), w, stop,
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=worker, args=(path, n, rnd.randrange(1 << 30), w, stop,
                                                liveness_s))
         p.start()
         w.close()                       # the child holds the write end

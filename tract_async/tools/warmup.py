@@ -22,6 +22,7 @@ import uuid
 
 import numpy as np
 
+from tract_async import arrays
 from tract_async.kernel_cache import (CacheState, cache_state, compiles_after_warmup,
                                       ensure_warm, notice_if_cold, preload, scenario_running,
                                       stamp_path)
@@ -71,12 +72,15 @@ async def _scenario(path: str, backend: str) -> None:
         keys = a.block_keys(range(48))
         kv = randn(len(keys))
         # the wait paths; a generous deadline: on a cold cache the puts below compile first
-        waiter = asyncio.create_task(b.get_kv(keys, layer=1, timeout=600))
+        # (every get with ``out``: without one a get returns a torch tensor where torch is
+        # installed, and .ci/run installs torch while this runs: nothing here may import it)
+        waiter = asyncio.create_task(b.get_kv(keys, out=np.empty_like(kv[1]), layer=1,
+                                              timeout=600))
         for layer in range(layout.num_layers):
             await a.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer)
         await waiter
         for layer in range(layout.num_layers):      # later layers take the known slots
-            await b.get_kv(keys, layer=layer)
+            await b.get_kv(keys, out=np.empty_like(kv[layer]), layer=layer)
         got = np.empty_like(kv)
         await b.get_kv(keys, out=got)
         assert np.array_equal(got, kv)
@@ -139,8 +143,11 @@ async def _scenario(path: str, backend: str) -> None:
 
 async def _read_layers(engine: object, keys: list[bytes], num_layers: int) -> None:
     """A decode worker's reads: every layer in order, each waiting for its publication."""
-    for layer in range(num_layers):
-        await engine.get_kv(keys, layer=layer, timeout=600)   # type: ignore[attr-defined]
+    layout = engine.layout  # type: ignore[attr-defined]
+    for layer in range(num_layers):    # into numpy arrays: no torch (_scenario_at says why)
+        out = np.empty(layout.kv_shape(len(keys), layer),
+                       dtype=arrays.NUMPY_STORAGE[layout.dtype_name])
+        await engine.get_kv(keys, out=out, layer=layer, timeout=600)  # type: ignore[attr-defined]
 
 
 def warm_up(*, backends: tuple[str, ...] = ("hw", "sim"), verbose: bool = False,
