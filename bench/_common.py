@@ -14,6 +14,29 @@ from typing import Any, Sequence
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        return None
+
+
+def commit() -> str:
+    """The commit a result belongs to: ``TRACT_GIT_COMMIT`` (a tree copied without its .git),
+    else the checkout's HEAD, else ``nocommit``."""
+    return os.environ.get("TRACT_GIT_COMMIT") or _git_head() or "nocommit"
+
+
+def llama_layout() -> Any:
+    """The Llama-3-8B geometry the GPU benchmarks move: 32 layers, 16-token blocks, 8 KV heads
+    x 128, bf16 (64 KiB per block and layer)."""
+    import torch
+    import tract_async as tract
+    return tract.KVLayout(num_layers=32, block_tokens=16, kv_heads=8, head_dim=128,
+                          dtype=torch.bfloat16)
+
+
 def machine() -> dict[str, Any]:
     """CPU model, cores, memory, versions, date: enough to compare runs across machines."""
     info: dict[str, Any] = {"hostname": socket.gethostname(), "python": sys.version.split()[0],
@@ -34,11 +57,7 @@ def machine() -> dict[str, Any]:
             info[mod] = __import__(mod).__version__
         except Exception:
             pass
-    try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        pass
+    info["git"] = _git_head()
     # a copy of the tree without its own .git (the device hosts): the caller names the commit
     if os.environ.get("TRACT_GIT_COMMIT"):
         info["git_from_env"] = info.get("git")
@@ -74,9 +93,31 @@ def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return "\n".join(out)
 
 
+_RUN_PATHS: dict[str, str] = {}
+"""This process's result file per name (``write_json``): a run that saves as it goes rewrites
+its own file, never another run's."""
+
+
+def result_path(name: str) -> str:
+    """``bench/results/<name>-<YYYYmmdd-HHMMSS>-<commit>.json`` for this run (the same path on
+    every call in one process), never an existing file: results are records, and a later run
+    must not overwrite the file an earlier figure cites."""
+    path = _RUN_PATHS.get(name)
+    if path is None:
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        base = os.path.join(RESULTS_DIR, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{commit()[:12]}")
+        path, k = base + ".json", 1
+        while os.path.exists(path):
+            k += 1
+            path = f"{base}-{k}.json"
+        _RUN_PATHS[name] = path
+    return path
+
+
 def write_json(name: str, payload: dict[str, Any]) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    """Write this run's result ``name`` (``result_path``, machine details included); returns
+    the path."""
+    path = result_path(name)
     with open(path, "w") as f:
         json.dump({"machine": machine(), **payload}, f, indent=1, default=str)
     return path

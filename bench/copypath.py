@@ -16,7 +16,7 @@ and should take ~0.25-0.3 ms on four; a 1 MiB copy gains nothing from a second t
 ``threads_for`` encodes that (one thread per MiB, from 2 MiB, at most ``copy_threads``).
 
 Run: ``python bench/copypath.py [--quick] [--max-threads N]``. Writes
-``bench/results/copypath.json`` (machine details, every sample). The region is a /dev/shm file of
+``bench/results/copypath-<time>-<commit>.json`` (machine details, every sample). The region is a /dev/shm file of
 this run and is removed on exit.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ states of the process:
 The baseline in the same run is the same call compiled ``nogil=False`` (it never releases the
 GIL). ``stores/fused.py`` ("Holding the GIL") quotes these figures.
 
-    python bench/gil.py            # table, and bench/results/gil.json
+    python bench/gil.py            # table, and bench/results/gil-<time>-<commit>.json
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _procs  # noqa: E402
-from _common import RESULTS_DIR, machine, median, pct, table  # noqa: E402
+from _common import RESULTS_DIR, llama_layout, machine, median, pct, table  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -65,11 +65,6 @@ SECTIONS = ("layer_ops", "whole_prompt", "pipelined_prefill", "handoff")
 NAMESPACE = "bench-layers"
 BARRIER_S = 120.0           # a handoff child waits this long for the other at a rep boundary
 HANDOFF_RESERVE_S = 60.0    # sections before the handoff stop this long before the deadline
-
-
-def llama_layout() -> Any:
-    return tract.KVLayout(num_layers=32, block_tokens=16, kv_heads=8, head_dim=128,
-                          dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------

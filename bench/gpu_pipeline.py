@@ -15,7 +15,7 @@
    when each layer was published and when decode got it; the first decode step starts (layer 0
    in hand) long before the last layer lands. Both share one GPU and its default stream, so the
    decode's kernels queue behind the prefill's: the host timeline is what this shows.
-Writes bench/results/gpu_pipeline.json (with an NVML time series of the timeline run).
+Writes bench/results/gpu_pipeline-<time>-<commit>.json (with an NVML time series of the timeline run).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, table, write_json  # noqa: E402
+from _common import llama_layout, median, table, write_json  # noqa: E402
 
 import tract_async as tract  # noqa: E402
 
@@ -70,8 +70,7 @@ async def main() -> int:
     RESULTS["model_build_s"] = time.perf_counter() - t0
     RESULTS["gpu"] = torch.cuda.get_device_name(0)
     RESULTS["args"] = vars(args)
-    lay = tract.KVLayout(num_layers=32, block_tokens=16, kv_heads=8, head_dim=128,
-                         dtype=torch.bfloat16)
+    lay = llama_layout()
     path = f"/dev/shm/tract-bench-pipe-{os.getpid()}"
     ecfg = tract.EngineConfig(region=path, region_bytes=(max(args.tokens) * 128 << 10) + (384 << 20),
                               create=True, layout=lay, mode="transfer", namespace="bench-pipe")

@@ -1,5 +1,5 @@
 """GPU <-> region put/get bandwidth against raw pinned cudaMemcpyAsync, paged gathers, and the
-cost of StreamFutures. One run on a CUDA machine; writes bench/results/gpu_putget.json.
+cost of StreamFutures. One run on a CUDA machine; writes bench/results/gpu_putget-<time>-<commit>.json.
 
 Sections (each writes the JSON as it finishes, so a timeout keeps what was measured):
 

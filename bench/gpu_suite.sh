@@ -112,6 +112,7 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   serve_gpu (bench/serve_gpu.py, three modes)  serve_load (bench/serve_load.py --size h200)
 #   prefill_shapes (bench/prefill_shapes.py: a first-seen prompt length's prefill, cuDNN SDPA
 #   allowed or not, ~1-2 min)
+#   host_profile (bench/host_profile.py: where a layer operation's host time goes, cProfile)
 #   doorbell_tests (tests/engine/test_doorbell.py: same-host wake-ups on these cores)
 #   wakeup (bench/wakeup.py: the doorbell's wake-up against a bare datagram wake-up)
 #   transport_cpu / transport_gpu (bench/transport.py --quick, DRAM / VRAM, 3 rounds)
@@ -123,7 +124,8 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 # (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
 want warmup && step warmup 180 $PY -m tract_async.tools.warmup
 want gpu_tests && step gpu_tests "${GPU_TESTS_S:-270}" $PY -m pytest -q -m gpu -p no:cacheprovider \
-  -o addopts="" tests/cuda/test_cuda_gpu.py --maxfail=10
+  -o addopts="" tests/cuda/test_cuda_gpu.py tests/engine/test_txn.py tests/engine/test_fallback.py \
+  tests/serving/test_batching.py tests/serving/test_serving_model.py --maxfail=10
 want doorbell_tests && step doorbell_tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts= \
   tests/engine/test_doorbell.py
 want putget_cpu && step putget_cpu "${PUTGET_S:-240}" $PY bench/putget.py --deadline-s "${PUTGET_S:-240}"
@@ -147,13 +149,14 @@ want wakecost && step wakecost 120 $PY bench/wakecost.py --reps 200
 # A/B of the loop spin of a same-host wait (EngineConfig.wait_spin_us, stores/waits.py
 # auto_wait_spin_us; the environment overrides it): handoffs only, 0 / 300 µs / the host's default
 want handoff_spin_ab && { TRACT_WAIT_SPIN_US=0 step handoff_spin0 120 $PY bench/putget.py --parts 2 --deadline-s 110
-  cp bench/results/putget.json bench/results/putget-handoff-spin0.json
+  f=$(ls -t bench/results/putget-2*.json | head -1) && mv "$f" "${f/putget-/putget-handoff-spin0-}"
   TRACT_WAIT_SPIN_US=300 step handoff_spin300 120 $PY bench/putget.py --parts 2 --deadline-s 110
-  cp bench/results/putget.json bench/results/putget-handoff-spin300.json
+  f=$(ls -t bench/results/putget-2*.json | head -1) && mv "$f" "${f/putget-/putget-handoff-spin300-}"
   TRACT_WAIT_SPIN_US= step handoff_spin_auto 120 $PY bench/putget.py --parts 2 --deadline-s 110
-  cp bench/results/putget.json bench/results/putget-handoff-spin-auto.json; finish; }
+  f=$(ls -t bench/results/putget-2*.json | head -1) && mv "$f" "${f/putget-/putget-handoff-spin-auto-}"; finish; }
 want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
 want prefill_shapes && step prefill_shapes 200 $PY bench/prefill_shapes.py
+want host_profile && step host_profile 150 $PY bench/host_profile.py --blocks "${PROFILE_BLOCKS:-1}"
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 
 ls /dev/shm | grep -c '^tract-' | xargs -I{} echo "tract files left in /dev/shm: {}" >>"$SUMMARY"

@@ -7,7 +7,7 @@ invalidate+load costs one DRAM miss (360-430 ns). For copies the floor is memory
 (~9 GB/s for large copies here); the NT write should beat copy+flush for cache-resident sizes
 (1-16 MiB) by skipping the read-for-ownership and the flush, and match memcpy at 256 MiB.
 
-Run: ``python bench/kernels.py [--quick]``. Writes bench/results/kernels.json.
+Run: ``python bench/kernels.py [--quick]``. Writes bench/results/kernels-<time>-<commit>.json.
 """
 from __future__ import annotations
 

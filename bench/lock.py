@@ -1,6 +1,6 @@
 """Global-lock benchmark: uncontended acquire+release, 2 and 4 contending processes, manager CPU
 while idle. Baseline measured in the same run: an in-process asyncio.Lock. One run, a printed
-table, JSON under bench/results/lock.json.
+table, JSON under bench/results/lock-<time>-<commit>.json.
 
     python bench/lock.py [--backend hw|sim] [--cycles 2000]
 """

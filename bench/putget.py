@@ -65,7 +65,7 @@ Findings (runs of 2026-11-30 02:27-02:39, load 1.7-5; every target but lookup mi
 Usage: ``python bench/putget.py [--quick] [--no-nixl] [--parts 123] [--copy-threads N]``
 (``--copy-threads``: ``EngineConfig.copy_threads`` of every engine; default None, from the
 host; the table headers and the JSON say which). Writes
-``bench/results/putget.json`` (machine details included). Regions are
+``bench/results/putget-<time>-<commit>.json`` (machine details included). Regions are
 ``/dev/shm/tract-bench-<pid>-*`` and are removed on exit. After the run, the "Findings" printed
 at the end say where the time goes; the JSON carries every sample. The parts live in
 ``bench/_putget/`` (its ``__init__`` lists the modules); this file is the command line.

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 import traceback
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import RESULTS_DIR, machine  # noqa: E402
 
 import tract_async as tract  # noqa: E402
+from tract_async.loadtest.runner import within_budget  # noqa: E402
 from tract_async.serving.launcher import Rack  # noqa: E402
 from tract_async.serving.protocol import MODES  # noqa: E402
 from tract_async.serving.workload import (ChatWorkload, format_table, layer_timeline,  # noqa: E402
@@ -155,23 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1, default=str)
         os.replace(tmp, out)
 
-    async def bounded() -> None:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            async with asyncio.timeout(args.budget):
-                await run(args, report, write)
-            report["status"] = "ok"
-        except TimeoutError:
-            report["status"] = f"budget of {args.budget} s exhausted"
-        except asyncio.CancelledError:
-            report["status"] = "interrupted"
-
     t0 = time.perf_counter()
     try:
-        tract.run(bounded())
+        tract.run(within_budget(lambda: run(args, report, write), args.budget, report))
     except Exception as exc:
         report["status"] = f"error: {type(exc).__name__}: {exc}"
     report["wall_s"] = time.perf_counter() - t0

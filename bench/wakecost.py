@@ -19,7 +19,7 @@ baselines in the same run:
                ~40 dict inserts of Python, ``np.copyto`` of 64 KiB, the engine's ``put_kv`` and
                ``get_kv`` of one 64 KiB block (hw backend, a region in ``--region-dir``).
 
-Prints the tables and writes ``bench/results/wakecost.json`` (every median and p90, the host).
+Prints the tables and writes ``bench/results/wakecost-<time>-<commit>.json`` (every median and p90, the host).
 
 Usage: python bench/wakecost.py [--reps 300] [--region-dir /dev/shm]
 """

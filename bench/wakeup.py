@@ -21,7 +21,7 @@ bench separates the doorbell's floor from what the engine adds:
               opened with ``cpu_wake_latency_us=0`` (``tract_async/host/cpu_qos.py``).
 
 Each case: ``--n`` wake-ups, 2 ms apart (the consumer is asleep each time). Prints p50/p90/p99
-and writes ``bench/results/wakeup.json`` with every sample and the machine.
+and writes ``bench/results/wakeup-<time>-<commit>.json`` with every sample and the machine.
 
 Usage: python bench/wakeup.py [--n 400] [--only raw,raw_gil,engine_mgr,engine_peer]
 """
