@@ -487,6 +487,56 @@ def test_direct_copies_across_two_requests_blocks(region_path):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("mode", ["auto", "all", "off"])
+def test_batched_copies_of_scattered_blocks_are_exact(region_path, monkeypatch, mode):
+    """Blocks of two requests read in alternation (one run per block) go as one batch of 1-D
+    copies where the runtime has them (``cuda/direct.py``, "Batches"): the same bytes as the 2-D
+    copies, for whole blocks and for every layer, into the region and out of it; ``off``
+    (``TRACT_CUDA_BATCH``) keeps the 2-D copies."""
+    monkeypatch.setenv("TRACT_CUDA_BATCH", mode)
+    lay = layout(torch.bfloat16)
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
+            copier = eng.cuda_setup(method="direct").copier(
+                torch.device("cuda", torch.cuda.current_device()))
+            if mode == "off":
+                assert copier.batch == "off" and "TRACT_CUDA_BATCH" in copier.batch_reason
+            elif copier.batch == "off":
+                pytest.skip(f"no batched copies here: {copier.batch_reason}")
+            n = 10
+            ka = eng.block_keys(tokens(n, lay, 41))
+            kb = eng.block_keys(tokens(n, lay, 42))
+            kva, kvb = rand_kv(lay, n, 41), rand_kv(lay, n, 42)
+            await eng.put_kv(ka, kva.cuda())
+            await eng.put_kv(kb, kvb.cuda())
+            T = lay.block_tokens
+            mixed = [k for pair in zip(ka, kb) for k in pair]
+            want = torch.cat([torch.cat([kva[:, :, j * T:(j + 1) * T], kvb[:, :, j * T:(j + 1) * T]],
+                                        dim=2) for j in range(n)], dim=2)
+            before = copier.counters.batch_calls
+            assert same_bits(await eng.get_kv(mixed, device="cuda"), want)
+            for i in range(lay.num_layers):
+                assert same_bits(await eng.get_kv(mixed, layer=i, device="cuda"), want[i])
+            batched = copier.counters.batch_calls - before
+            if mode == "off":
+                assert batched == 0
+            else:
+                assert batched >= 1 + lay.num_layers, copier.describe()
+                assert copier.describe()["batch"] == mode
+            # into the region: a layer-streamed put (``all`` batches its evenly spaced blocks
+            # too), read back by the CPU
+            kc = eng.block_keys(tokens(2 * n, lay, 43))
+            kvc = rand_kv(lay, 2 * n, 43)
+            before = copier.counters.batch_calls
+            for i in range(lay.num_layers):
+                await eng.put_kv(kc, kvc[i].cuda(), layer=i)
+            assert same_bits(await eng.get_kv(kc), kvc)
+            if mode == "all":
+                assert copier.counters.batch_calls - before == lay.num_layers
+    asyncio.run(main())
+
+
 def test_the_zero_copy_kernel_is_compiled_when_the_copier_is_made(region_path):
     """``cuda_setup().copier(dev)`` compiles the zero-copy kernel for the layout's rows (else
     the first scattered put compiles it: 1.1-2.2 s inside one region-cache request on the H100,

@@ -104,6 +104,84 @@ def test_a_stride_past_the_widest_pitch_splits_the_run() -> None:
     assert direct.segments(poffs, LLAMA.layer_bytes).shape[0] == 2
 
 
+@pytest.mark.parametrize("mode", ["auto", "all"])
+@pytest.mark.parametrize("kind", ["evenly", "two-chunks", "descending", "scattered"])
+@pytest.mark.parametrize("n", [1, 2, 7, 33, 213])
+@pytest.mark.parametrize("layer", [None, 0, 31])
+def test_batched_copies_move_exactly_the_plans_rows(mode: str, kind: str, n: int,
+                                                    layer: int | None) -> None:
+    """Where batched copies are available, a plan of many runs goes as one batch of 1-D copies
+    (``auto``: more than ``BATCH_MIN_CALLS`` 2-D copies; ``all``: any plan of several blocks),
+    one per block and plane, moving exactly the CPU plan's rows; others keep the 2-D copies
+    (or the gather path), as without batches."""
+    rng = np.random.default_rng(n * 100 + (layer or 0) + 7)
+    poffs = _offsets(kind, n, LLAMA, rng)
+    planes = 2 if layer is not None else 2 * LLAMA.num_layers
+    segs = direct.segments(poffs, LLAMA.layer_bytes if layer is not None else LLAMA.block_bytes)
+    dc = direct.plan(LLAMA, poffs, layer, tensor_ptr=1 << 36, region_ptr=1 << 40, batch=mode)
+    want_batch = (n > 1 and n * planes <= direct.BATCH_MAX_COPIES
+                  and (mode == "all" or segs.shape[0] * planes > direct.BATCH_MIN_CALLS))
+    if dc is None:
+        assert not want_batch and segs.shape[0] * planes > direct.MAX_CALLS
+        return
+    assert (dc.batch is not None) == want_batch
+    plain = direct.plan(LLAMA, poffs, layer, tensor_ptr=1 << 36, region_ptr=1 << 40)
+    if not want_batch:
+        assert plain is not None and dc.calls == plain.calls
+        return
+    assert len(dc) == 1 and dc.calls == []                  # one driver call
+    reg, ten, sizes = dc.batch
+    assert reg.dtype == ten.dtype == np.int64 and sizes.dtype == np.uint64
+    assert reg.shape == ten.shape == sizes.shape == (n * planes,)
+    assert (sizes == LLAMA.half_layer_bytes).all() and dc.nbytes == int(sizes.sum())
+    pairs = _pairs_of_copies(dc.rows - np.array([1 << 40, 0, 1 << 36, 0, 0, 0]), dc.half)
+    assert np.array_equal(pairs, _pairs_of_plan(LLAMA, poffs, layer))
+
+
+def test_the_template_cache_batches_every_layer_alike() -> None:
+    """A batched template shifted to each layer and tensor address equals a fresh batched plan
+    (the region addresses move by the layer, the tensor's by its address)."""
+    poffs = _offsets("scattered", 213, LLAMA, np.random.default_rng(3))
+    cache = direct.TemplateCache(LLAMA, region_ptr=1 << 40, batch="auto")
+    for layer in (0, 5, 31):
+        for ptr in (0, (1 << 34) + 4096):
+            got = cache.plan(poffs.copy(), layer, ptr)
+            want = direct.plan(LLAMA, poffs, layer, tensor_ptr=ptr, region_ptr=1 << 40,
+                               batch="auto")
+            assert got.batch is not None and want.batch is not None
+            for a, b in zip(got.batch, want.batch):
+                assert np.array_equal(a, b)
+    assert cache.misses == 1
+
+
+def test_the_batch_policy_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(direct.BATCH_ENV, raising=False)
+    assert direct.batch_mode() == "auto"
+    for m in direct.BATCH_MODES:
+        monkeypatch.setenv(direct.BATCH_ENV, m)
+        assert direct.batch_mode() == m
+    monkeypatch.setenv(direct.BATCH_ENV, "sometimes")
+    with pytest.raises(ValueError, match="TRACT_CUDA_BATCH"):
+        direct.batch_mode()
+
+
+def test_no_batch_without_the_runtime_call() -> None:
+    class NoBatch:
+        memcpy_batch = None
+    assert "13.0" in direct.batch_probe(NoBatch(), "cuda", None)
+    assert "13.0" in direct.batch_probe(None, "cuda", None)
+
+
+def test_the_batch_attributes_have_cudas_layout() -> None:
+    """``struct cudaMemcpyAttributes`` of CUDA 13.0: an enum, two (enum, int) locations and
+    an unsigned int, 24 bytes; the one attribute set reads sources in stream order."""
+    import ctypes
+    assert ctypes.sizeof(direct._MemcpyAttributes) == 24
+    assert direct._MemcpyAttributes.flags.offset == 20
+    assert direct._ATTRS.srcAccessOrder == direct.SRC_ACCESS_ORDER_STREAM == 1
+    assert direct._ATTR_IDX[0] == 0
+
+
 def _direct_rows(dc: "direct.DirectCopy | None") -> list | None:
     return None if dc is None else dc.calls
 

@@ -58,6 +58,8 @@ class CopyCounters:
     bytes: int = 0
     dma_calls: int = 0
     dma2d_calls: int = 0
+    batch_calls: int = 0
+    batch_copies: int = 0
     kernel_launches: int = 0
     gathers: int = 0
     by_method: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -135,6 +137,17 @@ class Copier:
             self._put_order = events.StreamOrder(self.events, idx)
             self._get_order = events.StreamOrder(self.events, idx)
         self._templates: dict[int, Any] = {}
+        # batched copies for plans of many runs (cuda/direct.py, "Batches"): the policy, or
+        # "off" with the reason where the runtime or the driver has none
+        from . import direct
+        mode = direct.batch_mode()
+        if mode == "off":
+            self.batch_reason: str | None = f"off ({direct.BATCH_ENV})"
+        elif not self.have_2d:
+            self.batch_reason = "the region is not registered"
+        else:
+            self.batch_reason = direct.batch_probe(self.fast, self.device, self.put_dma)
+        self.batch = mode if self.batch_reason is None else "off"
         self.zerocopy_warm_s: dict[int, float] = {}   # row bytes -> seconds its compile took
 
     def warm_zerocopy(self, row_bytes: int) -> None:
@@ -279,7 +292,8 @@ class Copier:
         cache = self._templates.get(id(layout))
         if cache is None or cache.layout is not layout:
             from . import direct
-            cache = self._templates[id(layout)] = direct.TemplateCache(layout, self.region_ptr)
+            cache = self._templates[id(layout)] = direct.TemplateCache(layout, self.region_ptr,
+                                                                       batch=self.batch)
         return cache.plan(poffs, layer, tensor_ptr)
 
     def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -308,7 +322,12 @@ class Copier:
             order.after_current(handle)
         elif wait_for is not NO_WAIT:
             self._wait_raw(stream, handle, wait_for)
-        self.counters.dma2d_calls += direct.issue(dc, handle, to_region=to_region, fc=fc)
+        calls = direct.issue(dc, handle, to_region=to_region, fc=fc)
+        if dc.batch is not None:
+            self.counters.batch_calls += calls
+            self.counters.batch_copies += dc.batch[2].shape[0]
+        else:
+            self.counters.dma2d_calls += calls
         self._count("direct", dc.nbytes)
         return self.events.take().record(handle), (tensor,)
 
@@ -584,6 +603,7 @@ class Copier:
         return {"device": str(self.device), "method": self.method, "dma2d": self.have_2d,
                 "zerocopy": self.have_triton, "zerocopy_unavailable": self.triton_reason or None,
                 "zerocopy_warm_s": {str(k): round(v, 3) for k, v in self.zerocopy_warm_s.items()},
+                "batch": self.batch, "batch_unavailable": self.batch_reason,
                 "piece_bytes": self.piece_bytes, **dataclasses.asdict(self.counters)}
 
 

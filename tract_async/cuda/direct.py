@@ -24,11 +24,22 @@ must be at least its width, and rows must not overlap). A transfer whose blocks 
 than ``MAX_CALLS`` copies (scattered offsets: a prefix cache's blocks, freed and reused) keeps the
 gather path, which moves any plan in a few DMAs.
 
+Batches. Blocks that do not sit evenly spaced (a prefix cache's blocks, freed and reused out of
+order) split into many runs, and each run is ``planes`` driver calls of ~2 µs host time: a
+213-block layer in ~125 runs took 500 µs of host time in ``issue`` on the H100 host, twice its
+DMA (``bench/results/gpu-20261207-s45``). Where the runtime has ``cudaMemcpyBatchAsync`` (CUDA
+13.0 on) and the driver runs it (``batch_probe``), a plan of more than ``BATCH_MIN_CALLS`` 2-D
+copies goes instead as one batch of 1-D copies, one per block and plane (``Template.batch``):
+one driver call for any number of runs, up to ``BATCH_MAX_COPIES`` copies. ``TRACT_CUDA_BATCH``
+(``auto``, ``off``, ``all``: every multi-block plan batched) picks the policy, for A/B runs.
+
 Pure arithmetic on int64 arrays plus the driver calls; the CPU-side functions (``segments``,
-``copies``) are tested without CUDA.
+``copies``, ``template``) are tested without CUDA.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Any
 
 import numpy as np
@@ -42,6 +53,79 @@ MAX_PITCH = 1 << 30
 MAX_CALLS = 256
 """Most 2-D copies one transfer may take on this path (~1.5-2 µs of host time each through
 ctypes); beyond it, the gather path's few large DMAs cost less host time."""
+
+BATCH_ENV = "TRACT_CUDA_BATCH"
+"""``auto`` (default): batch a plan of more than ``BATCH_MIN_CALLS`` 2-D copies; ``off``: never;
+``all``: every plan of more than one block (module docstring, "Batches")."""
+
+BATCH_MODES = ("auto", "off", "all")
+
+BATCH_MIN_CALLS = 4
+"""``auto`` batches a plan that would take more 2-D copies than this: up to two runs of a layer
+(one or two requests' blocks) stay 2-D copies, which the copy engine moves as a few large
+operations."""
+
+BATCH_MAX_COPIES = 4096
+"""Most 1-D copies in one batch (a 213-block layer is 426; the whole-block planes of a large
+request, 64 per block, keep the 2-D copies or the gather path)."""
+
+
+def batch_mode() -> str:
+    """The batch policy from ``TRACT_CUDA_BATCH`` (ValueError for another value)."""
+    m = os.environ.get(BATCH_ENV, "auto") or "auto"
+    if m not in BATCH_MODES:
+        raise ValueError(f"{BATCH_ENV} must be one of {BATCH_MODES}, got {m!r}")
+    return m
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``struct cudaMemcpyAttributes`` (CUDA 13.0 ``driver_types.h``): 24 bytes."""
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
+                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+SRC_ACCESS_ORDER_STREAM = 1
+"""``cudaMemcpySrcAccessOrderStream``: the sources are read in stream order (after what the
+stream waited for), as every copy of this module must."""
+
+_ATTRS = _MemcpyAttributes(SRC_ACCESS_ORDER_STREAM)
+_ATTR_IDX = (ctypes.c_size_t * 1)(0)
+_ATTRS_PTR = ctypes.addressof(_ATTRS)
+_ATTR_IDX_PTR = ctypes.addressof(_ATTR_IDX)
+
+
+def memcpy_batch(fc: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
+                 stream_handle: int) -> int:
+    """One ``cudaMemcpyBatchAsync`` of ``len(sizes)`` 1-D copies (addresses as int64 arrays,
+    sizes uint64), read in stream order. Returns the cudaError (0: enqueued)."""
+    return fc.memcpy_batch(dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, sizes.shape[0],
+                           _ATTRS_PTR, _ATTR_IDX_PTR, 1, stream_handle)
+
+
+def batch_probe(fc: Any, device: Any, stream: Any) -> str | None:
+    """Whether the driver runs batched copies: two 64-byte device copies in one batch on the
+    stream, synchronized and compared. None when they did, else why not (``Copier`` then keeps
+    the 2-D copies)."""
+    if fc is None or getattr(fc, "memcpy_batch", None) is None:
+        return "cudaMemcpyBatchAsync not in this CUDA runtime (needs 13.0)"
+    import torch
+    src = torch.arange(32, dtype=torch.int32, device=device)
+    dst = torch.zeros(32, dtype=torch.int32, device=device)
+    torch.cuda.current_stream(device).synchronize()
+    a, b = src.data_ptr(), dst.data_ptr()
+    err = memcpy_batch(fc, np.array([b + 64, b], dtype=np.int64),
+                       np.array([a + 64, a], dtype=np.int64),
+                       np.array([64, 64], dtype=np.uint64), int(stream.cuda_stream))
+    if err:
+        return f"cudaMemcpyBatchAsync failed with cudaError {err}"
+    stream.synchronize()
+    if not torch.equal(src, dst):
+        return "cudaMemcpyBatchAsync copied other bytes than asked"
+    return None
 
 
 @njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
@@ -106,21 +190,32 @@ class DirectCopy:
     height)`` per 2-D copy; ``half`` is the K or V half of a block's layer (the width of every
     copy but a single block's, whose planes are contiguous on both sides: one copy)."""
 
-    __slots__ = ("calls", "half", "nbytes")
+    __slots__ = ("calls", "half", "nbytes", "batch")
 
     def __init__(self, calls: list[tuple[int, int, int, int, int, int]], half: int,
-                 nbytes: int) -> None:
+                 nbytes: int, batch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+                 ) -> None:
         self.calls = calls
         self.half = half
         self.nbytes = nbytes
+        self.batch = batch
+        """Instead of ``calls``: one batch of 1-D copies, (region addresses, tensor addresses,
+        sizes) (module docstring, "Batches")."""
 
     @property
     def rows(self) -> np.ndarray:
-        """``calls`` as an int64 array (one row per copy)."""
+        """The copies as an int64 array, one row per copy in ``calls``' form (a batch's 1-D
+        copies as one-row copies)."""
+        b = self.batch
+        if b is not None:
+            reg, ten, sizes = b
+            w = sizes.astype(np.int64)
+            return np.stack([reg, w, ten, w, w, np.ones_like(w)], axis=1)
         return np.array(self.calls, dtype=np.int64).reshape(-1, 6)
 
     def __len__(self) -> int:
-        return len(self.calls)
+        """The driver calls this transfer takes."""
+        return 1 if self.batch is not None else len(self.calls)
 
 
 class Template:
@@ -132,28 +227,38 @@ class Template:
     Numba dispatches and the array work, ~6 µs on the 2-core VM and 2-3x that on the GPU hosts)
     once per request leaves two additions per copy for each later layer (``at``)."""
 
-    __slots__ = ("calls", "half", "nbytes", "layer_bytes", "poffs", "whole")
+    __slots__ = ("calls", "half", "nbytes", "layer_bytes", "poffs", "whole", "batch")
 
     def __init__(self, calls: list[tuple[int, int, int, int, int, int]], half: int, nbytes: int,
-                 layer_bytes: int, poffs: np.ndarray, whole: bool) -> None:
+                 layer_bytes: int, poffs: np.ndarray, whole: bool,
+                 batch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         self.calls = calls
         self.half = half
         self.nbytes = nbytes
         self.layer_bytes = layer_bytes
         self.poffs = poffs
         self.whole = whole
+        self.batch = batch
+        """Instead of ``calls``: the batch's (region addresses at layer 0, tensor offsets,
+        sizes)."""
 
     def at(self, layer: int | None, tensor_ptr: int) -> DirectCopy:
         """The copies for ``layer`` (None: a whole-block tensor) from / to ``tensor_ptr``."""
         d = 0 if layer is None else layer * self.layer_bytes
+        b = self.batch
+        if b is not None:
+            reg, ten, sizes = b
+            return DirectCopy([], self.half, self.nbytes, (reg + d, ten + tensor_ptr, sizes))
         return DirectCopy([(r + d, rp, tensor_ptr + t, tp, w, h)
                            for r, rp, t, tp, w, h in self.calls], self.half, self.nbytes)
 
 
-def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int) -> Template | None:
+def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
+             batch: str = "off") -> Template | None:
     """The copies of blocks ``poffs`` (tensor order) at layer 0 and tensor address 0: one
-    layer's two planes, or (``whole``) every layer's. None when they would take more than
-    ``MAX_CALLS`` copies (use the gather path)."""
+    layer's two planes, or (``whole``) every layer's. ``batch``: the policy where batched
+    copies are available (``BATCH_MODES``; ``off`` where they are not). None when they would
+    take more than ``MAX_CALLS`` 2-D copies and no batch (use the gather path)."""
     n = int(poffs.shape[0])
     half = layout.half_layer_bytes
     if whole:
@@ -168,19 +273,36 @@ def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int) -> Te
         calls = [(region_ptr + int(poffs[0]), nbytes, 0, nbytes, nbytes, 1)]
         return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
     segs = segments(poffs, span)
-    if segs.shape[0] * planes > MAX_CALLS:
+    ncalls = segs.shape[0] * planes
+    if (batch != "off" and n * planes <= BATCH_MAX_COPIES
+            and (batch == "all" or ncalls > BATCH_MIN_CALLS)):
+        return Template([], half, nbytes, layout.layer_bytes, poffs, whole,
+                        batch_copies(poffs, planes, half, region_ptr))
+    if ncalls > MAX_CALLS:
         return None
     rows = copies(segs, poffs, n, planes, half, 0, 0, region_ptr)
     calls = [(r, rp, t, tp, half, h) for r, rp, t, tp, h in rows.tolist()]
     return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
 
 
+def batch_copies(poffs: np.ndarray, planes: int, half: int,
+                 region_ptr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One 1-D copy per block and plane at layer 0 and tensor address 0: (region addresses,
+    tensor offsets, sizes). Plane ``p`` of block ``j`` is tensor row ``p*n + j`` and region
+    bytes ``poffs[j] + p*half`` (as in ``copies``); copies in tensor order."""
+    n = poffs.shape[0]
+    p = np.arange(planes, dtype=np.int64)[:, None] * half
+    reg = (region_ptr + poffs.astype(np.int64)[None, :] + p).reshape(-1)
+    ten = (p * n + np.arange(n, dtype=np.int64)[None, :] * half).reshape(-1)
+    return reg, ten, np.full(n * planes, half, dtype=np.uint64)
+
+
 def plan(layout: Any, poffs: np.ndarray, layer: int | None, tensor_ptr: int,
-         region_ptr: int) -> DirectCopy | None:
+         region_ptr: int, batch: str = "off") -> DirectCopy | None:
     """The copies moving blocks ``poffs`` (tensor order) of a contiguous tensor at
-    ``tensor_ptr``: one layer's planes or all of them. None when they would take more than
-    ``MAX_CALLS`` copies (use the gather path)."""
-    t = template(layout, poffs, layer is None, region_ptr)
+    ``tensor_ptr``: one layer's planes or all of them (``batch``: as ``template``). None when
+    they would take more than ``MAX_CALLS`` copies and no batch (use the gather path)."""
+    t = template(layout, poffs, layer is None, region_ptr, batch)
     return None if t is None else t.at(layer, tensor_ptr)
 
 
@@ -195,10 +317,11 @@ class TemplateCache:
     element and one array comparison). Offsets that need the gather path are remembered too
     (as None). ``size`` entries: a few requests streaming at once."""
 
-    def __init__(self, layout: Any, region_ptr: int, size: int = 8) -> None:
+    def __init__(self, layout: Any, region_ptr: int, size: int = 8, batch: str = "off") -> None:
         self.layout = layout
         self.region_ptr = region_ptr
         self.size = size
+        self.batch = batch
         self._entries: list[tuple[np.ndarray, bool, Template | None]] = []
         self.hits = 0
         self.misses = 0
@@ -220,7 +343,7 @@ class TemplateCache:
                     ents.insert(0, ents.pop(k))
                 return e[2]
         self.misses += 1
-        t = template(self.layout, poffs, whole, self.region_ptr)
+        t = template(self.layout, poffs, whole, self.region_ptr, self.batch)
         ents.insert(0, (poffs, whole, t))
         del ents[self.size:]
         return t
@@ -235,6 +358,17 @@ def issue(dc: DirectCopy, stream_handle: int, *, to_region: bool, fc: Any = None
     """Enqueue the copies on the stream (the caller orders the stream first). Returns how many
     driver calls were made. ``fc``: ``events.FastCalls`` (the GIL stays held), else through the
     ``CDLL`` handle. Raises RuntimeError if one fails (nothing after it is enqueued)."""
+    b = dc.batch
+    if b is not None:
+        if fc is None or getattr(fc, "memcpy_batch", None) is None:
+            raise RuntimeError("a batched plan needs cudaMemcpyBatchAsync (events.FastCalls)")
+        reg, ten, sizes = b
+        dst, src = (reg, ten) if to_region else (ten, reg)
+        err = memcpy_batch(fc, dst, src, sizes, stream_handle)
+        if err:
+            raise RuntimeError(f"cudaMemcpyBatchAsync failed with cudaError {err} "
+                               f"({sizes.shape[0]} copies, to_region={to_region})")
+        return 1
     if fc is not None:
         f = fc.memcpy2d
     else:

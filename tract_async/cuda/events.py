@@ -78,12 +78,39 @@ class FastCalls:
         self.event_destroy = slow.cudaEventDestroy
         self.event_destroy.restype = i
         self.event_destroy.argtypes = [vp]
+        self.memcpy_batch = _bind_memcpy_batch(lib, slow)
         import torch
         self.current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 _FAST: FastCalls | None = None
 _FAST_TRIED = False
+
+
+BATCH_MIN_RUNTIME = 13000
+"""``cudaMemcpyBatchAsync`` is bound only from CUDA 13.0's runtime on: 12.8 and 12.9 export the
+same name with one more parameter (``failIdx``), so the 13.0 signature would be a wrong call
+there."""
+
+
+def _bind_memcpy_batch(lib: Any, slow: Any) -> Any:
+    """``cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)``
+    through ``lib`` (GIL held: it only enqueues), or None where the runtime predates 13.0 or
+    lacks it. Whether the driver runs it is checked once per copier (``direct.batch_probe``)."""
+    try:
+        ver = ctypes.c_int(0)
+        getv = slow.cudaRuntimeGetVersion
+        getv.restype = ctypes.c_int
+        getv.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        if getv(ctypes.byref(ver)) != CUDA_SUCCESS or ver.value < BATCH_MIN_RUNTIME:
+            return None
+        f = lib.cudaMemcpyBatchAsync
+    except AttributeError:
+        return None
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    f.restype = ctypes.c_int
+    f.argtypes = [vp, vp, vp, sz, vp, vp, sz, vp]
+    return f
 
 
 def fast_calls() -> FastCalls | None:
