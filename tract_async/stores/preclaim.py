@@ -153,9 +153,17 @@ class PreClaimer:
                     # wait until they drain (publish and the end of a read set it), or look
                     # again after a while (a put left half-filled keeps blocks in flight)
                     self._drained.clear()
+                    # ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11, wait_for
+                    # returns the event's result and drops a cancellation that lands in the
+                    # loop turn in which the event is set (a put publishing as the engine
+                    # closes or its TaskGroup aborts). This task then went back to
+                    # ``_refill.wait()`` (no timer, never set after close) and the engine's
+                    # close waited for it forever (the signature of a CI hang of
+                    # test_unsnapshotted_put[sim]; tests/engine/test_preclaim_cancel.py)
                     try:
-                        await asyncio.wait_for(self._drained.wait(), PRECLAIM_MAX_PAUSE_S)
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(PRECLAIM_MAX_PAUSE_S):
+                            await self._drained.wait()
+                    except TimeoutError:
                         pass
                     continue
                 seq = (self._put_seq, self._read_seq)
