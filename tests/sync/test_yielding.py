@@ -36,8 +36,16 @@ def test_two_slow_yields_close_together_turn_yields_off_for_a_while() -> None:
     assert _slow(state)                         # it yielded; one slow yield alone...
     assert state[0] == 0 and state[1] > 0       # ...leaves yields on, and is remembered
     assert _fast(state) and state[0] == 0       # a fast one between changes nothing
-    t0 = monotonic_ns()
-    assert _slow(state)                         # the second, within SLOW_PAIR_NS
+    # the second, within SLOW_PAIR_NS of the first. On a loaded machine this process can be
+    # off the CPU for longer than that between two calls (CI, three workers on two cores, once
+    # failed here with no pair seen), which is the scheduler, not the rule under test: the
+    # first's end is re-stamped right before the second, and a pair is tried a few times
+    for _ in range(5):
+        state[1] = monotonic_ns()
+        t0 = monotonic_ns()
+        assert _slow(state)
+        if state[0]:
+            break
     assert t0 + YIELD_OFF_NS <= state[0] <= monotonic_ns() + YIELD_OFF_NS
     assert not polite_yield(state, monotonic_ns())          # off: the caller sleeps instead
     assert polite_yield(state, int(state[0]))               # the window over: yields again
