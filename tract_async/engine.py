@@ -408,28 +408,42 @@ class Engine:
         await self._teardown(graceful=True)
 
     async def _teardown(self, *, graceful: bool) -> None:
+        """Release everything, in order, whatever happens meanwhile.
+
+        A background task that fails while this runs (the heartbeat finding the node taken
+        over, the manager, maintenance) aborts the TaskGroup, which cancels the task that
+        opened it: this one. A cancellation landing in one of the awaits below would skip the
+        rest -- the TaskGroup, the lock, the mapping and the region file left behind (seen by
+        injecting failures at random moments, session 45). So each step runs to its end
+        through cancellations (``_through_cancel``), and a cancellation that still stands once
+        the TaskGroup took back its own (``Task.cancelling``) is raised at the end."""
         errors: list[BaseException] = []
+        cancelled = [False]
         qos, self._cpu_qos = self._cpu_qos, None
         if qos is not None:
             qos.release()
         try:  # CUDA hook: DMAs in flight land, then the mapping is unregistered (before unmap)
-            await self._cuda_ops.teardown()
+            await _through_cancel(self._cuda_ops.teardown(), cancelled)
         except Exception as e:
             errors.append(e)
         if self._http is not None:  # first: peers hear this node's blocks are gone
             http, self._http = self._http, None
             try:
-                await http.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s))
+                await _through_cancel(
+                    http.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s)), cancelled)
             except Exception as e:
                 errors.append(e)
         if graceful and self._region is not None and self._failure is None:
             try:
-                await self._store.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s))
+                await _through_cancel(
+                    self._store.close(timeout=max(2.0, 4 * self.cfg.liveness_timeout_s)),
+                    cancelled)
             except Exception as e:  # keep going: the rest must still be released
                 errors.append(e)
         if getattr(self, "_hb_thread", None) is not None:
             self._hb_stop_word[0] = 1
-            await asyncio.get_running_loop().run_in_executor(None, self._hb_thread.join, 5.0)
+            await _through_cancel(asyncio.get_running_loop().run_in_executor(
+                None, self._hb_thread.join, 5.0), cancelled)
             self._hb_thread = None
         if self._tg is not None:
             tg, self._tg = self._tg, None
@@ -441,7 +455,7 @@ class Engine:
             except BaseExceptionGroup as eg:  # noqa: F821 (3.11 builtin)
                 errors.extend(e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError))
             except asyncio.CancelledError:
-                pass
+                cancelled[0] = True
         if self._lock is not None:
             with contextlib.suppress(Exception):
                 self._lock.close()
@@ -485,7 +499,13 @@ class Engine:
                         errors.append(e)
         self._store = self._xfer = None
         if errors:
-            raise errors[0]
+            # the failure that stopped the engine first: a step it made fail (the store's close
+            # without the lock manager, whose task the abort cancelled) is its consequence
+            f = self._failure
+            raise f if f is not None and any(e is f for e in errors) else errors[0]
+        task = asyncio.current_task()
+        if cancelled[0] and task is not None and task.cancelling():
+            raise asyncio.CancelledError()
 
     def _lock_timeout(self, timeout: float | None) -> float:
         """``timeout``, or the default for calls that need the global lock: 4 liveness timeouts
@@ -673,3 +693,20 @@ def run(coro: Any) -> Any:
 
 
 __all__ = ["Engine", "run"]
+
+
+async def _through_cancel(aw: Any, cancelled: list[bool]) -> Any:
+    """Await ``aw`` to its end even if the awaiting task is cancelled meanwhile (the step runs
+    as its own task, shielded); a cancellation of the caller sets ``cancelled[0]`` instead of
+    stopping the wait (``Engine._teardown``). The step's own result or error is returned or
+    raised; a step that was itself cancelled raises CancelledError."""
+    fut = asyncio.ensure_future(aw)
+    while True:
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                raise                   # the step itself was cancelled
+            cancelled[0] = True
+            if fut.done():              # it ended as the cancellation came
+                return fut.result()
