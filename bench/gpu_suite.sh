@@ -118,6 +118,10 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   transport_cpu / transport_gpu (bench/transport.py --quick, DRAM / VRAM, 3 rounds)
 #   wakecost (bench/wakecost.py: wake-up latency and what an operation costs right after one)
 #   handoff_spin_ab (bench/putget.py --parts 2 with the wait's spin 0, 300 µs, the host's default)
+#   copy_batch (bench/copy_batch.py: one layer by 2-D copies against one cudaMemcpyBatchAsync,
+#   blocks evenly spaced and scattered, raw pinned copies in the same run, ~1 min)
+#   batch_ab (TRACT_CUDA_BATCH off / auto: bench/gpu_layers.py, then bench/host_profile.py
+#   --blocks 213, whose slots LRU scatters; ~2 min)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
@@ -157,6 +161,13 @@ want handoff_spin_ab && { TRACT_WAIT_SPIN_US=0 step handoff_spin0 120 $PY bench/
 want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/serve_gpu.py --budget "$(( ${SERVE_GPU_S:-330} - 30 ))"
 want prefill_shapes && step prefill_shapes 200 $PY bench/prefill_shapes.py
 want host_profile && step host_profile 150 $PY bench/host_profile.py --blocks "${PROFILE_BLOCKS:-1}"
+want copy_batch && step copy_batch 150 $PY bench/copy_batch.py
+want batch_ab && for m in off auto; do
+  TRACT_CUDA_BATCH=$m step "gpu_layers_batch_$m" 120 $PY bench/gpu_layers.py --budget-s 60 \
+    --name "gpu-layers-batch-$m-$(date -u +%Y%m%d-%H%M%S)"
+  TRACT_CUDA_BATCH=$m step "host_profile_213_batch_$m" 100 $PY bench/host_profile.py --blocks 213 \
+    --rounds 10
+done
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200
 
 ls /dev/shm | grep -c '^tract-' | xargs -I{} echo "tract files left in /dev/shm: {}" >>"$SUMMARY"
