@@ -247,7 +247,10 @@ class Zygote:
 
         Raises ZygoteError: the zygote died or refused (the caller may exec instead).
         """
-        await asyncio.wait_for(asyncio.wrap_future(self._started), timeout_s)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
+        # lands as the awaited future completes (tests/project/test_no_wait_for.py)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.wrap_future(self._started)
         if self.dead:
             raise ZygoteError("the zygote died")
         rid = next(self._ids)
@@ -265,7 +268,8 @@ class Zygote:
             raise ZygoteError(f"the zygote did not take the request: {e!r}") from e
         # given up on (cancelled, timed out), the future is cancelled: a service forked anyway
         # is then killed when its pid arrives (_dispatch)
-        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.wrap_future(fut)
 
     @property
     def idle(self) -> bool:
