@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA path on a lent GPU, in one run (<= 9 minutes): GPU tests, put/get bandwidth, layer
 # pipelining. Run from the repository root. Installs nothing but wheels found in .whl/ (for what
-# the image lacks: pytest & co, cbor2, orjson) and uses the checkout through PYTHONPATH.
+# the image lacks: pytest & co, cbor2, orjson; `bash bench/device_kit.sh` downloads them) and
+# uses the checkout through PYTHONPATH.
 # Results: bench/results/gpu_*.json, and copies + logs under $OUT (at most 8 files).
 # Every step is bounded by `timeout`; a failed step does not stop the others; the summary lists
 # each step's exit code. Without CUDA it says so and exits 0 after the import checks.
