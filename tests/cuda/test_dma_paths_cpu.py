@@ -337,6 +337,40 @@ def test_a_dma_after_a_cpu_read_sees_another_hosts_rewrite_only_with_the_marks(
     asyncio.run(main())
 
 
+def test_a_cpu_layer_read_marks_that_layer_only(region_path) -> None:
+    """Incoherent backend: a CPU read of layer 1 caches that layer's lines and marks its pages,
+    nothing else. Another host then rewrites layer 1 and layer 2 of a block: a DMA of layer 1
+    invalidates it first and sees the new bytes; a DMA of layer 2 invalidates nothing and sees
+    the new bytes too (the CPU never cached them). Whole-block marks for a layer read made every
+    later DMA of the block's other layers invalidate them (and cost 154 µs of a 213-block layer
+    get on the VM, ``stores/reading.py`` ``count_read``)."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim")) as eng:
+            b = eng._store.blocks
+            K.mem_state(b.mem).ctl[1] = 0       # no early evictions: a cached line stays
+            marks = b.cpu_marks
+            keys = eng.block_keys(list(range(16 * 3)))
+            await eng.put_kv(keys, kv_for_keys(keys))
+            marks.marks[:] = 0
+            got = await eng.get_kv(keys, layer=1, out=np_out(keys, layer=1))
+            assert all(block_matches(keys, got, layer=1))
+            poffs = b.index.snapshot(keys_to_words(keys))[:, 3].copy()
+            lb = TINY.layer_bytes
+            assert np.array_equal(np.sort(marks.needing(poffs, lb, lb)), np.sort(poffs))
+            for other_layer in range(TINY.num_layers):
+                if other_layer != 1:
+                    assert marks.needing(poffs, other_layer * lb, lb).size == 0, other_layer
+            other = K.make_mem(eng._region.buf, "sim", seed=7, evict_prob=0.0)
+            for layer, fill in ((1, 0x3C), (2, 0x4D)):
+                new = np.full(lb, fill, dtype=np.uint8)
+                K.write_bytes(other, int(poffs[0]) + layer * lb, new.ctypes.data, lb,
+                              ix.S_IX_PAYLOAD_READ)
+                dropped = await invalidate_for_dma(b, poffs[:1], layer)
+                assert dropped == (1 if layer == 1 else 0), layer
+                assert np.array_equal(_dma_read(b.mem, int(poffs[0]) + layer * lb, lb), new), layer
+    asyncio.run(main())
+
+
 def test_a_gpu_only_block_is_read_without_invalidation(region_path) -> None:
     async def main() -> None:
         async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim")) as eng:

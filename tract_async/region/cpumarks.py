@@ -77,11 +77,15 @@ def sidecar_path(region_path: str, uuid_hex: str) -> str:
 
 @njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
 def _mark(marks, poffs, rel, span, shift):
+    # a load before each store: a host that keeps reading the same blocks finds them marked,
+    # and a store of the same value would still dirty the line (and, with other processes of
+    # the host marking too, move it between their cores)
     for i in range(poffs.shape[0]):
         a = (poffs[i] + rel) >> shift
         b = (poffs[i] + rel + span - 1) >> shift
         for g in range(a, b + 1):
-            marks[g] = 1
+            if marks[g] == 0:
+                marks[g] = 1
 
 
 @njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")

@@ -282,15 +282,15 @@ class BlockLifecycle:
         return await self.reader.prepare_read(keys, layer, timeout)
 
     def validate_read(self, kb: KeyBatch, snap: np.ndarray, nbytes: int, *,
-                      cpu: bool = True) -> None:
+                      cpu: bool = True, layer: int | None = None) -> None:
         """Step 4 of a read (``ReadSide.validate_read``), after its copy."""
-        self.reader.validate_read(kb, snap, nbytes, cpu=cpu)
+        self.reader.validate_read(kb, snap, nbytes, cpu=cpu, layer=layer)
 
     def count_read(self, keys: list[bytes], ok: np.ndarray, bad: int, nbytes: int,
                    slots: np.ndarray, versions: np.ndarray,
-                   cpu_poffs: np.ndarray | None = None) -> None:
+                   cpu_poffs: np.ndarray | None = None, layer: int | None = None) -> None:
         """``ReadSide.count_read``."""
-        self.reader.count_read(keys, ok, bad, nbytes, slots, versions, cpu_poffs)
+        self.reader.count_read(keys, ok, bad, nbytes, slots, versions, cpu_poffs, layer)
 
     @property
     def cpu_marks(self) -> cpumarks.CpuMarks:

@@ -177,7 +177,8 @@ class ParallelReads:
         if any(results):
             b.stats.parallel_reads_redone += 1
             return None
-        b.count_read(keys, ok, 0, nbytes, snap[:, SNAP_SLOT], snap[:, SNAP_VERSION], snap[:, SNAP_POFF])
+        b.count_read(keys, ok, 0, nbytes, snap[:, SNAP_SLOT], snap[:, SNAP_VERSION], snap[:, SNAP_POFF],
+                     layer)
         b.stats.parallel_reads += 1
         if ph is not None:
             ph.add("parallel", t0)

@@ -261,7 +261,7 @@ class ReadTxn(KeyBatch, _Deadline):
         """Step 4, after the copy has landed (on a GPU: after its DMA): every block still the
         one snapshotted, else BlockEvicted (a miss). ``cpu``: this host's CPU read the bytes."""
         assert self.snap is not None and self.words is not None
-        self.blocks.validate_read(self, self.snap, nbytes, cpu=cpu)
+        self.blocks.validate_read(self, self.snap, nbytes, cpu=cpu, layer=self.layer)
 
     async def consume(self) -> None:
         """Transfer mode: free the blocks once read whole (after a validated read only)."""
