@@ -60,10 +60,11 @@ BATCH_ENV = "TRACT_CUDA_BATCH"
 
 BATCH_MODES = ("auto", "off", "all")
 
-BATCH_MIN_CALLS = 4
-"""``auto`` batches a plan that would take more 2-D copies than this: up to two runs of a layer
-(one or two requests' blocks) stay 2-D copies, which the copy engine moves as a few large
-operations."""
+BATCH_MIN_CALLS = 16
+"""``auto`` batches a plan that would take more 2-D copies than this (more than eight runs of a
+layer: ~32 µs of driver calls). Fewer runs stay 2-D copies, which the copy engine moves as a
+few large operations, until ``bench/copy_batch.py`` has shown on a GPU what a batch of many
+32 KiB copies costs the device against them (written without a GPU: conservative)."""
 
 BATCH_MAX_COPIES = 4096
 """Most 1-D copies in one batch (a 213-block layer is 426; the whole-block planes of a large
