@@ -586,14 +586,14 @@ class Engine:
         if not gpu_pool and (arrays.is_cuda(out) if out is not None else dev == "cuda"):
             return await self._cuda_ops.get_cuda(ks, out, layer, timeout, device)
         if dev is not None and dev not in (("cpu", "cuda") if gpu_pool else ("cpu",)):
-            raise kvplan.TensorMismatch(f"device={device}: this path returns CPU tensors")
+            raise TensorMismatch(f"device={device}: this path returns CPU tensors")
         if out is None:
             out = arrays.empty(self.layout.kv_shape(len(ks), layer), self.layout.dtype_name,
                                device=device if gpu_pool and device is not None else None)
         else:
             kvplan.check_tensor(out, self.layout, len(ks), layer, what="out", allow_cuda=gpu_pool)
             if not arrays.is_contiguous(out):
-                raise kvplan.TensorMismatch("out must be contiguous")
+                raise TensorMismatch("out must be contiguous")
         if not ks:
             return out
         return await self._xfer.get(ks, out, layer, timeout)

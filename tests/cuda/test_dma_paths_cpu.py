@@ -298,6 +298,22 @@ def _dma_read(m: K.Mem, off: int, nbytes: int) -> np.ndarray:
     return out
 
 
+async def _cpu_read_on_sim(eng, n: int, layer: int | None = None):
+    """On a sim-backend engine with early evictions off (a cached line stays): put ``n`` blocks,
+    forget every mark, read them (or ``layer``) with the CPU. Returns the lifecycle, the marks,
+    the keys and their payload offsets."""
+    b = eng._store.blocks
+    K.mem_state(b.mem).ctl[1] = 0
+    marks = b.cpu_marks
+    keys = eng.block_keys(list(range(16 * n)))
+    await eng.put_kv(keys, kv_for_keys(keys))
+    marks.marks[:] = 0
+    got = await eng.get_kv(keys, layer=layer, out=np_out(keys, layer=layer))
+    assert all(block_matches(keys, got, layer=layer))
+    poffs = b.index.snapshot(keys_to_words(keys))[:, 3].copy()
+    return b, marks, keys, poffs
+
+
 @pytest.mark.parametrize("tracked", [True, False])
 def test_a_dma_after_a_cpu_read_sees_another_hosts_rewrite_only_with_the_marks(
         region_path, tracked: bool) -> None:
@@ -307,15 +323,7 @@ def test_a_dma_after_a_cpu_read_sees_another_hosts_rewrite_only_with_the_marks(
     False: the record forgets the CPU read): the DMA reads the stale cached lines."""
     async def main() -> None:
         async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim")) as eng:
-            b = eng._store.blocks
-            K.mem_state(b.mem).ctl[1] = 0       # no early evictions: a cached line stays
-            marks = b.cpu_marks
-            keys = eng.block_keys(list(range(16 * 2)))
-            await eng.put_kv(keys, kv_for_keys(keys))
-            marks.marks[:] = 0
-            got = await eng.get_kv(keys, out=np_out(keys))        # the CPU read: lines cached
-            assert all(block_matches(keys, got))
-            poffs = b.index.snapshot(keys_to_words(keys))[:, 3].copy()
+            b, marks, keys, poffs = await _cpu_read_on_sim(eng, 2)   # the CPU read: lines cached
             span = TINY.block_bytes
             # another host writes new bytes into the first block's payload (straight to memory)
             other = K.make_mem(eng._region.buf, "sim", seed=99, evict_prob=0.0)
@@ -346,15 +354,7 @@ def test_a_cpu_layer_read_marks_that_layer_only(region_path) -> None:
     get on the VM, ``stores/reading.py`` ``count_read``)."""
     async def main() -> None:
         async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim")) as eng:
-            b = eng._store.blocks
-            K.mem_state(b.mem).ctl[1] = 0       # no early evictions: a cached line stays
-            marks = b.cpu_marks
-            keys = eng.block_keys(list(range(16 * 3)))
-            await eng.put_kv(keys, kv_for_keys(keys))
-            marks.marks[:] = 0
-            got = await eng.get_kv(keys, layer=1, out=np_out(keys, layer=1))
-            assert all(block_matches(keys, got, layer=1))
-            poffs = b.index.snapshot(keys_to_words(keys))[:, 3].copy()
+            b, marks, keys, poffs = await _cpu_read_on_sim(eng, 3, layer=1)
             lb = TINY.layer_bytes
             assert np.array_equal(np.sort(marks.needing(poffs, lb, lb)), np.sort(poffs))
             for other_layer in range(TINY.num_layers):
