@@ -32,6 +32,7 @@ from .cuda.api import CudaOps  # the CUDA methods live in tract_async.cuda (comp
 from .errors import (EngineClosed, NodeEvicted, RegionError, RegionExists, RegionInitializing,
                      RegionInUse, RegionTooSmall, TensorMismatch, TractError)
 from .keys import BlockKey, KeyScheme, Namespace
+from .sync.settle import settled
 
 
 def _device_type(device: Any) -> str:
@@ -663,6 +664,17 @@ class Engine:
         return self._region
 
 
+async def _through_cancel(aw: Any, cancelled: list[bool]) -> Any:
+    """Await ``aw`` to its end even if the awaiting task is cancelled meanwhile (the step runs
+    as its own task: ``sync.settle.settled``); a cancellation of the caller sets
+    ``cancelled[0]`` instead of stopping the wait (``Engine._teardown``). The step's own result
+    or error is returned or raised; a step that was itself cancelled raises CancelledError."""
+    fut = asyncio.ensure_future(aw)
+    if await settled(fut):
+        cancelled[0] = True
+    return fut.result()
+
+
 class _EngineContext:
     """What ``Engine.open`` returns: an async context manager, also awaitable."""
 
@@ -694,19 +706,3 @@ def run(coro: Any) -> Any:
 
 __all__ = ["Engine", "run"]
 
-
-async def _through_cancel(aw: Any, cancelled: list[bool]) -> Any:
-    """Await ``aw`` to its end even if the awaiting task is cancelled meanwhile (the step runs
-    as its own task, shielded); a cancellation of the caller sets ``cancelled[0]`` instead of
-    stopping the wait (``Engine._teardown``). The step's own result or error is returned or
-    raised; a step that was itself cancelled raises CancelledError."""
-    fut = asyncio.ensure_future(aw)
-    while True:
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            if fut.cancelled():
-                raise                   # the step itself was cancelled
-            cancelled[0] = True
-            if fut.done():              # it ended as the cancellation came
-                return fut.result()

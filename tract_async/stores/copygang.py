@@ -44,6 +44,7 @@ import numpy as np
 import tract_kernels as K
 
 from ..region import gangcopy as G
+from ..sync.settle import settled
 
 WORKER_SPIN_NS = int(float(os.environ.get("TRACT_GANG_SPIN_US", "500")) * 1000)
 """How long a worker polls for its next job after one (``$TRACT_GANG_SPIN_US``, default 500;
@@ -219,13 +220,9 @@ class CopyGang:
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
-            while not fut.done():            # the workers cannot be stopped mid-copy
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    pass
-                except BaseException:        # noqa: BLE001 - the cancellation wins
-                    break
+            await settled(fut)               # the workers cannot be stopped mid-copy
+            if not fut.cancelled():          # the cancellation wins over its outcome
+                fut.exception()
             raise
         if own_err is not None:
             raise own_err

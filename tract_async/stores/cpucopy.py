@@ -65,6 +65,7 @@ import tract_kernels as K
 from ..region import Region
 from ..region import gangcopy as G
 from ..region import index as ix
+from ..sync.settle import settled
 from . import waits
 from .copygang import CopyGang
 from .phases import PhaseTimes
@@ -298,11 +299,7 @@ class CpuCopier:
         try:
             await asyncio.shield(asyncio.wait(futs))
         except asyncio.CancelledError:
-            while not all(f.done() for f in futs):     # a second cancel must not cut it short
-                try:
-                    await asyncio.wait(futs)
-                except asyncio.CancelledError:
-                    pass
+            await settled(*futs)              # a second cancel must not cut it short
             for f in futs:                    # retrieved: no "exception never retrieved"
                 if not f.cancelled():
                     f.exception()

@@ -69,6 +69,7 @@ from ..region import index as ix
 from ..region.index import SNAP_POFF
 from ..region.alloc import Allocator
 from ..sync.lock import GlobalLock
+from ..sync.settle import settled
 from . import plan as kvplan
 from .blocks import BlockLifecycle
 from .stats import StoreStats
@@ -403,10 +404,6 @@ async def _settled(fut: asyncio.Future[None]) -> None:
     """Wait until ``fut`` is done, through cancellations of the caller (it is a copy whose
     threads cannot be interrupted); its own outcome is retrieved and dropped (the caller is
     already raising)."""
-    while not fut.done():
-        try:
-            await asyncio.wait([fut])
-        except asyncio.CancelledError:
-            pass
+    await settled(fut)
     if not fut.cancelled():
         fut.exception()
