@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import threading
 import time
 from typing import Any
 
@@ -179,8 +180,18 @@ class CpuCopier:
     def _copy_pool(self) -> cf.ThreadPoolExecutor:
         """The copy threads (created on the first threaded copy; ``shutdown``)."""
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(max_workers=max(2, self.copy_threads),
-                                               thread_name_prefix="tract-copy")
+            n = max(2, self.copy_threads)
+            pool = self._pool = cf.ThreadPoolExecutor(max_workers=n,
+                                                      thread_name_prefix="tract-copy")
+            # every thread now, not one inside a later copy's submission: the executor starts a
+            # thread only when none is idle, and a start waits for the new thread, which lets
+            # the GIL go in the middle of posting a copy (a pool thread then ran its item's
+            # Python while the loop was still posting: the copy gang test's negative control
+            # failed so in a clean-clone CI, session 45). Each item waits at a barrier until
+            # all n run, so no thread is idle when the next is submitted: n threads start.
+            gate = threading.Barrier(n)
+            for _ in range(n):
+                pool.submit(gate.wait, 10.0)
         return self._pool
 
     def shutdown(self) -> None:
