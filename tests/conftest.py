@@ -53,9 +53,9 @@ def _warm_numba_cache() -> None:
     stamps and load.
 
     ``TRACT_TESTS_NO_KERNELS=1``: a session that calls no kernel (``.ci/run``'s early pass of
-    the spin model checks, while the warm-up compiles) neither warms nor loads; ``.ci/run``
+    the tests that need none, while the warm-up compiles) neither warms nor loads; ``.ci/run``
     gives it a cache directory of its own, so that a kernel it did call anyway would compile
-    there, not into the cache the warm-up is filling."""
+    there, not into the cache the warm-up is filling (and fails the run if one did)."""
     if os.environ.get("TRACT_TESTS_NO_KERNELS") == "1":
         return
     import fcntl
