@@ -39,11 +39,16 @@ nothing else shares their region, so a long timeout costs nothing."""
 
 async def _scenario_at(path: str, backend: str) -> None:
     """The scenario on a throw-away region at ``path``, removed afterwards."""
+    from tract_async.region.region import discard
     try:
         with scenario_running():
             await _scenario(path, backend)
+            for sub, fn in (("window", _window_scenario), ("large", _large_read_scenario)):
+                try:
+                    await fn(f"{path}-{sub}", backend)
+                finally:
+                    discard(f"{path}-{sub}")
     finally:
-        from tract_async.region.region import discard
         discard(path)
 
 
@@ -52,6 +57,7 @@ async def _scenario(path: str, backend: str) -> None:
     from tract_async.stores import doorbell as db
     from tract_async.stores import waits
     from tract_async.region import index as ix
+    from tract_async.keys import keys_to_words
     layout = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=1, head_dim=32,
                             dtype="float32")
     rng = np.random.default_rng(0)     # numpy arrays: the warm-up needs no torch (arrays.py)
@@ -109,6 +115,15 @@ async def _scenario(path: str, backend: str) -> None:
         ix.scan_entries(st.mem, st.geo.entries_offset, st.geo.capacity,
                         np.zeros((st.geo.capacity, 9), dtype=np.int64))
         st.index.expired_transfer(0)                # transfer-mode maintenance's pass
+        # a device read's invalidation of the lines this host's CPU read (cuda/store.py,
+        # ``invalidate_for_dma``: the CPU marks, then the line drops; no CUDA call), of a layer
+        # and of whole blocks: a GPU host's first device read compiled them after the warm-up
+        from tract_async.cuda.store import invalidate_for_dma
+        bl = st.blocks
+        poffs = st.index.snapshot(keys_to_words(keys))[:, ix.SNAP_POFF]
+        await invalidate_for_dma(bl, poffs, 0)
+        await b.get_kv(keys, out=np.empty_like(kv))             # marks them again
+        await invalidate_for_dma(bl, poffs, None)
         # transfer mode's layer-streamed reads (a decode worker's): the known-slot path and
         # its layer refresh, which a cache-mode read of these sizes never takes (the cold
         # demo's decode worker compiled rows_fine and refresh_layers_batch[_held] after the
@@ -134,11 +149,68 @@ async def _scenario(path: str, backend: str) -> None:
         await b.close()
         await a.close()
     # the CUDA direct path's host-side planners (no CUDA call): a GPU host's first put would
-    # compile them after the warm-up
+    # compile them after the warm-up; a put's offsets are contiguous (its batch's array), a
+    # get's a column of its snapshot (strided: another signature)
     from tract_async.cuda import direct
     direct.template(layout, np.arange(3, dtype=np.int64) * layout.block_bytes, False, 0)
+    direct.template(layout, (np.arange(6, dtype=np.int64) * layout.block_bytes)[::2], False, 0)
     from tract_async.tools.fsck import run_fsck
     run_fsck(path, backend=backend)
+
+
+async def _window_scenario(path: str, backend: str) -> None:
+    """A node that fills its lane of a small index: its puts evict its own oldest entries of
+    a full probe window (``index.evict_window_batch``), which the main scenario's index, sized
+    for its region, never fills."""
+    import tract_async as tract
+    layout = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=1, head_dim=32,
+                            dtype="float32")
+    rng = np.random.default_rng(1)
+    e = await tract.Engine.open(tract.EngineConfig(
+        layout=layout, region=path, region_bytes=32 << 20, max_nodes=8, namespace="warmup-w",
+        mem_backend=backend, create=True, node_id=0, index_capacity=256, chunk_bytes=1 << 20,
+        heartbeat_interval_s=0.05, liveness_timeout_s=WARMUP_LIVENESS_S))
+    try:
+        for r in range(24):                  # 24 x 8 blocks into a lane of 32 entries
+            keys = e.block_keys(range(r * 10_000, r * 10_000 + 16 * 8))
+            await e.put_kv(keys, rng.standard_normal(layout.kv_shape(len(keys)),
+                                                     dtype=np.float32))
+        if e.stats()["evictions_for_space"] == 0:
+            raise RuntimeError("warm-up: the small index's window never filled")
+    finally:
+        await e.close()
+
+
+async def _large_read_scenario(path: str, backend: str) -> None:
+    """Gets of at least ``routing.NT_READ_BYTES`` (non-temporal stores into the output,
+    ``index.copy_out_nt``), and the same on the older read-ahead pair (``copy_read_ahead``:
+    ``drop_payload_rows_ahead`` and ``copy_out_behind``), which the main scenario's 8 MiB
+    region cannot hold."""
+    import tract_async as tract
+    from tract_async.stores import routing as R
+    layout = tract.KVLayout(num_layers=2, block_tokens=16, kv_heads=4, head_dim=64,
+                            dtype="float32")             # 64 KiB blocks
+    n = R.NT_READ_BYTES // layout.block_bytes + 16
+    common = dict(layout=layout, region=path, region_bytes=4 * n * layout.block_bytes,
+                  max_nodes=4, namespace="warmup-l", mem_backend=backend,
+                  heartbeat_interval_s=0.05, liveness_timeout_s=WARMUP_LIVENESS_S)
+    threads = 2 if backend == "hw" else None     # as the main scenario's first engine
+    x = await tract.Engine.open(tract.EngineConfig(**common, create=True, node_id=0,
+                                                   copy_threads=threads))
+    y = await tract.Engine.open(tract.EngineConfig(**common, node_id=1, copy_threads=threads,
+                                                   copy_read_ahead=True))
+    try:
+        keys = x.block_keys(range(16 * n))
+        kv = np.random.default_rng(2).standard_normal(layout.kv_shape(n), dtype=np.float32)
+        await x.put_kv(keys, kv)
+        for e in (x, y):
+            got = np.empty_like(kv)
+            await e.get_kv(keys, out=got)
+            if not np.array_equal(got, kv):
+                raise RuntimeError("warm-up: a large read returned other bytes")
+    finally:
+        await y.close()
+        await x.close()
 
 
 async def _read_layers(engine: object, keys: list[bytes], num_layers: int) -> None:
