@@ -64,30 +64,31 @@ def _warm_numba_cache() -> None:
     def cold() -> tuple[str, ...]:
         return tuple(b for b in ("hw", "sim")
                      if (p := stamp_path(b)) is None or not os.path.exists(p))
-    if cold():
-        stamp = stamp_path("hw")
-        fd = None
-        if stamp is not None:
-            try:
-                os.makedirs(os.path.dirname(stamp), exist_ok=True)
-                fd = os.open(os.path.join(os.path.dirname(stamp), "tract-warm.lock"),
-                             os.O_RDWR | os.O_CREAT, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:
-                fd = None
-        try:
-            if backends := cold():
-                warm_up(backends=backends)
-        finally:
-            if fd is not None:
-                os.close(fd)
     import mmap
     import numpy as np
     import tract_kernels as K
     from tests.support import procs_lock   # its jitted critical section, used by spawned lock workers
-    procs_lock.sleep_us(0)
-    page = mmap.mmap(-1, 4096)     # page-aligned scratch memory
-    procs_lock.increment(K.make_mem(np.frombuffer(page, dtype=np.uint8), "hw"), 64, 0)
+    # under the warm-up's file lock, the test kernels too: one xdist worker compiles them (~3 s),
+    # the others wait and load, where each of three compiled them at once before
+    stamp = stamp_path("hw")
+    fd = None
+    if stamp is not None:
+        try:
+            os.makedirs(os.path.dirname(stamp), exist_ok=True)
+            fd = os.open(os.path.join(os.path.dirname(stamp), "tract-warm.lock"),
+                         os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            fd = None
+    try:
+        if backends := cold():
+            warm_up(backends=backends)
+        procs_lock.sleep_us(0)
+        page = mmap.mmap(-1, 4096)     # page-aligned scratch memory
+        procs_lock.increment(K.make_mem(np.frombuffer(page, dtype=np.uint8), "hw"), 64, 0)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -28,6 +28,7 @@ PAY = EOFF + CAP * ix.ENTRY_BYTES              # payload area: 16 slots
 FENCE = PAY + 16 * BLOCK                       # a count line: its word +8 is the fencing epoch
 SIZE = FENCE + 64
 TMPL = np.array([[t * ROW, t * ROW, ROW] for t in range(4)], dtype=np.int64)  # one block
+TMPL.setflags(write=False)   # read-only, as the engine's templates: the kernels' cached signature
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import mmap
 
 import numpy as np
 import pytest
+from numba import njit
 
 import tract_kernels as K
 from tract_async.region import index as ix
@@ -43,12 +44,22 @@ def _key(home_group: int, tag: int) -> np.ndarray:
     return np.array([[home_group * LANES + (tag << 8), tag, tag * 3, tag * 7]], dtype=np.uint64)
 
 
+@njit(cache=True)
+def _reserve_columns(m, eoff, tgeo, mask, probe, lanes, lane,  # noqa: ANN001, ANN202
+                     key, ainfo, now, producer, flags, deadline, out):  # noqa: ANN001
+    """``reserve_batch`` with the columns of ``ainfo``, as the engine's kernels pass them
+    (``index.reserve_batch_counted``, ``fused.put_blocks``), and every scalar an argument (a
+    constant would be typed as a literal): the signature the warm-up compiled, loaded from its
+    cache. A call from Python passes contiguous arrays, another signature: the whole kernel
+    compiled again, ~12 s in every test process."""
+    ix.reserve_batch(m, eoff, tgeo, mask, probe, lanes, lane, key, ainfo[:, 0], ainfo[:, 1],
+                     ainfo[:, 2], ainfo[:, 3], now, producer, flags, deadline, out)
+
+
 def _reserve(m: K.Mem, lane: int, key: np.ndarray, poff: int = 4096) -> int:
     out = np.zeros((1, 3), dtype=np.int64)
-    ix.reserve_batch(m, EOFF, TGEO, MASK, PROBE, LANES, lane, key,
-                     np.array([poff], dtype=np.uint64), np.array([64], dtype=np.uint64),
-                     np.array([lane], dtype=np.uint64), np.array([1], dtype=np.uint64),
-                     1, lane, 0, 0, out)
+    _reserve_columns(m, EOFF, TGEO, MASK, PROBE, LANES, lane, key,
+                     np.array([[poff, 64, lane, 1]], dtype=np.uint64), 1, lane, 0, 0, out)
     return int(out[0, 0])
 
 
