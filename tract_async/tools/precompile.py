@@ -19,8 +19,8 @@ index may drop an entry (Numba rewrites the index without a lock between process
 (~2 s), which compiles whatever was lost, before the stamp says the cache is warm.
 
 The list is generated, not written: ``python -m tract_async.tools.precompile --write`` runs
-the scenario on a fresh cache in a child process and records every outermost compile (module,
-function, argument types); ``tests/project/test_precompile.py`` checks that each entry still
+the scenario on a fresh cache in a child process (``warmup --record-signatures``) and records
+every outermost compile (module, function, argument types); ``tests/project/test_precompile.py`` checks that each entry still
 names a kernel and parses. Regenerate it when kernels or the scenario change: a stale list only
 costs time.
 """
@@ -123,9 +123,11 @@ def stop_helper(p: subprocess.Popen, timeout_s: float = 120.0) -> None:
 
 # -- writing the list -----------------------------------------------------------------------------
 
-def _record() -> list[tuple[str, str, str]]:
-    """Run the warm-up scenario in this process (its cache cold) and return every outermost
-    kernel compile in order, without literal-typed signatures (kernel-to-kernel calls only)."""
+def record() -> list[tuple[str, str, str]]:
+    """Start recording every outermost kernel compile of this process (module, function,
+    argument types), without literal-typed signatures (kernel-to-kernel calls only). Returns
+    the list it fills, in order (``python -m tract_async.tools.warmup --record-signatures``
+    runs the scenario under it)."""
     from numba.core import event as ev
     from numba.core.types import Literal
     depth = [0]
@@ -137,21 +139,16 @@ def _record() -> list[tuple[str, str, str]]:
                 d = event.data["dispatcher"]
                 args = tuple(event.data["args"])
                 f = d.py_func
-                if not any(isinstance(a, Literal) for a in args):
-                    seen.append((f.__module__, f.__qualname__, repr(args)))
+                e = (f.__module__, f.__qualname__, repr(args))
+                if not any(isinstance(a, Literal) for a in args) and e not in seen:
+                    seen.append(e)
             depth[0] += 1
 
         def on_end(self, event: ev.Event) -> None:
             depth[0] -= 1
 
     ev.register("numba:compile", _Listener())
-    from .warmup import warm_up
-    warm_up(backends=("hw", "sim"), jobs=1)
-    out: list[tuple[str, str, str]] = []
-    for e in seen:
-        if e not in out:
-            out.append(e)
-    return out
+    return seen
 
 
 def write(path: str = SIGNATURES_FILE) -> int:
@@ -159,7 +156,8 @@ def write(path: str = SIGNATURES_FILE) -> int:
     ``path`` as ``warm_signatures.py``. Returns how many."""
     with tempfile.TemporaryDirectory(prefix="tract-precompile-") as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-        out = subprocess.run([sys.executable, "-m", "tract_async.tools.precompile", "--record"],
+        out = subprocess.run([sys.executable, "-m", "tract_async.tools.warmup",
+                              "--record-signatures"],
                              env=env, check=True, capture_output=True, text=True).stdout
     entries = [tuple(line.split("\t")) for line in out.splitlines() if line.count("\t") == 2]
     lines = ['"""The kernel signatures the warm-up scenario compiles, in the order it first',
@@ -180,12 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true",
                     help="regenerate warm_signatures.py (runs the scenario on a fresh cache)")
-    ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.record:
-        for m, q, s in _record():
-            print(f"{m}\t{q}\t{s}")
-        return
     if args.write:
         t = time.perf_counter()
         n = write()

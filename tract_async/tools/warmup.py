@@ -283,7 +283,15 @@ def main() -> None:
                     help="no progress lines (Engine.open's child, kernel_cache.ensure_warm)")
     ap.add_argument("--stamp", help="the stamp file to write (with one --backend; the one "
                                     "kernel_cache.ensure_warm waits for)")
+    ap.add_argument("--record-signatures", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.record_signatures:          # tools/precompile.py --write: on a fresh cache
+        from tract_async.tools import precompile
+        seen = precompile.record()
+        warm_up(backends=("hw", "sim"), jobs=1)
+        for m, q, s in seen:
+            print(f"{m}\t{q}\t{s}")
+        return
     backends = tuple(args.backend or ("hw", "sim"))
     if args.stamp is not None and len(backends) != 1:
         ap.error("--stamp needs exactly one --backend")
