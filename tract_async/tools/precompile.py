@@ -20,9 +20,9 @@ index may drop an entry (Numba rewrites the index without a lock between process
 
 The list is generated, not written: ``python -m tract_async.tools.precompile --write`` runs
 the scenario on a fresh cache in a child process (``warmup --record-signatures``) and records
-every outermost compile (module, function, argument types); ``tests/project/test_precompile.py`` checks that each entry still
-names a kernel and parses. Regenerate it when kernels or the scenario change: a stale list only
-costs time.
+every outermost compile (module, function, argument types); ``tests/project/test_precompile.py``
+checks that each entry still names a kernel and parses. Regenerate it when kernels or the
+scenario change: a stale list only costs time.
 """
 from __future__ import annotations
 
@@ -106,9 +106,21 @@ def start_helper() -> subprocess.Popen | None:
     try:
         return subprocess.Popen([sys.executable, "-m", "tract_async.tools.precompile"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+                                stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     except OSError:
         return None
+
+
+def _die_with_parent() -> None:
+    """In the helper, before it runs: SIGKILL when the warm-up that started it dies (Linux
+    ``PR_SET_PDEATHSIG``), so that a killed warm-up leaves no compiler running; elsewhere a
+    no-op (the helper then ends with its list)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def stop_helper(p: subprocess.Popen, timeout_s: float = 120.0) -> None:

@@ -255,10 +255,13 @@ def warm_up(*, backends: tuple[str, ...] = ("hw", "sim"), verbose: bool = False,
     try:
         for backend in backends:
             scenario(backend)
-    finally:
-        if helper is not None:
-            precompile.stop_helper(helper)
+    except BaseException:
+        if helper is not None:          # a failed or interrupted warm-up leaves no compiler
+            helper.kill()
+            helper.wait()
+        raise
     if helper is not None:
+        precompile.stop_helper(helper)
         # a kernel's cache index written by both processes at once may have lost an entry:
         # a pass over the now warm cache compiles it again (the kernels are the same for both
         # backends: one pass covers them)
