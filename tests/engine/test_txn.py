@@ -2,7 +2,7 @@
 
 Each entry point of the region store -- the Engine's one-block fast path, the fused kernel of
 a few blocks, the step-by-step CPU copy, a staged large put, the parallel read groups, and
-(on a GPU) the CUDA DMA -- must construct a ``PutTxn`` or ``ReadTxn`` and carry the operation
+(on a GPU) the CUDA DMA, and the network store's put and get over HTTP or NIXL -- must construct a ``PutTxn`` or ``ReadTxn`` and carry the operation
 through it. The test drives each path, checks by the store's own counters that it really was
 that path, and asserts that exactly one transaction of that path's label was opened (a staged
 put: one for the put and one per stage). The deadline is one absolute value: a read that
@@ -22,7 +22,13 @@ import tract_async as tract
 from tract_async import errors as E
 from tract_async.stores import routing
 from tract_async.stores.txn import Deadline, PutTxn, ReadTxn
+from tests.support.engine_http_util import http_pair, needs_nixl
 from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+    return bool(torch.equal(a, b))  # type: ignore[arg-type]
 
 
 def _keys(tag: str, n: int) -> list[bytes]:
@@ -158,3 +164,60 @@ async def test_the_cuda_path_opens_one_transaction_each_way(region_path: str) ->
         torch.cuda.synchronize()
         assert torch.equal(out, kv)
         assert seen.take() == ({"cuda": 1}, {"cuda": 1})
+
+
+@pytest.mark.parametrize("transport", ["http", pytest.param("nixl", marks=needs_nixl)])
+async def test_the_network_paths_open_one_transaction_each_way(transport: str) -> None:
+    """A put and a get of the HTTP store (and of NIXL's, its subclass) are transactions on the
+    pool's lifecycle (``stores/poolsteps.py``): one per call, layer by layer too, local or
+    remote, with the lifecycle's counters."""
+    a, b = await http_pair(transport=transport)
+    try:
+        keys = b.block_keys(range(48))
+        kv = kv_for_keys(keys)
+        seen = Opened()
+        for layer in range(TINY.num_layers):          # the first layer reserves, later ones resume
+            assert await b.put_kv(keys, kv[layer].contiguous(), layer=layer) == 3
+        assert seen.take() == ({"http": TINY.num_layers}, {})
+        assert await b.put_kv(keys, kv) == 0          # held already: one transaction, no copy
+        assert seen.take() == ({"http": 1}, {})
+        assert a.lookup(keys) == 3
+        assert torch_equal(await a.get_kv(keys), kv)  # remote: READ, checked by the holder
+        assert torch_equal(await b.get_kv(keys, layer=1), kv[1])   # local
+        assert seen.take() == ({}, {"http": 2})
+        sa, sb = a.stats(), b.stats()
+        assert sa["remote_reads"] == 1 and sa["gets"] == 1 and sa["blocks_read"] == 3
+        assert sb["puts"] == TINY.num_layers + 1 and sb["blocks_stored"] == 3
+    finally:
+        await b.close()
+        await a.close()
+
+
+async def test_a_network_put_whose_copy_fails_evicts_its_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PutTxn.abandon`` on the pool: a layer put whose copy raises gives its slots back and
+    tells the peers, who had heard of the block's earlier layer."""
+    from tract_async.stores.http import HttpStore
+    a, b = await http_pair()
+    try:
+        keys = b.block_keys(range(32))
+        kv = kv_for_keys(keys)
+        free = b._store.pool.free_slots
+        assert await b.put_kv(keys, kv[0].contiguous(), layer=0) == 2
+        assert b._store.pool.free_slots == free - 2 and a._store.has(keys[0])
+
+        def boom(self: HttpStore, txn: PutTxn, kv: object) -> None:
+            raise RuntimeError("copy failed")
+        monkeypatch.setattr(HttpStore, "_copy_in", boom)
+        seen = Opened()
+        with pytest.raises(RuntimeError, match="copy failed"):
+            await b.put_kv(keys, kv[1].contiguous(), layer=1)
+        assert seen.take() == ({"http": 1}, {})
+        assert b._store.pool.free_slots == free and not b._store.has(keys[0])
+        assert not a._store.has(keys[0]) and not a._store.has(keys[1])   # the eviction was announced
+        monkeypatch.undo()
+        assert await b.put_kv(keys, kv) == 2          # the keys can be stored again
+        assert a.lookup(keys) == 2
+    finally:
+        await b.close()
+        await a.close()

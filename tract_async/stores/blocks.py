@@ -320,7 +320,10 @@ class BlockLifecycle:
         self.touches.record(slots, versions)
 
     async def consume(self, kb: KeyBatch, snap: np.ndarray, layer: int | None) -> None:
-        """Transfer mode's last step of a read (``Consumer.consume``)."""
+        """Transfer mode's last step of a read (``Consumer.consume``), with the keys' words
+        (a parallel read's transaction may not have computed them)."""
+        if kb.words is None:
+            kb.words = self.reader.read_words(kb.keys)
         await self.consumer.consume(kb, snap, layer)
 
     async def drain_consumed(self) -> None:

@@ -42,11 +42,13 @@ from typing import Any
 
 from ..arrays import require_torch
 from ..config import EngineConfig
-from ..errors import BlockEvicted, BlockNotFound, LayerNotReady, TractError, TransferTimeout
+from ..errors import BlockEvicted, TractError, TransferTimeout
 from .directory import (Directory, Held, evict_op, ops_list, parse_key, parse_ops,
                              parse_uint, put_op)
 from .pool import BlockPool
+from .poolsteps import PoolLifecycle
 from .stats import TransferStats
+from .txn import PutTxn, ReadTxn
 from ..transport import errors as TE
 from ..transport.descs import XferDescList
 from ..transport.http import Agent
@@ -105,12 +107,14 @@ class HttpStore:
     """
 
     transport_name = "http"
+    stats_type: type[HttpStats] = HttpStats
+    """The counters' class (a subclass counts more: ``NixlStats``)."""
 
     def __init__(self, cfg: EngineConfig, *, region_uuid: str | None = None) -> None:
         self.cfg = cfg
         self.layout = cfg.layout
         self.region_uuid = region_uuid
-        self.stats = HttpStats()
+        self.stats = self.stats_type()
         self.pool = BlockPool(cfg.layout, cfg.http_pool_bytes or cfg.region_bytes, mode=cfg.mode,
                               deadline_s=cfg.transfer_deadline_s, device=self._pool_device())
         self.agent = Agent(f"tract-n{cfg.node_id}-{secrets.token_hex(4)}", host=cfg.listen_host,
@@ -123,7 +127,8 @@ class HttpStore:
         self.peers: dict[str, _Peer] = {}
         self.dir = Directory()
         self.directory = self.dir.entries      # key -> {peer: Held}; never rebound
-        self._consumed_layers: dict[bytes, int] = {}
+        self.steps = PoolLifecycle(cfg, self.pool, self.dir, self.stats, self._announce)
+        """The put and read steps on the pool (``stores/poolsteps.py``)."""
         self._tg: asyncio.TaskGroup | None = None
         self._rx = 0
         self.validate_reads = True
@@ -356,17 +361,11 @@ class HttpStore:
     # -- lookup -------------------------------------------------------------------------------
     def has(self, key: bytes) -> bool:
         """Is ``key`` held here or announced by a peer (complete or not)?"""
-        return self.pool.get(key) is not None or key in self.directory
+        return self.steps.has(key)
 
     def lookup(self, keys: list[bytes]) -> int:
-        n = 0
-        for k in keys:
-            b = self.pool.get(k)
-            if not ((b is not None and b.complete)
-                    or any(h.complete for h in self.directory.get(k, {}).values())):
-                break
-            n += 1
-        return n
+        """How many leading ``keys`` are complete here or at some peer."""
+        return self.steps.lookup(keys)
 
     def foreign_peers(self) -> list[str]:
         """Peers outside this engine's region (another rack, or no region at all)."""
@@ -376,118 +375,65 @@ class HttpStore:
     async def put(self, keys: list[bytes], kv: torch.Tensor, layer: int | None,
                   timeout: float | None) -> int:
         """Store blocks not yet held by this node or announced by a peer; returns how many this
-        call stored (or filled). A ``kv`` on another device than the pool is copied there first
-        (this is the network path, where that copy is not what costs). Raises RegionFull (the
-        pool is full)."""
+        call stored (or filled). One ``PutTxn`` on the pool's lifecycle (``stores/poolsteps.py``)
+        whose copy back-end is a torch copy into the pool's slots; then every peer hears of the
+        put (and of what its reservation evicted). A ``kv`` on another device than the pool is
+        copied there first (this is the network path, where that copy is not what costs).
+        Raises RegionFull (the pool is full)."""
         kv = kv.contiguous()
         if kv.device != self.pool.blocks.device:
             kv = kv.to(self.pool.blocks.device)
-        todo: list[int] = []
-        new: list[int] = []
-        seen: set[bytes] = set()
-        for i, k in enumerate(keys):
-            b = self.pool.get(k)
-            if b is not None and not b.complete:
-                todo.append(i)
-            elif b is not None or k in self.directory or k in seen:
-                self.stats.blocks_skipped += 1
-            else:
-                new.append(i)
-                seen.add(k)
-        ops: list[list[Any]] = []
-        if new:
-            _, evicted = self.pool.reserve([keys[i] for i in new])
-            self.stats.evictions += len(evicted)
-            self.stats.evictions_for_space += len(evicted)
-            ops += [evict_op(k, b) for k, b in evicted]
-            todo = sorted(todo + new)
-        if todo:
-            L, T, H, D = (self.layout.num_layers, self.layout.block_tokens, self.layout.kv_heads,
-                          self.layout.head_dim)
-            n = len(keys)
-            blocks = [self.pool.get(keys[i]) for i in todo]
-            slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
-            pos = torch.tensor(todo, dtype=torch.long)
-            # no await between reserve and land: nothing else sees the slots half written
-            if layer is None:
-                self.pool.blocks[slots] = kv.view(L, 2, n, T, H, D)[:, :, pos].permute(2, 0, 1, 3, 4, 5)
-                mask = self.pool.full_mask
-            else:
-                self.pool.blocks[slots, layer] = kv.view(2, n, T, H, D)[:, pos].permute(1, 0, 2, 3, 4)
-                mask = 1 << layer
-            for i in todo:
-                b = self.pool.land(keys[i], mask)
-                self.stats.blocks_stored += b.complete
-                ops.append(put_op(keys[i], b))
-            self.stats.bytes_put += len(todo) * (self.layout.block_bytes if layer is None
-                                                 else self.layout.layer_bytes)
-            if self.pool.blocks.is_cuda:
-                await copies_landed(self.pool.blocks.device)
-            self._wake()
-        self.stats.puts += 1
+        txn = PutTxn(self.steps, keys, layer, timeout, "http")
+        n = 0
+        landed: list[list[Any]] = []
+        if await txn.begin():
+            try:
+                self._copy_in(txn, kv)
+                if self.pool.blocks.is_cuda:
+                    await copies_landed(self.pool.blocks.device)
+            except BaseException:
+                await txn.abandon()
+                raise
+            lay = self.layout
+            n = txn.publish(len(txn.todo) * (lay.block_bytes if layer is None else lay.layer_bytes))
+            landed = [put_op(keys[i], b) for i, b in zip(txn.todo, txn.res)]
+        ops = txn.notices + landed
         self._publishing(ops, layer)
-        await self._announce(ops, timeout=timeout)
-        return len(todo)
+        await self._announce(ops, timeout=txn.left())
+        return n
+
+    def _copy_in(self, txn: PutTxn, kv: torch.Tensor) -> None:
+        """The put's copy: ``kv``'s blocks at ``txn.todo`` into their reserved pool slots. No
+        ``await`` since the reservation: nothing else sees the slots half written."""
+        L, T, H, D = (self.layout.num_layers, self.layout.block_tokens, self.layout.kv_heads,
+                      self.layout.head_dim)
+        n = len(txn.keys)
+        slots = torch.tensor([b.slot for b in txn.res], dtype=torch.long)
+        pos = torch.tensor(list(txn.todo), dtype=torch.long)
+        if txn.layer is None:
+            self.pool.blocks[slots] = kv.view(L, 2, n, T, H, D)[:, :, pos].permute(2, 0, 1, 3, 4, 5)
+        else:
+            self.pool.blocks[slots, txn.layer] = kv.view(2, n, T, H, D)[:, pos].permute(1, 0, 2, 3, 4)
 
     def _publishing(self, ops: list[list[Any]], layer: int | None) -> None:
         """A put (of ``layer``, or all layers) is about to announce ``ops`` to every peer and
         wait for their answers."""
 
     # -- get ----------------------------------------------------------------------------------
-    def _source(self, key: bytes, layer: int | None) -> tuple[str | None, Any] | None:
-        """Where ``key`` (with ``layer``) can be read: (None, LocalBlock) or (peer, Held)."""
-        b = self.pool.get(key)
-        if b is not None and (b.complete if layer is None else (b.mask >> layer) & 1):
-            return None, b
-        for peer, h in self.directory.get(key, {}).items():
-            if h.complete or (layer is not None and (h.mask >> layer) & 1):
-                return peer, h
-        return None
-
-    def _satisfied(self, keys: list[bytes], layer: int | None) -> bool:
-        return all(self._source(k, layer) is not None for k in keys)
-
-    async def wait_ready(self, keys: list[bytes], layer: int | None, timeout: float) -> None:
-        """Wait (on directory events) until every key is readable with ``layer``.
-        Raises TransferTimeout."""
-        self.stats.layer_waits += 1
-        try:
-            async with asyncio.timeout(timeout):
-                while not self._satisfied(keys, layer):
-                    await self.dir.wait_changed()
-        except TimeoutError:
-            if not all(self.has(k) for k in keys):
-                raise TransferTimeout(f"blocks did not appear within {timeout} s") from None
-            what = f"layer {layer}" if layer is not None else "blocks"
-            raise TransferTimeout(f"{what} not produced within {timeout} s") from None
-
     async def get(self, keys: list[bytes], out: torch.Tensor, layer: int | None,
                   timeout: float | None) -> torch.Tensor:
-        """Read ``keys`` into ``out``; an ``out`` on another device than the pool is filled
-        through a staging tensor on the pool's device."""
+        """Read ``keys`` into ``out``: one ``ReadTxn`` on the pool's lifecycle. Local blocks are
+        copied right after ``prepare`` (no ``await`` in between), a peer's blocks are READ from
+        its pool, checked by the holder and copied out (``_read_remote``). An ``out`` on another
+        device than the pool is filled through a staging tensor on the pool's device."""
         if out.device != self.pool.blocks.device:
             stage = torch.empty(out.shape, dtype=out.dtype, device=self.pool.blocks.device)
             await self.get(keys, stage, layer, timeout)
             out.copy_(stage)
             return out
         n = len(keys)
-        if timeout is not None and timeout > 0:
-            await self.wait_ready(keys, layer, timeout)
-        srcs = []
-        for i, k in enumerate(keys):
-            s = self._source(k, layer)
-            if s is None:
-                if not self.has(k):
-                    self.stats.misses += 1
-                    raise BlockNotFound(f"block {i} of {n} ({k[:8].hex()}…) is not in the region "
-                                        f"nor announced by an HTTP peer (never stored, or evicted); "
-                                        f"lookup() says how many leading blocks are resident")
-                if layer is None:
-                    raise LayerNotReady(f"block {i} ({k[:8].hex()}…) is still being produced; "
-                                        f"pass timeout= to wait for it, or get it layer by layer")
-                raise LayerNotReady(f"layer {layer} of block {i} ({k[:8].hex()}…) has not landed "
-                                    f"yet; pass timeout= to wait for it")
-            srcs.append(s)
+        txn = ReadTxn(self.steps, keys, layer, timeout, "http")
+        srcs = await txn.prepare()
         L, T, H, D = (self.layout.num_layers, self.layout.block_tokens, self.layout.kv_heads,
                       self.layout.head_dim)
         outv = out.view(L, 2, n, T, H, D) if layer is None else out.view(2, n, T, H, D)
@@ -495,26 +441,16 @@ class HttpStore:
         local = []
         for i, (peer, _) in enumerate(srcs):
             (local.append(i) if peer is None else by_peer.setdefault(peer, []).append(i))
-        if local:   # synchronous: no eviction can interleave, no check needed
+        if local:   # synchronous after prepare: no eviction can interleave, no check needed
             self._copy_out(outv, local, layer,
                            self._local_view([srcs[i][1].slot for i in local], layer))
         for peer, pos in by_peer.items():
+            left = txn.left()
             await self._read_remote(peer, [keys[i] for i in pos], [srcs[i][1] for i in pos], pos,
-                                    outv, layer, timeout)
+                                    outv, layer, left if left is not None and left > 0 else None)
         span = self.layout.block_bytes if layer is None else self.layout.layer_bytes
-        self.stats.gets += 1
-        self.stats.hits += n
-        self.stats.blocks_read += n
-        self.stats.bytes_got += n * span
-        done_local = []
-        for i in local:
-            self.pool.touch(keys[i])
-            if self.cfg.mode == "transfer" and self._consume_now(keys[i], layer):
-                done_local.append(keys[i])
-        if done_local:
-            gone = [(k, self.pool.evict(k)) for k in done_local]
-            self.stats.consumed += len(gone)
-            await self._announce([evict_op(k, b) for k, b in gone if b is not None])
+        txn.validate(n * span)
+        await txn.consume()
         return out
 
     def _local_view(self, slots: list[int], layer: int | None) -> torch.Tensor:
@@ -533,30 +469,18 @@ class HttpStore:
         else:
             outv[:, p] = src.permute(1, 0, 2, 3, 4)
 
-    def _consume_now(self, key: bytes, layer: int | None) -> bool:
-        """Transfer mode: has this node now read every layer of ``key``?"""
-        if layer is None:
-            self._consumed_layers.pop(key, None)
-            return True
-        seen = self._consumed_layers.get(key, 0) | (1 << layer)
-        if seen == self.pool.full_mask:
-            self._consumed_layers.pop(key, None)
-            return True
-        self._consumed_layers[key] = seen
-        return False
-
     async def _read_remote(self, peer_name: str, keys: list[bytes], helds: list[Held],
                            pos: list[int], outv: torch.Tensor, layer: int | None,
-                           timeout: float | None) -> None:
-        """READ the blocks from the peer's pool, check their versions there, copy them out."""
+                           deadline: float | None) -> None:
+        """READ the blocks from the peer's pool, check their versions there, copy them out
+        (within ``deadline`` seconds; None: no limit). Raises BlockEvicted, TransferTimeout."""
         peer = self.peers.get(peer_name)
         if peer is None:
             raise BlockEvicted(f"peer {peer_name!r} left while the read was planned; treat as a miss")
         lay = self.layout
         span = lay.block_bytes if layer is None else lay.layer_bytes
         skip = 0 if layer is None else layer * lay.layer_bytes
-        deadline = timeout if timeout is not None and timeout > 0 else None
-        consume = [self.cfg.mode == "transfer" and self._would_consume(k, layer) for k in keys]
+        consume = [self.cfg.mode == "transfer" and self.steps.would_consume(k, layer) for k in keys]
         remote_addrs = [peer.pool_addr + h.slot * lay.block_bytes + skip for h in helds]
         async with self._fetch_guarded(peer_name, remote_addrs, span, deadline) as staging:
             await self._check_and_copy(peer_name, peer, keys, helds, pos, outv, layer, consume,
@@ -653,17 +577,8 @@ class HttpStore:
         self.stats.blocks_read_remote += m
         if peer.uuid != self.region_uuid:
             self.stats.blocks_read_foreign += m
-        if self.cfg.mode == "transfer":
-            for k, c in zip(keys, consume):
-                self._consume_now(k, layer)     # record the layer (a consumed key: forget it)
-                if c:
-                    self.dir.forget(k, peer_name)
-                    self.stats.consumed += 1
-
-    def _would_consume(self, key: bytes, layer: int | None) -> bool:
-        if layer is None:
-            return True
-        return (self._consumed_layers.get(key, 0) | (1 << layer)) == self.pool.full_mask
+        if self.cfg.mode == "transfer":        # the holder consumed what ``consume`` named
+            self.steps.consumed_remote(keys, peer_name, layer)
 
     # -- maintenance --------------------------------------------------------------------------
     async def maintain(self, timeout: float) -> None:

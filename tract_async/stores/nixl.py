@@ -108,10 +108,10 @@ class NixlStore(HttpStore):
     """put / get / lookup with NIXL as the data path (module docstring). Owned by the Engine."""
 
     transport_name = "nixl"
+    stats_type = NixlStats
 
     def __init__(self, cfg: EngineConfig, *, region_uuid: str | None = None) -> None:
         super().__init__(cfg, region_uuid=region_uuid)
-        self.stats = NixlStats()
         self.nixl = NixlAgent(self.agent.name, progress_thread=cfg.nixl_progress_thread)
         self.nixl_pool = self.nixl.register_memory(self.pool.bytes, name=POOL_NAME, writable=False)
         self.nixl.set_notif_handler(self._on_nixl_notif)

@@ -41,6 +41,12 @@ The rules every path used to restate, and now states once:
 - **Counted once**: a put that stores nothing counts as a put (``begin``); a fused put's or
   read's counters come from the lifecycle's fused steps.
 
+The steps themselves belong to a block lifecycle, the transaction's ``blocks``: the region's
+(``stores/blocks.py``: the shared index, its lock and versions) or the HTTP store's
+(``stores/poolsteps.py``: the local block pool and the directory of what peers announced). Both
+offer what ``PutSteps`` and ``ReadSteps`` name; the fused one-call paths (``fused``) are the
+region's alone.
+
 ``PutTxn.opened`` and ``ReadTxn.opened`` count transactions per path (a dict increment): the
 test that every entry point constructs one reads them (``tests/engine/test_txn.py``).
 """
@@ -48,13 +54,44 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from ..keys import KeyBatch, keys_to_words
 from . import plan as kvplan
-from .fillbook import Reserved
+from .stats import TransferStats
+
+
+class PutSteps(Protocol):
+    """The steps a ``PutTxn`` runs, as a block lifecycle offers them (``BlockLifecycle``,
+    ``PoolLifecycle``). ``Sequence[Any]``: the lifecycle's own reservations (``fillbook``
+    rows, or pool blocks), which the transaction only carries from step to step."""
+    stats: TransferStats
+
+    def filling(self, keys: list[bytes]) -> Sequence[Any] | None: ...
+    def snapshot_for_put(self, words: np.ndarray) -> Any: ...
+    async def reserve(self, kb: Any, snap: Any, timeout: float | None) -> list[int]: ...
+    def reservations(self, keys: list[bytes], positions: Any) -> Sequence[Any]: ...
+    def payload_offsets(self, res: Any) -> np.ndarray: ...
+    def publish(self, keys: list[bytes], positions: Any, res: Any, layer: int | None,
+                nbytes: int, *, region_done: bool = False) -> int: ...
+    def publish_early(self, res: Any, layer: int | None) -> bool: ...
+    async def abandon(self, keys: list[bytes]) -> None: ...
+
+
+class ReadSteps(Protocol):
+    """The steps a ``ReadTxn`` runs (``BlockLifecycle``, ``PoolLifecycle``). The snapshot is
+    the lifecycle's: index rows (an int64 array) or each key's source."""
+    cfg: Any
+
+    def read_words(self, keys: list[bytes]) -> np.ndarray: ...
+    async def prepare_read(self, keys: list[bytes], layer: int | None,
+                           timeout: float | None) -> tuple[np.ndarray | None, Any]: ...
+    def validate_read(self, kb: Any, snap: Any, nbytes: int, *, cpu: bool = True,
+                      layer: int | None = None) -> None: ...
+    async def consume(self, kb: Any, snap: Any, layer: int | None) -> None: ...
 
 
 class _Deadline:
@@ -90,10 +127,10 @@ class PutTxn(KeyBatch, _Deadline):
     publish, or abandon (module docstring). ``path`` names the copy back-end that moves its
     bytes (counted in ``opened``). It is the put's key batch (``keys.KeyBatch``): the steps
     it calls get the transaction itself, its words computed once (``key_words``)."""
-    __slots__ = ("blocks", "layer", "todo", "res", "phases", "at", "timeout")
+    __slots__ = ("blocks", "layer", "todo", "res", "phases", "notices", "at", "timeout")
     opened: ClassVar[Counter[str]] = Counter()
 
-    def __init__(self, blocks: Any, keys: list[bytes], layer: int | None,
+    def __init__(self, blocks: PutSteps, keys: list[bytes], layer: int | None,
                  timeout: float | None, path: str, *, words: np.ndarray | None = None,
                  phases: Any = None) -> None:
         self.blocks = blocks
@@ -105,9 +142,12 @@ class PutTxn(KeyBatch, _Deadline):
         self.words = words
         self.todo: list[int] | range = ()  # type: ignore[assignment]
         """The positions of ``keys`` this put writes (after ``begin``)."""
-        self.res: Reserved = []
+        self.res: Sequence[Any] = ()
         """Their reservations (after ``begin``)."""
         self.phases = phases
+        self.notices: list[list[Any]] = []
+        """What the lifecycle's ``reserve`` did that peers must hear of with the put (the HTTP
+        pool: blocks evicted for room); empty on the region."""
         PutTxn.opened[path] += 1
 
     def key_words(self) -> np.ndarray:
@@ -122,7 +162,7 @@ class PutTxn(KeyBatch, _Deadline):
         ``BlockLifecycle.put_fused``); None: nothing done, take the step-by-step path."""
         if self.words is None:
             self.key_words()
-        return self.blocks.put_fused(self, src, tmpl)
+        return self.blocks.put_fused(self, src, tmpl)  # type: ignore[attr-defined]
 
     def resume(self) -> bool:
         """A later layer of blocks this node is filling: their reservations from the book,
@@ -196,7 +236,7 @@ class ReadTxn(KeyBatch, _Deadline):
     __slots__ = ("blocks", "layer", "snap", "at", "timeout")
     opened: ClassVar[Counter[str]] = Counter()
 
-    def __init__(self, blocks: Any, keys: list[bytes], layer: int | None,
+    def __init__(self, blocks: ReadSteps, keys: list[bytes], layer: int | None,
                  timeout: float | None, path: str, *, words: np.ndarray | None = None) -> None:
         self.blocks = blocks
         self.keys = keys
@@ -205,8 +245,9 @@ class ReadTxn(KeyBatch, _Deadline):
         self.at = (time.monotonic() + timeout
                    if timeout is not None and timeout > 0 else None)
         self.words = words
-        self.snap: np.ndarray | None = None
-        """The index rows the copy reads by (after ``prepare``, or a fused or parallel read)."""
+        self.snap: Any = None
+        """What the copy reads by (after ``prepare``, or a fused or parallel read): the region's
+        index rows (int64), or the HTTP pool's source of each key."""
         ReadTxn.opened[path] += 1
 
     def key_words(self) -> np.ndarray:
@@ -260,7 +301,7 @@ class ReadTxn(KeyBatch, _Deadline):
     def validate(self, nbytes: int, *, cpu: bool = True) -> None:
         """Step 4, after the copy has landed (on a GPU: after its DMA): every block still the
         one snapshotted, else BlockEvicted (a miss). ``cpu``: this host's CPU read the bytes."""
-        assert self.snap is not None and self.words is not None
+        assert self.snap is not None
         self.blocks.validate_read(self, self.snap, nbytes, cpu=cpu, layer=self.layer)
 
     async def consume(self) -> None:
@@ -269,5 +310,4 @@ class ReadTxn(KeyBatch, _Deadline):
         if b.cfg.mode != "transfer":
             return
         assert self.snap is not None
-        self.key_words()
         await b.consume(self, self.snap, self.layer)
