@@ -392,6 +392,8 @@ class HttpStore:
                 if self.pool.blocks.is_cuda:
                     await copies_landed(self.pool.blocks.device)
             except BaseException:
+                if self.pool.blocks.is_cuda:   # abandon only once no byte can land any more
+                    torch.cuda.current_stream(self.pool.blocks.device).synchronize()
                 await txn.abandon()
                 raise
             lay = self.layout
