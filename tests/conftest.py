@@ -59,6 +59,7 @@ def _warm_numba_cache() -> None:
     if os.environ.get("TRACT_TESTS_NO_KERNELS") == "1":
         return
     import fcntl
+    from tract_async.kernel_cache import warm_lock_path
     from tract_async.tools.warmup import stamp_path, warm_up
 
     def cold() -> tuple[str, ...]:
@@ -75,8 +76,7 @@ def _warm_numba_cache() -> None:
     if stamp is not None:
         try:
             os.makedirs(os.path.dirname(stamp), exist_ok=True)
-            fd = os.open(os.path.join(os.path.dirname(stamp), "tract-warm.lock"),
-                         os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(warm_lock_path(stamp), os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
             fd = None

@@ -297,11 +297,18 @@ async def ensure_warm(backend: str | None = None) -> bool:
     return ran
 
 
+def warm_lock_path(stamp: str) -> str:
+    """The file whose ``flock`` serializes the warm-ups of one cache (beside its stamps): one
+    process compiles, the others wait and load. The test session's own kernels compile under
+    it too (``tests/conftest.py``)."""
+    return os.path.join(os.path.dirname(stamp), "tract-warm.lock")
+
+
 async def _warm_under_lock(stamp: str, backend: str) -> bool:
     """Run the scenario unless another process did while we waited for the lock (the child
     writes the stamp). The lock is polled (non-blocking ``flock``) so that the event loop keeps
     running and a second opener in this same process waits instead of deadlocking."""
-    lock_path = os.path.join(os.path.dirname(stamp), "tract-warm.lock")
+    lock_path = warm_lock_path(stamp)
     try:
         os.makedirs(os.path.dirname(stamp), exist_ok=True)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
