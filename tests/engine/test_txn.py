@@ -221,3 +221,40 @@ async def test_a_network_put_whose_copy_fails_evicts_its_blocks(
     finally:
         await b.close()
         await a.close()
+
+
+async def test_a_network_read_has_one_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote read that waited for its blocks gets what is left of its deadline for the READ
+    and for the holder's check, not the whole timeout again for each: here the wait takes
+    ~0.3 s of 0.5 and the check 0.4 s, so the read times out (with a fresh timeout per step it
+    returned after ~0.7 s), as a TransferTimeout that leaves the slow peer a peer."""
+    import asyncio
+
+    from tract_async.stores.http import HttpStore
+    check = HttpStore._on_check
+
+    async def slow_check(self: HttpStore, sender: str, payload: object) -> object:
+        await asyncio.sleep(0.4)
+        return await check(self, sender, payload)
+    monkeypatch.setattr(HttpStore, "_on_check", slow_check)
+    a, b = await http_pair()
+    try:
+        keys = b.block_keys(range(32))
+        kv = kv_for_keys(keys)
+
+        async def later() -> None:
+            await asyncio.sleep(0.3)
+            await b.put_kv(keys, kv)
+        put = asyncio.create_task(later())
+        t0 = time.monotonic()
+        with pytest.raises(E.TransferTimeout):
+            await a.get_kv(keys, timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
+        await put
+        # a slow holder is not a gone one: still a peer (a check that timed out was once taken
+        # for a lost connection, and the peer dropped), and read in full with time to spare
+        assert b._store.agent.name in a._store.peers
+        assert torch_equal(await a.get_kv(keys, timeout=5.0), kv)
+    finally:
+        await b.close()
+        await a.close()

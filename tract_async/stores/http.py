@@ -97,6 +97,13 @@ async def copies_landed(device: torch.device) -> None:
         await asyncio.to_thread(done.synchronize)
 
 
+def _seconds(txn: ReadTxn) -> float | None:
+    """What is left of a read's deadline for its next network step (None: no limit, for a read
+    with no timeout or with ``timeout=0``, which only means "do not wait for the blocks")."""
+    left = txn.left()
+    return left if left is not None and left > 0 else None
+
+
 class HttpStore:
     """put / get / lookup over agents for one engine. Created and owned by the Engine.
 
@@ -447,9 +454,8 @@ class HttpStore:
             self._copy_out(outv, local, layer,
                            self._local_view([srcs[i][1].slot for i in local], layer))
         for peer, pos in by_peer.items():
-            left = txn.left()
             await self._read_remote(peer, [keys[i] for i in pos], [srcs[i][1] for i in pos], pos,
-                                    outv, layer, left if left is not None and left > 0 else None)
+                                    outv, layer, txn)
         span = self.layout.block_bytes if layer is None else self.layout.layer_bytes
         txn.validate(n * span)
         await txn.consume()
@@ -473,9 +479,10 @@ class HttpStore:
 
     async def _read_remote(self, peer_name: str, keys: list[bytes], helds: list[Held],
                            pos: list[int], outv: torch.Tensor, layer: int | None,
-                           deadline: float | None) -> None:
-        """READ the blocks from the peer's pool, check their versions there, copy them out
-        (within ``deadline`` seconds; None: no limit). Raises BlockEvicted, TransferTimeout."""
+                           txn: ReadTxn) -> None:
+        """READ the blocks from the peer's pool, check their versions there, copy them out,
+        each step within what is left of the read's deadline (``txn``). Raises BlockEvicted,
+        TransferTimeout."""
         peer = self.peers.get(peer_name)
         if peer is None:
             raise BlockEvicted(f"peer {peer_name!r} left while the read was planned; treat as a miss")
@@ -484,9 +491,9 @@ class HttpStore:
         skip = 0 if layer is None else layer * lay.layer_bytes
         consume = [self.cfg.mode == "transfer" and self.steps.would_consume(k, layer) for k in keys]
         remote_addrs = [peer.pool_addr + h.slot * lay.block_bytes + skip for h in helds]
-        async with self._fetch_guarded(peer_name, remote_addrs, span, deadline) as staging:
+        async with self._fetch_guarded(peer_name, remote_addrs, span, _seconds(txn)) as staging:
             await self._check_and_copy(peer_name, peer, keys, helds, pos, outv, layer, consume,
-                                       staging, deadline)
+                                       staging, _seconds(txn))
 
     @contextlib.asynccontextmanager
     async def _fetch_guarded(self, peer_name: str, remote_addrs: list[int], span: int,

@@ -263,10 +263,13 @@ async def _mapped(peer: str, what: str, coro: Callable[[], Awaitable[Any]]) -> A
         raise PeerUnreachable(f"{what}: cannot connect to {peer!r} ({e})") from e
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
         raise PeerDisconnected(f"{what}: {peer!r} went away mid-transfer ({type(e).__name__}: {e})") from e
+    except TimeoutError as e:
+        # before OSError, of which TimeoutError is a subclass: a caller's timeout (asyncio.timeout
+        # around the exchange) is a slow peer, not a gone one (which the stores drop)
+        raise TransferTimeout(f"{what} with {peer!r}: no answer within the timeout "
+                              f"({e or 'the io timeout'})") from e
     except (aiohttp.ClientError, OSError) as e:
         raise PeerDisconnected(f"{what} with {peer!r} failed: {type(e).__name__}: {e}") from e
-    except TimeoutError as e:
-        raise TransferTimeout(f"{what} with {peer!r}: no data for {e or 'the io timeout'}") from e
 
 
 async def run_xfer(agent: SendingAgent, session: aiohttp.ClientSession, h: XferHandle) -> None:
