@@ -97,13 +97,6 @@ async def copies_landed(device: torch.device) -> None:
         await asyncio.to_thread(done.synchronize)
 
 
-def _seconds(txn: ReadTxn) -> float | None:
-    """What is left of a read's deadline for its next network step (None: no limit, for a read
-    with no timeout or with ``timeout=0``, which only means "do not wait for the blocks")."""
-    left = txn.left()
-    return left if left is not None and left > 0 else None
-
-
 class HttpStore:
     """put / get / lookup over agents for one engine. Created and owned by the Engine.
 
@@ -406,7 +399,7 @@ class HttpStore:
             lay = self.layout
             n = txn.publish(len(txn.todo) * (lay.block_bytes if layer is None else lay.layer_bytes))
             landed = [put_op(keys[i], b) for i, b in zip(txn.todo, txn.res)]
-        ops = txn.notices + landed
+        ops = [*txn.notices, *landed]
         self._publishing(ops, layer)
         await self._announce(ops, timeout=txn.left())
         return n
@@ -491,9 +484,9 @@ class HttpStore:
         skip = 0 if layer is None else layer * lay.layer_bytes
         consume = [self.cfg.mode == "transfer" and self.steps.would_consume(k, layer) for k in keys]
         remote_addrs = [peer.pool_addr + h.slot * lay.block_bytes + skip for h in helds]
-        async with self._fetch_guarded(peer_name, remote_addrs, span, _seconds(txn)) as staging:
+        async with self._fetch_guarded(peer_name, remote_addrs, span, txn.limit()) as staging:
             await self._check_and_copy(peer_name, peer, keys, helds, pos, outv, layer, consume,
-                                       staging, _seconds(txn))
+                                       staging, txn.limit())
 
     @contextlib.asynccontextmanager
     async def _fetch_guarded(self, peer_name: str, remote_addrs: list[int], span: int,

@@ -110,6 +110,13 @@ class _Deadline:
             return self.timeout
         return max(1e-3, self.at - time.monotonic())
 
+    def limit(self) -> float | None:
+        """``left`` for a step that has a time limit but nothing to wait for (a network call):
+        None, no limit, where the operation allowed no waiting (``timeout`` 0 or less only
+        means "do not wait for the blocks") or had no timeout."""
+        left = self.left()
+        return left if left is not None and left > 0 else None
+
 
 class Deadline(_Deadline):
     """An operation's one absolute deadline, from its ``timeout`` (seconds; None: none; 0 or
@@ -145,9 +152,9 @@ class PutTxn(KeyBatch, _Deadline):
         self.res: Sequence[Any] = ()
         """Their reservations (after ``begin``)."""
         self.phases = phases
-        self.notices: list[list[Any]] = []
+        self.notices: Sequence[list[Any]] = ()
         """What the lifecycle's ``reserve`` did that peers must hear of with the put (the HTTP
-        pool: blocks evicted for room); empty on the region."""
+        pool: blocks evicted for room); empty on the region (a shared tuple: no list per put)."""
         PutTxn.opened[path] += 1
 
     def key_words(self) -> np.ndarray:
