@@ -320,6 +320,19 @@ def full_fence(m):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def prefetch(m, offset_bytes):
+    """Start loading the line of ``offset_bytes`` (``prefetcht0``; a hint: no fault, no
+    ordering). Why: a batch that invalidated many scattered lines and fenced then loads each
+    from memory; loads one after another in a loop whose branches depend on what they read
+    overlap only a few misses. A first pass that prefetches every line once the fence has
+    passed keeps many in flight (the line then holds memory as it was after the fence, as a
+    load there would). Out-of-range offsets are skipped, not raised: nothing is read. No-op in
+    the sim, whose loads go through its cache model."""
+    if m[MEM_BACKEND] == BACKEND_HW and 0 <= offset_bytes < m[MEM_SIZE_BYTES]:
+        prefetch_line(np.uint64(m[MEM_BASE_ADDR]) + np.uint64(offset_bytes))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def store_flush(m, offset_bytes, value, site):
     """Publish one word: store, flush its line, ``mfence``."""
     store(m, offset_bytes, value)

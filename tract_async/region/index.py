@@ -363,6 +363,9 @@ def snapshot_batch(m, eoff, mask, max_probe, lanes, keys, out):
         if out[i, SNAP_SLOT] >= 0:
             K.invalidate(m, eoff + out[i, SNAP_SLOT] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
     K.full_fence(m)
+    for i in range(keys.shape[0]):      # every line in flight at once (mem.prefetch)
+        if out[i, SNAP_SLOT] >= 0:
+            K.prefetch(m, eoff + out[i, SNAP_SLOT] * ENTRY_BYTES + E_LINE1)
     for i in range(keys.shape[0]):
         if out[i, SNAP_SLOT] < 0:
             continue
@@ -378,7 +381,7 @@ SNAPSHOT_HOLD_GIL_KEYS = 255
 a release and re-take after another thread waited costs ~7.5 µs there and more on the GPU
 hosts (``stores/fused.py``, "Holding the GIL"; on the H100 host a 32- and a 213-block layer read
 spent ~40 µs in its prepare and again in its validation with these kernels releasing the GIL
-and the CUDA poller waiting for it). Larger ones go to ``meta_threads`` threads from
+and the CUDA poller waiting for it). Larger snapshots go to ``meta_threads`` threads from
 ``PARALLEL_META_MIN`` keys on."""
 
 
@@ -402,6 +405,8 @@ def refresh_layers_batch(m, eoff, out):
     for i in range(n):
         K.invalidate(m, eoff + out[i, SNAP_SLOT] * ENTRY_BYTES + E_LINE1, S_IX_LINE1_READ)
     K.full_fence(m)
+    for i in range(n):              # every line in flight at once (mem.prefetch)
+        K.prefetch(m, eoff + out[i, SNAP_SLOT] * ENTRY_BYTES + E_LINE1)
     for i in range(n):
         off = eoff + out[i, SNAP_SLOT] * ENTRY_BYTES
         out[i, SNAP_LAYERS] = np.int64(K.load(m, off + E_LLO))
@@ -443,6 +448,11 @@ def revalidate_batch(m, eoff, tgeo, slots, versions, poffs, keys, ok):
         if t >= 0:
             K.invalidate(m, t, S_IX_TAG_READ)
     K.full_fence(m)
+    for i in range(slots.shape[0]):     # every line in flight at once (mem.prefetch): on the
+        K.prefetch(m, eoff + slots[i] * ENTRY_BYTES)    # 2-core VM 1024 blocks took 96-179 µs
+        t = _tag_off(tgeo, poffs[i])                    # without, 71-114 µs with
+        if t >= 0:
+            K.prefetch(m, t)
     for i in range(slots.shape[0]):
         off = eoff + slots[i] * ENTRY_BYTES
         st = K.load(m, off + E_STATE)
@@ -1131,12 +1141,16 @@ class IndexGeometry:
     lanes: int = 1
 
 
-PARALLEL_META_MIN = 256
-"""Snapshots and revalidations of at least this many keys are split over ``meta_threads``
-threads. Why: both are a chain of line invalidations and loads from memory per key (~0.2 µs a
-key on the 2-core VM, more on the GPU hosts), ~0.2-0.35 ms at 1024 keys on the loop's thread,
-where a GPU read of those keys' layer takes 1.2 ms; the kernels are nogil and touch disjoint
-rows, so threads overlap their memory latency."""
+PARALLEL_META_MIN = 2048
+"""Snapshots of at least this many keys are split over ``meta_threads`` threads. Why: a
+snapshot is a chain of hash probes, invalidations and loads per key, and threads overlap their
+memory latency -- but handing parts to a pool and collecting them costs ~0.1 ms on the GPU
+hosts. Measured on the H100 host (``bench/results/gpu-20261207-s48``, one process, four
+threads against one): 1024 keys 116 against 79 µs, 2048 keys 164 against 184, 4096 keys 271
+against 436; the threshold was 256 before. Revalidations are not split at all: with their
+loads prefetched (``revalidate_batch``) one thread took 65-107 µs for 1024 keys and 286 for
+4096, four threads 128-197 and 289; at 1024 keys the split made a layer get's completion
+297-314 µs against 106-173 (``gpu_layers --sections layer_ops``, same host, alternating)."""
 
 _META_POOL: Any = None
 _META_POOL_LOCK = threading.Lock()
@@ -1308,12 +1322,7 @@ class PrefixIndex:
         vs = np.ascontiguousarray(versions, dtype=np.int64)
         po = np.ascontiguousarray(poffs, dtype=np.int64)
         m, eoff, tgeo = self.region.mem, self.geo.entries_offset, self.tgeo
-        n = sl.shape[0]
-        if n >= PARALLEL_META_MIN and self.meta_threads > 1:
-            def part(lo: int, hi: int) -> int:
-                return int(revalidate_batch(m, eoff, tgeo, sl[lo:hi], vs[lo:hi], po[lo:hi],
-                                            key_words[lo:hi], ok[lo:hi]))
-            return sum(_in_parts(n, self.meta_threads, part))
+        n = sl.shape[0]          # (one thread at any size: PARALLEL_META_MIN says why)
         fn = revalidate_batch_held if n <= SNAPSHOT_HOLD_GIL_KEYS else revalidate_batch
         return int(fn(m, eoff, tgeo, sl, vs, po, key_words, ok))
 
