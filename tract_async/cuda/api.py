@@ -68,9 +68,11 @@ class CudaOps:
         self._eng.check_open()
         if self._cuda is None:
             from .store import CudaPath
+            store = self._eng.store
             self._cuda = CudaPath(self._eng.region, method=method,
                                   piece_bytes=piece_bytes,
-                                  row_bytes=self._eng.layout.half_layer_bytes)
+                                  row_bytes=self._eng.layout.half_layer_bytes,
+                                  blocks=getattr(store, "blocks", None))
         return self._cuda
 
     def path(self) -> Any:

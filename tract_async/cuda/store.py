@@ -52,7 +52,8 @@ class CudaPath:
     """Registration, copiers and bookkeeping of one engine's CUDA transfers."""
 
     def __init__(self, region: Any, *, method: str | None = None,
-                 piece_bytes: int = 32 << 20, row_bytes: int | None = None) -> None:
+                 piece_bytes: int = 32 << 20, row_bytes: int | None = None,
+                 blocks: Any = None) -> None:
         import torch
         if not torch.cuda.is_available():
             from ..errors import TensorMismatch
@@ -68,6 +69,15 @@ class CudaPath:
         self.cancelled = 0
         self.sampler: Any = None
         self.sampler_task: asyncio.Task | None = None   # the engine's (cuda/api.py)
+        self.sweeper: Any = None
+        """The CPU-cache record's sweeper (``region/cpumarks.py``, ``Sweeper``): this node's
+        GPU reads find the granules it got to unmarked, so their first read of a block does not
+        invalidate it on the read's path. Started for a region on the hardware backend
+        (``blocks``: the region's block lifecycle; None without a region store)."""
+        if blocks is not None and blocks.mem[K.MEM_BACKEND] == K.BACKEND_HW:
+            from ..region import cpumarks
+            self.sweeper = cpumarks.Sweeper(blocks.cpu_marks, blocks.mem,
+                                            ix.S_IX_PAYLOAD_READ)
 
     @property
     def registered(self) -> bool:
@@ -105,6 +115,8 @@ class CudaPath:
             f.synchronize()
 
     def close(self) -> None:
+        if self.sweeper is not None:     # out of the region before it goes away
+            self.sweeper.stop()
         self.reg.close()
 
     def describe(self) -> dict[str, Any]:
@@ -115,6 +127,8 @@ class CudaPath:
                                "outstanding": len(self._outstanding),
                                "validation_failures": self.validation_failures,
                                "cancelled": self.cancelled,
+                               "cpumarks_swept": (None if self.sweeper is None
+                                                  else self.sweeper.swept),
                                "poller": {"wakeups": p.wakeups, "queries": p.queries,
                                           "resolved": p.resolved, "running": p.running}}
         if self.sampler is not None:

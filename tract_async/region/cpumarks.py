@@ -30,6 +30,16 @@ and is removed with the region (``remove``). A new record starts with every gran
 it cannot know what was read before it existed, so each granule's first GPU read on this host
 invalidates it once (``_open_or_make``).
 
+A new record's marks would make every block's first GPU read on this host pay for the
+invalidation of its layer (13 MiB of ``clflushopt`` for a 213-block layer of Llama-3-8B, on the
+read's critical path) until the reads have covered the region once: what a benchmark on a fresh
+region, or a decode worker after a restart, measures. A node that reads with a GPU therefore
+runs a ``Sweeper`` (started with its CUDA path): one background thread that walks the record
+once and, for each marked granule, clears the mark and then invalidates the granule's lines --
+the same two steps, in the same order, as a GPU read's own, done ahead of the reads ("ahead of
+time, at idle"). A GPU read that comes first still invalidates for itself; the two only repeat
+each other's work.
+
 The window this leaves: a CPU read marks right after its copy and validation, so a GPU read on
 this host that looks between the two finds no mark; its DMA then reads the same current bytes
 the CPU just cached (nothing stale yet). For the cached lines to go stale the block must be
@@ -52,6 +62,8 @@ from typing import Any
 
 import numpy as np
 from numba import njit
+
+import tract_kernels as K
 
 GRANULE_SHIFT = 12
 GRANULE_BYTES = 1 << GRANULE_SHIFT
@@ -113,6 +125,32 @@ def _clear(marks, poffs, rel, span, shift):
         b = (start + span) >> shift
         for g in range(a, b):
             marks[g] = 0
+
+
+@njit(cache=True, nogil=True)
+def _sweep(marks, m, g0, g1, shift, site, scratch):
+    """Clear every marked granule of ``[g0, g1)``, fence, then invalidate the lines of those
+    granules (``scratch``: room for ``g1 - g0`` indices). Returns how many were marked.
+
+    The fence: ``clflushopt`` is ordered only with older stores to its own line, so without it
+    an invalidation could pass the store that clears the mark, and a CPU read on another core
+    that cached the line and marked it in between would have its mark erased."""
+    k = 0
+    for g in range(g0, g1):
+        if marks[g] != 0:
+            marks[g] = 0
+            scratch[k] = g
+            k += 1
+    if k == 0:
+        return 0
+    K.full_fence(m)
+    size = m[K.MEM_SIZE_BYTES]
+    for i in range(k):
+        off = scratch[i] << shift
+        n = min(np.int64(1) << shift, size - off)
+        if n > 0:
+            K.invalidate_range(m, off, n, site)
+    return k
 
 
 def _open_or_make(path: str, nbytes: int) -> int:
@@ -204,6 +242,48 @@ class CpuMarks:
             self._mm.close()
         except (BufferError, ValueError):
             pass          # a view still alive (a caller's slice): the mapping goes with it
+
+
+SWEEP_GRANULES = 1024
+"""Granules one sweep step looks at (4 MiB of region; at most ~0.1-0.2 ms of invalidation
+when all are marked), between two looks at the stop flag."""
+
+
+class Sweeper:
+    """Walks a record once in a daemon thread, clearing and invalidating every marked granule
+    (module docstring). ``stop()`` returns only once the thread is out of the region: call it
+    before the mapping goes away. Only for the hardware backend (the sim's private cache model
+    is per thread and not thread-safe; and there the first reads must still invalidate, which
+    is what its tests look at)."""
+
+    def __init__(self, marks: CpuMarks, mem: Any, site: int) -> None:
+        self.marks = marks
+        self.mem = mem
+        self.site = site
+        self.swept = 0
+        """Granules found marked and invalidated so far."""
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tract-cpumarks-sweep",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            marks = self.marks.marks
+            total = marks.shape[0]
+            scratch = np.empty(SWEEP_GRANULES, dtype=np.int64)
+            for g0 in range(0, total, SWEEP_GRANULES):
+                if self._stop.is_set():
+                    return
+                self.swept += int(_sweep(marks, self.mem, g0, min(total, g0 + SWEEP_GRANULES),
+                                         GRANULE_SHIFT, self.site, scratch))
+        finally:
+            self.done.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def remove(region_path: str, uuid_hex: str | None) -> None:
