@@ -80,6 +80,12 @@ def rows_view(t: Any, row_bytes: int) -> Any:
     return u8.view(-1, row_bytes)
 
 
+def triton_row_ok(row_bytes: int) -> bool:
+    """The zero-copy kernel copies rows of ``row_bytes`` (16-byte multiples)."""
+    from . import triton_copy
+    return triton_copy.supported(row_bytes)
+
+
 def choose(method: str, runs: tables.Runs, row_bytes: int, *, have_2d: bool,
            have_triton: bool) -> str:
     """The method ``auto`` picks for these runs (see the module docstring)."""
@@ -292,8 +298,10 @@ class Copier:
         cache = self._templates.get(id(layout))
         if cache is None or cache.layout is not layout:
             from . import direct
-            cache = self._templates[id(layout)] = direct.TemplateCache(layout, self.region_ptr,
-                                                                       batch=self.batch)
+            cache = self._templates[id(layout)] = direct.TemplateCache(
+                layout, self.region_ptr, batch=self.batch,
+                max_calls=(direct.ZEROCOPY_MAX_CALLS if self.have_triton
+                           and triton_row_ok(layout.half_layer_bytes) else direct.MAX_CALLS))
         return cache.plan(poffs, layer, tensor_ptr)
 
     def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:

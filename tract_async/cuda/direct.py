@@ -21,8 +21,10 @@ A whole-block tensor ``(L, 2, n*T, H, D)`` is ``2L`` such planes: ``2L`` copies 
 Runs (``segments``): maximal ranges of consecutive blocks (tensor order) whose payload offsets
 step by one constant stride of at least the bytes each block's copy covers (a 2-D copy's pitch
 must be at least its width, and rows must not overlap). A transfer whose blocks split into more
-than ``MAX_CALLS`` copies (scattered offsets: a prefix cache's blocks, freed and reused) keeps the
-gather path, which moves any plan in a few DMAs.
+than ``max_calls`` copies (scattered offsets: a prefix cache's blocks, freed and reused) takes
+the gather path instead (``copy.Copier.put``/``get``): where Triton is there, that is the
+zero-copy row kernel, one launch for any plan (``ZEROCOPY_MAX_CALLS``); else staging and a few
+large DMAs (``MAX_CALLS``).
 
 Batches. Blocks that do not sit evenly spaced (a prefix cache's blocks, freed and reused out of
 order) split into many runs, and each run is ``planes`` driver calls of ~2 µs host time: a
@@ -32,6 +34,15 @@ DMA (``bench/results/gpu-20261207-s45``). Where the runtime has ``cudaMemcpyBatc
 copies goes instead as one batch of 1-D copies, one per block and plane (``Template.batch``):
 one driver call for any number of runs, up to ``BATCH_MAX_COPIES`` copies. ``TRACT_CUDA_BATCH``
 (``auto``, ``off``, ``all``: every multi-block plan batched) picks the policy, for A/B runs.
+
+Measured on an H100 host (``bench/copy_batch.py``, ``bench/results/gpu-20261207-s48``), a
+batch is the slowest way at every size: the driver spends ~0.8 µs of host time per copy in the
+call (313-364 µs for a 213-block layer's 426 copies, 1.5-1.7 ms for 1024 blocks) and the device
+moves 32 KiB copies at 0.40-0.48x the raw rate (a 213-block layer 582-655 µs where two 2-D
+copies of evenly spaced blocks take 264-266 and the zero-copy kernel 321-336 for scattered
+ones); only against 56 2-D copies of 32 scattered blocks (260 µs of calls) does it win, and
+the zero-copy kernel wins there too (97-100 µs against 109-111). So ``off`` is the default and
+scattered plans go to the zero-copy kernel; ``auto`` and ``all`` stay for measuring.
 
 Pure arithmetic on int64 arrays plus the driver calls; the CPU-side functions (``segments``,
 ``copies``, ``template``) are tested without CUDA.
@@ -52,11 +63,20 @@ MAX_PITCH = 1 << 30
 
 MAX_CALLS = 256
 """Most 2-D copies one transfer may take on this path (~1.5-2 µs of host time each through
-ctypes); beyond it, the gather path's few large DMAs cost less host time."""
+ctypes) where the gather path has to stage (no Triton); beyond it, its few large DMAs cost
+less host time."""
+
+ZEROCOPY_MAX_CALLS = 16
+"""Most 2-D copies one transfer takes on this path where the zero-copy kernel can take it
+instead (``Copier.have_triton``). One 2-D copy cost ~4.7 µs of host time on the H100 host
+(56 copies of 32 scattered blocks: 260-265 µs) and the kernel ~60 µs (its table's upload and
+the launch) plus ~0.85-0.9x the raw device rate, so past ~16 copies the kernel finishes
+first: 97-100 µs for those 32 blocks against 264-269 (``bench/copy_batch.py``,
+``bench/results/gpu-20261207-s48``)."""
 
 BATCH_ENV = "TRACT_CUDA_BATCH"
-"""``auto`` (default): batch a plan of more than ``BATCH_MIN_CALLS`` 2-D copies; ``off``: never;
-``all``: every plan of more than one block (module docstring, "Batches")."""
+"""``off`` (default): never batch; ``auto``: batch a plan of more than ``BATCH_MIN_CALLS`` 2-D
+copies; ``all``: every plan of more than one block (module docstring, "Batches")."""
 
 BATCH_MODES = ("auto", "off", "all")
 
@@ -73,7 +93,7 @@ request, 64 per block, keep the 2-D copies or the gather path)."""
 
 def batch_mode() -> str:
     """The batch policy from ``TRACT_CUDA_BATCH`` (ValueError for another value)."""
-    m = os.environ.get(BATCH_ENV, "auto") or "auto"
+    m = os.environ.get(BATCH_ENV, "off") or "off"
     if m not in BATCH_MODES:
         raise ValueError(f"{BATCH_ENV} must be one of {BATCH_MODES}, got {m!r}")
     return m
@@ -255,11 +275,12 @@ class Template:
 
 
 def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
-             batch: str = "off") -> Template | None:
+             batch: str = "off", max_calls: int = MAX_CALLS) -> Template | None:
     """The copies of blocks ``poffs`` (tensor order) at layer 0 and tensor address 0: one
     layer's two planes, or (``whole``) every layer's. ``batch``: the policy where batched
-    copies are available (``BATCH_MODES``; ``off`` where they are not). None when they would
-    take more than ``MAX_CALLS`` 2-D copies and no batch (use the gather path)."""
+    copies are available (``BATCH_MODES``; ``off`` where they are not). None when one layer's
+    copies would take more than ``max_calls`` 2-D copies (whole blocks: ``MAX_CALLS``) and no
+    batch (use the gather path)."""
     n = int(poffs.shape[0])
     half = layout.half_layer_bytes
     if whole:
@@ -279,8 +300,8 @@ def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
             and (batch == "all" or ncalls > BATCH_MIN_CALLS)):
         return Template([], half, nbytes, layout.layer_bytes, poffs, whole,
                         batch_copies(poffs, planes, half, region_ptr))
-    if ncalls > MAX_CALLS:
-        return None
+    if ncalls > (max_calls if not whole else MAX_CALLS):   # (whole blocks: 64 planes a run,
+        return None                                          # 2-D copies of MiBs each)
     rows = copies(segs, poffs, n, planes, half, 0, 0, region_ptr)
     calls = [(r, rp, t, tp, half, h) for r, rp, t, tp, h in rows.tolist()]
     return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
@@ -299,11 +320,12 @@ def batch_copies(poffs: np.ndarray, planes: int, half: int,
 
 
 def plan(layout: Any, poffs: np.ndarray, layer: int | None, tensor_ptr: int,
-         region_ptr: int, batch: str = "off") -> DirectCopy | None:
+         region_ptr: int, batch: str = "off", max_calls: int = MAX_CALLS) -> DirectCopy | None:
     """The copies moving blocks ``poffs`` (tensor order) of a contiguous tensor at
-    ``tensor_ptr``: one layer's planes or all of them (``batch``: as ``template``). None when
-    they would take more than ``MAX_CALLS`` copies and no batch (use the gather path)."""
-    t = template(layout, poffs, layer is None, region_ptr, batch)
+    ``tensor_ptr``: one layer's planes or all of them (``batch``, ``max_calls``: as
+    ``template``). None when they would take more than ``max_calls`` copies and no batch (use
+    the gather path)."""
+    t = template(layout, poffs, layer is None, region_ptr, batch, max_calls)
     return None if t is None else t.at(layer, tensor_ptr)
 
 
@@ -318,11 +340,13 @@ class TemplateCache:
     element and one array comparison). Offsets that need the gather path are remembered too
     (as None). ``size`` entries: a few requests streaming at once."""
 
-    def __init__(self, layout: Any, region_ptr: int, size: int = 8, batch: str = "off") -> None:
+    def __init__(self, layout: Any, region_ptr: int, size: int = 8, batch: str = "off",
+                 max_calls: int = MAX_CALLS) -> None:
         self.layout = layout
         self.region_ptr = region_ptr
         self.size = size
         self.batch = batch
+        self.max_calls = max_calls
         self._entries: list[tuple[np.ndarray, bool, Template | None]] = []
         self.hits = 0
         self.misses = 0
@@ -344,7 +368,7 @@ class TemplateCache:
                     ents.insert(0, ents.pop(k))
                 return e[2]
         self.misses += 1
-        t = template(self.layout, poffs, whole, self.region_ptr, self.batch)
+        t = template(self.layout, poffs, whole, self.region_ptr, self.batch, self.max_calls)
         ents.insert(0, (poffs, whole, t))
         del ents[self.size:]
         return t
