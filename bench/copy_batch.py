@@ -1,5 +1,6 @@
 """One layer of N blocks between device memory and registered host memory: 2-D copies against one
-batch of 1-D copies (``cudaMemcpyBatchAsync``), with blocks evenly spaced or scattered.
+batch of 1-D copies (``cudaMemcpyBatchAsync``) and against the zero-copy row kernel
+(``cuda/triton_copy.py``), with blocks evenly spaced or scattered.
 
     python bench/copy_batch.py [--blocks 32 213 1024] [--reps 30]
 
@@ -15,6 +16,10 @@ Geometry: Llama-3-8B (64 KiB per block and layer, K and V halves of 32 KiB, 2 Mi
 layer's K rows every 2 MiB in the region). ``scattered``: the blocks take random slots among
 ``2 x N``. Every way is checked byte for byte once per case before it is timed. Writes
 ``bench/results/copy-batch-<time>-<commit>.json``.
+
+``zerocopy``: one launch of the row kernel, the device's SMs loading from (a get) or storing to
+(a put) the mapped region over the link, one row per block and plane; its host time includes
+the upload of the row table (pinned, on the stream), as the engine's zero-copy path does.
 """
 from __future__ import annotations
 
@@ -82,6 +87,9 @@ def main() -> None:
     if not reg.registered:
         sys.exit(f"copy_batch: the buffer could not be registered: {reg.describe()}")
     fc = events.fast_calls()
+    from tract_async.cuda import triton_copy
+    have_zc = triton_copy.available()[0]
+    region_i32 = reg.tensor.view(torch.int32) if have_zc else None
     stream = torch.cuda.Stream(dev)
     handle = int(stream.cuda_stream)
     why = direct.batch_probe(fc, dev, stream)
@@ -103,6 +111,12 @@ def main() -> None:
             if why is None:
                 plans["batch"] = direct.plan(lay, poffs, args.layer, dbuf.data_ptr(), reg.ptr,
                                              batch="all")
+            # the zero-copy rows: (source, destination) offsets in 16-byte units from the
+            # anchors (the device buffer, the region), block-major, K then V
+            dev_off = (np.arange(2)[None, :] * (n * half) + np.arange(n)[:, None] * half)
+            reg_off = (poffs[:, None] + args.layer * lay.layer_bytes
+                       + np.arange(2)[None, :] * half)
+            zc_rows = np.stack([dev_off.reshape(-1), reg_off.reshape(-1)], axis=1) // 16
             for direction in ("put", "get"):
                 to_region = direction == "put"
                 raw_dst, raw_src = (pinned[:nbytes], dbuf) if to_region else (dbuf, pinned[:nbytes])
@@ -113,6 +127,29 @@ def main() -> None:
                 raw_r = timed(raw, stream, args.reps)
                 rows.append({"blocks": n, "slots": kind, "op": direction, "way": "raw",
                              "calls": 1, **raw_r, "ratio_vs_raw": 1.0})
+                if have_zc:
+                    tbl = np.ascontiguousarray(zc_rows if to_region else zc_rows[:, ::-1])
+                    tpin = torch.from_numpy(tbl).pin_memory()
+                    anchors = ((dbuf.view(torch.int32), region_i32) if to_region
+                               else (region_i32, dbuf.view(torch.int32)))
+
+                    def zc() -> None:
+                        with torch.cuda.stream(stream):
+                            tdev = tpin.to(dev, non_blocking=True)
+                            triton_copy.copy_rows(anchors[0], anchors[1], tdev, half)
+                    saved = dbuf.clone()
+                    if not to_region:
+                        dbuf.zero_()
+                    torch.cuda.synchronize(dev)
+                    zc()
+                    stream.synchronize()
+                    ok = _matches_rows(zc_rows, half, dbuf, region)
+                    dbuf.copy_(saved)
+                    torch.cuda.synchronize(dev)
+                    r = timed(zc, stream, args.reps)
+                    rows.append({"blocks": n, "slots": kind, "op": direction, "way": "zerocopy",
+                                 "calls": 2, "exact": ok, **r,
+                                 "ratio_vs_raw": raw_r["e2e_us"] / r["e2e_us"]})
                 for way, dc in plans.items():
                     if dc is None:
                         rows.append({"blocks": n, "slots": kind, "op": direction, "way": way,
@@ -142,6 +179,15 @@ def main() -> None:
         print(f"batched copies unavailable: {why}")
     print("wrote", C.write_json("copy-batch", out))
     reg.close()
+
+
+def _matches_rows(zc_rows: np.ndarray, width: int, dbuf: Any, region: Any) -> bool:
+    """The tensor's bytes equal the region's at the zero-copy rows (16-byte units)."""
+    host = dbuf.cpu().numpy()
+    for t, r in (zc_rows * 16).tolist():
+        if not np.array_equal(region[r:r + width], host[t:t + width]):
+            return False
+    return True
 
 
 def _matches_region(dc: Any, dbuf: Any, region: Any, reg: Any) -> bool:
