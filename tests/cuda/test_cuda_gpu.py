@@ -515,12 +515,16 @@ def test_batched_copies_of_scattered_blocks_are_exact(region_path, monkeypatch, 
             want = torch.cat([torch.cat([kva[:, :, j * T:(j + 1) * T], kvb[:, :, j * T:(j + 1) * T]],
                                         dim=2) for j in range(n)], dim=2)
             before = copier.counters.batch_calls
+            zc_before = copier.counters.by_method.get("zerocopy", 0)
             assert same_bits(await eng.get_kv(mixed, device="cuda"), want)
             for i in range(lay.num_layers):
                 assert same_bits(await eng.get_kv(mixed, layer=i, device="cuda"), want[i])
             batched = copier.counters.batch_calls - before
             if mode == "off":
                 assert batched == 0
+                if copier.have_triton:   # 40 copies a layer > ZEROCOPY_MAX_CALLS: the kernel
+                    zc = copier.counters.by_method.get("zerocopy", 0) - zc_before
+                    assert zc >= lay.num_layers, copier.describe()
             else:
                 assert batched >= 1 + lay.num_layers, copier.describe()
                 assert copier.describe()["batch"] == mode

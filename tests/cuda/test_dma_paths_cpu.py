@@ -99,6 +99,23 @@ def test_scattered_whole_blocks_keep_the_gather_path() -> None:
                        tensor_ptr=0, region_ptr=0) is None
 
 
+def test_scattered_layer_blocks_go_to_the_zero_copy_kernel_past_its_limit() -> None:
+    """Where the zero-copy kernel can take a plan, a layer's copies stop at
+    ``ZEROCOPY_MAX_CALLS`` (9 runs: 18 copies -> the gather path, which picks the kernel);
+    eight runs and fewer stay 2-D copies; whole blocks keep ``MAX_CALLS``."""
+    bb = LLAMA.block_bytes
+    def runs(k: int) -> np.ndarray:        # descending offsets: one block a run
+        return np.arange(k, dtype=np.int64)[::-1].copy() * 3 * bb
+    lim = direct.ZEROCOPY_MAX_CALLS
+    assert len(direct.plan(LLAMA, runs(lim // 2), 3, 0, 0, max_calls=lim)) == lim
+    assert direct.plan(LLAMA, runs(lim // 2 + 1), 3, 0, 0, max_calls=lim) is None
+    assert direct.plan(LLAMA, runs(lim // 2 + 1), 3, 0, 0) is not None      # no kernel: 2-D
+    two = np.concatenate([np.arange(4) * bb, (1 << 30) + np.arange(4) * bb]).astype(np.int64)
+    assert len(direct.plan(LLAMA, two, None, 0, 0, max_calls=lim)) == 2 * 2 * LLAMA.num_layers
+    cache = direct.TemplateCache(LLAMA, region_ptr=0, max_calls=lim)
+    assert cache.plan(runs(lim // 2 + 1), 3, 0) is None
+
+
 def test_a_stride_past_the_widest_pitch_splits_the_run() -> None:
     poffs = np.array([0, direct.MAX_PITCH + LLAMA.block_bytes], dtype=np.int64)
     assert direct.segments(poffs, LLAMA.layer_bytes).shape[0] == 2
@@ -156,7 +173,7 @@ def test_the_template_cache_batches_every_layer_alike() -> None:
 
 def test_the_batch_policy_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(direct.BATCH_ENV, raising=False)
-    assert direct.batch_mode() == "auto"
+    assert direct.batch_mode() == "off"     # batches lost to every other way on the H100
     for m in direct.BATCH_MODES:
         monkeypatch.setenv(direct.BATCH_ENV, m)
         assert direct.batch_mode() == m
@@ -386,6 +403,96 @@ def test_a_gpu_only_block_is_read_without_invalidation(region_path) -> None:
     asyncio.run(main())
 
 
+def test_the_sweeper_clears_and_invalidates_every_marked_granule(region_path) -> None:
+    """Hardware backend: a fresh record has every granule marked; the sweeper (what a GPU node
+    starts with its CUDA path) walks it once in its thread and leaves none marked, counting
+    the ones it found; a GPU read after it invalidates nothing."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+            b = eng._store.blocks
+            keys = eng.block_keys(list(range(16 * 4)))
+            await eng.put_kv(keys, kv_for_keys(keys))
+            marks = b.cpu_marks
+            marks.marks[::3] = 0                   # some granules unmarked already
+            before = int(np.count_nonzero(marks.marks))
+            assert before > 0
+            sw = cpumarks.Sweeper(marks, b.mem, ix.S_IX_PAYLOAD_READ)
+            assert sw.done.wait(30)
+            sw.stop()
+            assert sw.swept == before
+            assert not marks.marks.any()
+            poffs = b.index.snapshot(keys_to_words(keys))[:, 3].copy()
+            assert await invalidate_for_dma(b, poffs, 1) == 0
+    asyncio.run(main())
+
+
+def test_the_sweeper_stops_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stop`` returns with the thread gone (the engine calls it before the region is
+    unmapped), also in the middle of a walk: the first step is held until ``stop`` has been
+    called, and no step runs after it (a record of 16 steps over a private mapping)."""
+    import mmap
+    import tempfile
+    mm = mmap.mmap(-1, 16 * cpumarks.SWEEP_GRANULES * cpumarks.GRANULE_BYTES)
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    m = K.make_mem(buf, "hw")
+    real, steps = cpumarks._sweep, []
+    in_step, go_on = threading.Event(), threading.Event()
+
+    def held_step(*args):             # the first step waits until stop() was called
+        steps.append(args[2])
+        if len(steps) == 1:
+            in_step.set()
+            assert go_on.wait(30)
+        return real(*args)
+    monkeypatch.setattr(cpumarks, "_sweep", held_step)
+    with tempfile.TemporaryDirectory() as d:
+        marks = cpumarks.CpuMarks(os.path.join(d, "r.cpumarks"), buf.size)
+        sw = cpumarks.Sweeper(marks, m, ix.S_IX_PAYLOAD_READ)
+        assert in_step.wait(30)
+        stopper = threading.Thread(target=sw.stop)
+        stopper.start()
+        while not sw._stop.is_set():
+            time.sleep(0.001)
+        go_on.set()
+        stopper.join(30)
+        assert not stopper.is_alive() and not sw._thread.is_alive() and sw.done.is_set()
+        assert steps == [0]
+        assert sw.swept == cpumarks.SWEEP_GRANULES       # the one step, all marked
+        assert marks.marks[cpumarks.SWEEP_GRANULES:].all()
+        marks.close()
+    del buf
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_dma_after_a_sweep_sees_another_hosts_rewrite(region_path, skip: bool) -> None:
+    """Incoherent backend: the sweep step is a GPU read's own (clear the mark, then drop the
+    lines), done ahead. This node's CPU reads a block (lines cached, granules marked), another
+    host rewrites it, the sweep runs over the whole record (on the loop's thread: the sim's
+    cache model is per thread), and a device read then sees the new bytes without invalidating
+    anything itself. Negative control (``skip``: the sweep's invalidation removed): the marks
+    are gone all the same and the device reads the stale cached lines."""
+    async def main() -> None:
+        async with tract.Engine.open(cfg(region_path, 0, create=True, backend="sim")) as eng:
+            b, marks, keys, poffs = await _cpu_read_on_sim(eng, 2)
+            span = TINY.block_bytes
+            other = K.make_mem(eng._region.buf, "sim", seed=5, evict_prob=0.0)
+            new = np.full(span, 0x6B, dtype=np.uint8)
+            K.write_bytes(other, int(poffs[0]), new.ctypes.data, span, ix.S_IX_PAYLOAD_READ)
+            m = K.with_skip_site(b.mem, ix.S_IX_PAYLOAD_READ) if skip else b.mem
+            total = marks.marks.shape[0]
+            scratch = np.empty(total, dtype=np.int64)
+            swept = cpumarks._sweep(marks.marks, m, 0, total, cpumarks.GRANULE_SHIFT,
+                                    ix.S_IX_PAYLOAD_READ, scratch)
+            assert swept > 0 and not marks.marks.any()
+            assert await invalidate_for_dma(b, poffs[:1], None) == 0
+            seen = _dma_read(b.mem, int(poffs[0]), span)
+            if skip:
+                assert not np.array_equal(seen, new), "the stale line should have been read"
+            else:
+                assert np.array_equal(seen, new)
+    asyncio.run(main())
+
+
 # -- the layer bits from another thread ---------------------------------------------------------
 
 def _layers_of(eng: tract.Engine, keys: list[bytes]) -> list[int]:
@@ -454,9 +561,12 @@ def test_early_publish_after_an_abandon_stores_nothing(region_path) -> None:
 
 # -- snapshots and revalidations split over threads ---------------------------------------------
 
-def test_split_snapshot_and_revalidation_equal_the_single_threads(region_path) -> None:
-    """``PrefixIndex.meta_threads`` > 1 (hosts of 8+ CPUs): the same rows and the same verdicts
-    as one thread, absent and evicted keys included."""
+def test_split_snapshot_and_revalidation_equal_the_single_threads(
+        region_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PrefixIndex.meta_threads`` > 1 (hosts of 8+ CPUs): the same rows (a split snapshot;
+    its threshold lowered here, so that a few hundred keys split) and the same verdicts
+    (revalidation, one thread at any size) as one thread, absent and evicted keys included."""
+    monkeypatch.setattr(ix, "PARALLEL_META_MIN", 256)
     n = ix.PARALLEL_META_MIN + 45
 
     async def main() -> None:
