@@ -43,6 +43,9 @@ from .events import DONE
 from .futures import StreamFuture, poller
 from .hostreg import HostRegistration
 
+SWEEP_ENV = "TRACT_CPUMARKS_SWEEP"
+"""``0``: no background sweep of the CPU-cache record (``CudaPath.sweeper``), for A/B runs."""
+
 LINK_BYTES_PER_S = 60e9
 """Upper bound of the link speed: a transfer of N bytes cannot land before N / this (used only
 as the poller's "do not look before" hint, so an overestimate is harmless)."""
@@ -74,7 +77,8 @@ class CudaPath:
         GPU reads find the granules it got to unmarked, so their first read of a block does not
         invalidate it on the read's path. Started for a region on the hardware backend
         (``blocks``: the region's block lifecycle; None without a region store)."""
-        if blocks is not None and blocks.mem[K.MEM_BACKEND] == K.BACKEND_HW:
+        if (blocks is not None and blocks.mem[K.MEM_BACKEND] == K.BACKEND_HW
+                and os.environ.get(SWEEP_ENV, "1") != "0"):
             from ..region import cpumarks
             self.sweeper = cpumarks.Sweeper(blocks.cpu_marks, blocks.mem,
                                             ix.S_IX_PAYLOAD_READ)
