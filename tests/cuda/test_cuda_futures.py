@@ -325,6 +325,58 @@ def test_a_spun_transfer_makes_no_asyncio_future_and_hands_its_event_back_once()
     asyncio.run(main())
 
 
+class LoopSeesItEvent:
+    """Landed for queries from the thread that made it (the loop's); never for another."""
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+
+    def query(self) -> bool:
+        return threading.get_ident() == self.owner
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_the_poller_drops_a_spun_transfer_without_calling_into_the_loop():
+    """A transfer its awaiter saw land (the spin) is dropped by the poller's next round: no
+    ``call_soon_threadsafe`` (a self-pipe write and a wake-up of the loop, per layer
+    operation), counted as ``skipped``; one the poller sees first still goes through the loop."""
+    async def main():
+        p = Poller(min_sleep_s=0.02, max_sleep_s=0.02)
+        loop = asyncio.get_running_loop()
+        calls = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args, **kw):
+            calls.append(getattr(cb, "__name__", repr(cb)))
+            return real(cb, *args, **kw)
+        loop.call_soon_threadsafe = counting          # type: ignore[method-assign]
+        try:
+            ev = LoopSeesItEvent()                    # the poller cannot see it land
+            fut = StreamFuture(ev, completion=lambda: 3, poller_=p, spin_ns=50_000_000)
+            assert await fut == 3                     # the spin saw it land
+            for _ in range(200):                      # the poller's next round drops it
+                if p.skipped:
+                    break
+                await asyncio.sleep(0.005)
+            assert p.skipped == 1 and p.outstanding == 0
+            assert "_on_landed" not in calls, calls
+            ev2 = FakeEvent()
+            fut2 = StreamFuture(ev2, completion=lambda: 4, poller_=p)
+            ev2.fire()
+            assert await fut2 == 4                     # no spin: the poller resolved it
+            assert calls.count("_on_landed") == 1
+            for _ in range(200):                      # (its counter follows the call)
+                if p.resolved:
+                    break
+                await asyncio.sleep(0.005)
+            assert p.resolved == 1 and p.skipped == 1
+        finally:
+            del loop.call_soon_threadsafe
+    asyncio.run(main())
+
+
 def test_result_states_without_and_with_an_awaiter():
     """``result()`` before the completion raises InvalidStateError; an error of a completion
     nobody awaited is raised by ``result()`` and by a later ``await`` (its asyncio future is

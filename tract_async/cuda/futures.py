@@ -67,6 +67,8 @@ class Poller:
         self.wakeups = 0
         self.queries = 0
         self.resolved = 0
+        self.skipped = 0
+        """Futures dropped because their loop had seen them land first (no call into it)."""
         self.threads_started = 0
 
     def add(self, fut: "StreamFuture") -> None:
@@ -104,6 +106,14 @@ class Poller:
             done: list[StreamFuture] = []
             earliest = float("inf")
             for f in batch:
+                if f._is_landed:
+                    # seen landed on its loop already (an awaiter's spin, ``synchronize``):
+                    # dropped without a call into the loop, whose self-pipe write and wake-up
+                    # were the largest single item of a one-block layer operation's host time
+                    # on the H100 host (``bench/results/gpu-20261207-s48``, call 7)
+                    done.append(f)
+                    self.skipped += 1
+                    continue
                 if f.not_before > now:
                     earliest = min(earliest, f.not_before)
                     continue
@@ -120,6 +130,8 @@ class Poller:
                     gone = set(map(id, done))
                     self._pending = [f for f in self._pending if id(f) not in gone]
                 for f in done:
+                    if f._is_landed:
+                        continue
                     if f._early is not None and f._poll_error is None:
                         f._run_early()
                     f._landed_from_poller()

@@ -134,7 +134,8 @@ class CudaPath:
                                "cpumarks_swept": (None if self.sweeper is None
                                                   else self.sweeper.swept),
                                "poller": {"wakeups": p.wakeups, "queries": p.queries,
-                                          "resolved": p.resolved, "running": p.running}}
+                                          "resolved": p.resolved, "skipped": p.skipped,
+                                          "running": p.running}}
         if self.sampler is not None:
             out["telemetry"] = self.sampler.summary()
         return out
