@@ -363,7 +363,13 @@ class Reserver:
             full: list[int] = []
             unused: list[int] = []
             reserved = self.book.reserved
-            if len(positions) > SMALL_READ and (res[:, 0] >= 0).all():  # all reserved: a batch
+            # all reserved: a batch -- of any size for a layer-streamed put (its later layers
+            # then find the batch by one list comparison, reuse its offsets array and publish
+            # without a per-key loop, also early from the CUDA poller's thread), of more than a
+            # few blocks for a whole-block put (numpy's ~1 µs per step made a 1-block put
+            # slower, 2ba0a72)
+            batch_min = 1 if getattr(kb, "layer", None) is not None else SMALL_READ + 1
+            if len(positions) >= batch_min and (res[:, 0] >= 0).all():
                 ks = keys if len(positions) == len(keys) else [keys[i] for i in positions]
                 batch = FillBatch(ks, res[:, 0].copy(), res[:, 2].copy(),
                                   offs_np if offs_np is not None else
