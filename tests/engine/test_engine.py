@@ -323,6 +323,46 @@ async def test_region_full_is_all_or_nothing(region_path: str, transport: str) -
         await a.close()
 
 
+@pytest.mark.parametrize("n", [2, 12])
+async def test_a_read_is_stamped_when_it_happened_not_when_it_is_flushed(region_path: str,
+                                                                        n: int) -> None:
+    """Blocks read before other blocks were written are the older for the LRU, however late
+    their reads are stamped: reads are stamped at a later maintenance or locked reservation,
+    with the time each was recorded (``stores/touches.py``). Stamped with the flush's time, the
+    blocks just written looked the older and were the victims (the sampled LRU then took a
+    request's blocks while it was reading them). ``n`` 2: the small reads' records; 12: the
+    large reads' arrays, layer by layer."""
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+        b = eng._store.blocks
+        old = eng.block_keys(list(range(16 * n)))
+        await eng.put_kv(old, kv_for_keys(old))
+        if n <= 8:
+            await eng.get_kv(old)
+        else:
+            for layer in range(TINY.num_layers):
+                await eng.get_kv(old, layer=layer)
+        await asyncio.sleep(0.005)
+        new = eng.block_keys(list(range(100_000, 100_000 + 16 * n)))
+        await eng.put_kv(new, kv_for_keys(new))      # written after the reads
+        await asyncio.sleep(0.005)
+        b.touches.flush()                             # the reads reach the region now
+        import tract_kernels as K
+        from tract_async.region import index as ix
+        eoff = b.index.geo.entries_offset
+
+        def stamps(keys: list[bytes]) -> list[int]:
+            snap = b.index.snapshot(keys_to_words(keys))
+            return [int(K.load(b.mem, eoff + int(s) * ix.ENTRY_BYTES + ix.E_LAST))
+                    for s in snap[:, 0]]
+        assert max(stamps(old)) < min(stamps(new))
+        await b.lock.acquire(timeout=5)               # the LRU takes the blocks read before
+        try:
+            assert b.evict_lru_locked(n) == n
+        finally:
+            b.lock.release()
+        assert eng.lookup(old) == 0 and eng.lookup(new) == n
+
+
 @pytest.mark.parametrize("nhot", [4, 12])
 async def test_lru_eviction_keeps_recent_blocks(region_path: str, transport: str,
                                                 nhot: int) -> None:

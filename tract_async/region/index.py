@@ -1035,8 +1035,10 @@ def evict_window_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, now_ns
 
 
 @njit(cache=True, nogil=True)
-def touch_batch(m, eoff, slots, versions, now_ns):
-    """Stamp last_access of READY entries whose version is unchanged. Returns #stamped.
+def touch_batch(m, eoff, slots, versions, times_ns):
+    """Stamp last_access of READY entries whose version is unchanged with ``times_ns[i]`` (when
+    each read happened: a stamp of the flush's time made a block read before another was
+    written look the newer of the two). Returns #stamped.
 
     Any node, no lock: one fence for all line 0 reads, then ``last_access_ns`` alone, a
     non-temporal word store (no read-for-ownership of line 1, no write-back of the whole line,
@@ -1050,7 +1052,7 @@ def touch_batch(m, eoff, slots, versions, now_ns):
         off = eoff + slots[i] * ENTRY_BYTES
         if (K.load(m, off + E_STATE) == READY
                 and np.int64(K.load(m, off + E_VERSION)) == versions[i]):
-            K.store_nt(m, off + E_LAST, now_ns)
+            K.store_nt(m, off + E_LAST, times_ns[i])
             n += 1
     K.store_fence(m)
     return n
