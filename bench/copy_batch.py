@@ -66,6 +66,23 @@ def timed(fn: Callable[[], Any], stream: Any, reps: int) -> dict[str, float]:
             "e2e_p90_us": C.pct(e2e, 0.9)}
 
 
+def exact_once(fn: Callable[[], Any], matches: Callable[[], bool], dbuf: Any, to_region: bool,
+               stream: Any) -> bool:
+    """Run ``fn`` once and check its bytes: after a put the region's rows equal the tensor's;
+    after a get into a zeroed tensor, the tensor equals the region's rows. The tensor is
+    restored afterwards."""
+    saved = dbuf.clone()
+    if not to_region:
+        dbuf.zero_()
+    torch.cuda.synchronize(dbuf.device)
+    fn()
+    stream.synchronize()
+    ok = matches()
+    dbuf.copy_(saved)
+    torch.cuda.synchronize(dbuf.device)
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[32, 213, 1024])
@@ -137,15 +154,8 @@ def main() -> None:
                         with torch.cuda.stream(stream):
                             tdev = tpin.to(dev, non_blocking=True)
                             triton_copy.copy_rows(anchors[0], anchors[1], tdev, half)
-                    saved = dbuf.clone()
-                    if not to_region:
-                        dbuf.zero_()
-                    torch.cuda.synchronize(dev)
-                    zc()
-                    stream.synchronize()
-                    ok = _matches_rows(zc_rows, half, dbuf, region)
-                    dbuf.copy_(saved)
-                    torch.cuda.synchronize(dev)
+                    ok = exact_once(zc, lambda: _matches_rows(zc_rows, half, dbuf, region),
+                                    dbuf, to_region, stream)
                     r = timed(zc, stream, args.reps)
                     rows.append({"blocks": n, "slots": kind, "op": direction, "way": "zerocopy",
                                  "calls": 2, "exact": ok, **r,
@@ -158,17 +168,8 @@ def main() -> None:
 
                     def go(dc: Any = dc) -> None:
                         direct.issue(dc, handle, to_region=to_region, fc=fc)
-                    # exact bytes once: after a put the region's rows equal the tensor's;
-                    # after a get into a zeroed tensor, the tensor equals the region's rows
-                    saved = dbuf.clone()
-                    if not to_region:
-                        dbuf.zero_()
-                    torch.cuda.synchronize(dev)
-                    go()
-                    stream.synchronize()
-                    ok = _matches_region(dc, dbuf, region, reg)
-                    dbuf.copy_(saved)
-                    torch.cuda.synchronize(dev)
+                    ok = exact_once(go, lambda dc=dc: _matches_region(dc, dbuf, region, reg),
+                                    dbuf, to_region, stream)
                     r = timed(go, stream, args.reps)
                     rows.append({"blocks": n, "slots": kind, "op": direction, "way": way,
                                  "calls": len(dc), "exact": ok, **r,
