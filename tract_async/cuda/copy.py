@@ -80,12 +80,6 @@ def rows_view(t: Any, row_bytes: int) -> Any:
     return u8.view(-1, row_bytes)
 
 
-def triton_row_ok(row_bytes: int) -> bool:
-    """The zero-copy kernel copies rows of ``row_bytes`` (16-byte multiples)."""
-    from . import triton_copy
-    return triton_copy.supported(row_bytes)
-
-
 def choose(method: str, runs: tables.Runs, row_bytes: int, *, have_2d: bool,
            have_triton: bool) -> str:
     """The method ``auto`` picks for these runs (see the module docstring)."""
@@ -297,11 +291,12 @@ class Copier:
         later layers reuse its first layer's copies (``direct.Template``)."""
         cache = self._templates.get(id(layout))
         if cache is None or cache.layout is not layout:
-            from . import direct
+            from . import direct, triton_copy
             cache = self._templates[id(layout)] = direct.TemplateCache(
                 layout, self.region_ptr, batch=self.batch,
                 max_calls=(direct.ZEROCOPY_MAX_CALLS if self.have_triton
-                           and triton_row_ok(layout.half_layer_bytes) else direct.MAX_CALLS))
+                           and triton_copy.supported(layout.half_layer_bytes)
+                           else direct.MAX_CALLS))
         return cache.plan(poffs, layer, tensor_ptr)
 
     def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:
