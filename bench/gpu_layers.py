@@ -506,6 +506,38 @@ async def sec_layer_ops(run: Run, eng: Any) -> None:
 
 # -- 2. whole_prompt --------------------------------------------------------------------------
 
+async def _whole_prompt_split(run: Run, eng: Any, kv: Any, out: Any,
+                              tokens: list[int]) -> dict[str, float | None]:
+    """Where a whole-prompt transfer's time goes, in reps of their own (the timed reps above
+    are not disturbed): the host's return from ``start_*``, the moment the transfer's event
+    is seen complete (a blocking ``event.synchronize()``: the device's part), and the await's
+    return (completion: publish / validate, and the poller). Medians in ms."""
+    parts: dict[str, list[float]] = {k: [] for k in ("put_host", "put_landed", "put_done",
+                                                     "get_host", "get_landed", "get_done")}
+    for r in range(run.args.reps + 1):
+        if r >= 2 and run.over():
+            break
+        keys = eng.block_keys(tokens, extra_keys=[f"wps-{os.getpid()}-{r}"])
+        torch.cuda.synchronize()
+        for op in ("put", "get"):
+            t0 = pc()
+            if op == "put":
+                fut = await eng.start_put_kv(keys, kv)
+            else:
+                fut = await eng.start_get_kv(keys, out=out)
+            t1 = pc()
+            fut.event.synchronize()
+            t2 = pc()
+            await fut
+            t3 = pc()
+            if r:
+                parts[f"{op}_host"].append(t1 - t0)
+                parts[f"{op}_landed"].append(t2 - t0)
+                parts[f"{op}_done"].append(t3 - t0)
+        await free_blocks(eng, keys, out)
+    return {f"split_{k}_ms": ms(med(v)) if v else None for k, v in parts.items()}
+
+
 async def sec_whole_prompt(run: Run, eng: Any) -> None:
     args, dev, lay = run.args, run.dev, run.lay
     n = 4 if args.smoke else args.prompt_blocks
@@ -549,6 +581,8 @@ async def sec_whole_prompt(run: Run, eng: Any) -> None:
            "raw_h2d_ms": ms(raw["h2d"]) if raw else None, "labels": sorted(labels)}
     row["put_ratio"] = ratio(row["raw_d2h_ms"], row["put_ms"])
     row["get_ratio"] = ratio(row["raw_h2d_ms"], row["get_ms"])
+    split = await _whole_prompt_split(run, eng, kv, out, tokens) if dev.cuda else {}
+    row.update(split)
     row["put_gbs"] = nbytes / (row["put_ms"] * 1e-3) / 1e9 if row["put_ms"] else None
     row["get_gbs"] = nbytes / (row["get_ms"] * 1e-3) / 1e9 if row["get_ms"] else None
     run.results["sections"]["whole_prompt"] = {"row": row, "put_s": put_t, "get_s": get_t,
@@ -557,6 +591,8 @@ async def sec_whole_prompt(run: Run, eng: Any) -> None:
     print(show([row], ["blocks", "reps", "put_ms", "raw_d2h_ms", "put_ratio", "put_gbs",
                        "get_ms", "get_host_ms", "raw_h2d_ms", "get_ratio", "get_gbs",
                        "get_kv_consuming_ms", "exact"]), flush=True)
+    if dev.cuda:
+        print(show([row], [k for k in row if k.startswith("split_")]), flush=True)
 
 
 # -- 3. pipelined_prefill ---------------------------------------------------------------------
