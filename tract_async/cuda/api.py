@@ -30,6 +30,7 @@ from typing import Any, Protocol, Sequence
 from ..arrays import require_torch
 from ..stores import plan as kvplan
 from ..errors import TensorMismatch
+from . import layerstream, store as cs
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -109,7 +110,14 @@ class CudaOps:
         """Reserve and enqueue a put of a CUDA tensor; returns its StreamFuture (result: blocks
         written; the layer bits are published when its DMA has landed, awaited or not).
         Raises TensorMismatch, KeyMismatch, RegionFull, TransferTimeout, EngineClosed."""
-        from . import store as cs
+        cp = self._cuda
+        if layer is not None and method is None and cp is not None and cp.streams.puts:
+            s = cp.streams.find_put(keys)       # a later layer (cuda/layerstream.py)
+            if s is not None:
+                self._eng.check_open()
+                fut = cs.put_layer(self._eng.store, cp, s, layer, kv, ready, timeout)
+                if fut is not None:
+                    return fut
         self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
@@ -140,9 +148,18 @@ class CudaOps:
         """Wait for the blocks (``timeout``), enqueue the read into ``out`` (or a new tensor on
         ``device``); returns the StreamFuture (result: the tensor, validated).
         Raises BlockNotFound, LayerNotReady, TransferTimeout, BlockEvicted, TensorMismatch."""
+        cp = self._cuda
+        if (layer is not None and method is None and out is not None and device is None
+                and cp is not None and cp.streams.gets):
+            s = cp.streams.find_get(keys)       # a later layer (cuda/layerstream.py)
+            if s is not None:
+                self._eng.check_open()
+                fut = await cs.get_layer(self._eng.store, cp, s, layer, out, _after(after),
+                                          timeout, out)
+                if fut is not None:
+                    return fut
         torch = require_torch("a CUDA get (device='cuda')")
 
-        from . import store as cs
         self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
@@ -178,7 +195,6 @@ class CudaOps:
         """``get_kv`` into CUDA memory (hook target). On a region-only engine: the region's
         DMA, with the output allocated on the copy stream (``start_get_kv``). With a network
         transport: through the store dispatch, which reads each block from wherever it is."""
-        from . import store as cs
         if self._eng.region is not None and self._eng.xfer is self._eng.store:
             fut = await self.start_get_kv(ks, out=out, layer=layer, timeout=timeout,
                                           device=device)
@@ -202,7 +218,7 @@ class CudaOps:
                                  method: str | None = None) -> Any:
         """Like ``start_put_kv`` from a paged pool (see ``cuda.paged`` for the forms):
         ``block_ids[i]`` is the pool block holding key ``i``."""
-        from . import paged, store as cs, tables
+        from . import paged, tables
         self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
@@ -221,7 +237,6 @@ class CudaOps:
                            method: str | None = None) -> int:
         """Store the KV of ``keys`` from pool blocks ``block_ids``; returns blocks written (after
         they are published). Raises as ``put_kv``."""
-        from . import store as cs
         ks = kvplan.check_keys(keys)
         fut = await self.start_put_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
                                             ready=ready, pool_layout=pool_layout, method=method)
@@ -233,7 +248,7 @@ class CudaOps:
                                  method: str | None = None) -> Any:
         """Enqueue reading ``keys`` into pool blocks ``block_ids``; the future's result is the
         pool. ``after`` defaults to the current stream (the pool is the caller's)."""
-        from . import paged, store as cs, tables
+        from . import paged, tables
         self._eng.check_open()
         ks = kvplan.check_keys(keys)
         kvplan.check_layer(layer, self._eng.layout)
@@ -252,7 +267,6 @@ class CudaOps:
                            method: str | None = None) -> Any:
         """Read ``keys`` into pool blocks ``block_ids`` (every layer, or ``layer``); returns the
         pool once validated. Raises as ``get_kv``."""
-        from . import store as cs
         ks = kvplan.check_keys(keys)
         fut = await self.start_get_kv_paged(ks, pool, block_ids, layer=layer, timeout=timeout,
                                             after=after, pool_layout=pool_layout, method=method)
@@ -296,6 +310,9 @@ class _TelemetryOnly:
     sampler: Any = None
     sampler_task: Any = None
     registered = False
+
+    def __init__(self) -> None:
+        self.streams = layerstream.Streams()    # always empty: no CUDA transfer runs here
 
     async def drain(self, timeout: float) -> None:
         return None

@@ -289,6 +289,12 @@ class Copier:
                     tensor_ptr: int) -> Any:
         """``direct.plan`` through this copier's template cache (one per layout): a request's
         later layers reuse its first layer's copies (``direct.Template``)."""
+        t = self.direct_template(layout, poffs, layer is None)
+        return None if t is None else t.at(layer, tensor_ptr)
+
+    def direct_template(self, layout: Any, poffs: np.ndarray, whole: bool) -> Any:
+        """The ``direct.Template`` of blocks ``poffs`` (one layer's planes, or every layer's
+        for ``whole``) from this copier's cache; None: the gather path."""
         cache = self._templates.get(id(layout))
         if cache is None or cache.layout is not layout:
             from . import direct, triton_copy
@@ -297,7 +303,7 @@ class Copier:
                 max_calls=(direct.ZEROCOPY_MAX_CALLS if self.have_triton
                            and triton_copy.supported(layout.half_layer_bytes)
                            else direct.MAX_CALLS))
-        return cache.plan(poffs, layer, tensor_ptr)
+        return cache.get(poffs, whole)
 
     def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:
         """Enqueue ``dc`` (``direct.plan``) from ``tensor`` into the region after ``ready`` on

@@ -37,7 +37,7 @@ from ..region.index import SNAP_POFF
 from ..stores.fillbook import FillBatch
 from ..stores.txn import PutTxn, ReadTxn
 from ..stores import routing as R
-from . import tables
+from . import layerstream, tables
 from .copy import Copier
 from .events import DONE
 from .futures import StreamFuture, poller
@@ -70,6 +70,8 @@ class CudaPath:
         self.futures_created = 0
         self.validation_failures = 0
         self.cancelled = 0
+        self.streams = layerstream.Streams()
+        """The layer streams of requests in flight (``cuda/layerstream.py``)."""
         self.sampler: Any = None
         self.sampler_task: asyncio.Task | None = None   # the engine's (cuda/api.py)
         self.sweeper: Any = None
@@ -131,6 +133,9 @@ class CudaPath:
                                "outstanding": len(self._outstanding),
                                "validation_failures": self.validation_failures,
                                "cancelled": self.cancelled,
+                               "layer_streams": {"on": self.streams.on,
+                                                 "used": self.streams.used,
+                                                 "declined": self.streams.declined},
                                "cpumarks_swept": (None if self.sweeper is None
                                                   else self.sweeper.swept),
                                "poller": {"wakeups": p.wakeups, "queries": p.queries,
@@ -231,14 +236,20 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     try:
         b.alloc.check_not_fenced()      # stores/region.py, "Fenced copies"
         copier = cpath.copier(tensors[0].device)
-        dc = None
+        dc = tmpl = None
         if (cpath.registered and type(make_plan) is ContiguousPlan and txn.whole()
                 and copier.wants_direct(method)):
-            dc = copier.direct_plan(store.layout, poffs, layer, tensors[0].data_ptr())
+            tmpl = copier.direct_template(store.layout, poffs, layer is None)
+            if tmpl is not None:
+                dc = tmpl.at(layer, tensors[0].data_ptr())
         if dc is not None:
             nbytes = dc.nbytes
             ev, keep = copier.put_direct(dc, tensors[0], ready)
             m = "direct"
+            if layer is not None and method is None and type(res) is FillBatch and res.whole:
+                # the request's later layers: one short enqueue each (cuda/layerstream.py)
+                cpath.streams.add_put(layerstream.PutStream(
+                    keys, tensors[0], copier, tmpl, store.layout.num_layers, res))
         else:
             plan = make_plan(poffs, txn.positions())
             nbytes = plan.nbytes
@@ -263,6 +274,43 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     except BaseException:
         await txn.abandon()
         raise
+
+
+def put_layer(store: Any, cpath: CudaPath, s: layerstream.PutStream, layer: int, kv: Any,
+              ready: Any, timeout: float | None) -> StreamFuture | None:
+    """A later layer's put by stream ``s`` (``cuda/layerstream.py``); None: the stream does not
+    apply (the caller takes the whole path). The steps of ``_start_put``'s direct branch."""
+    streams = cpath.streams
+    if not s.fits(layer, kv):
+        streams.declined += 1
+        return None
+    b = store.blocks
+    txn = PutTxn(b, s.keys, layer, timeout, "cuda")
+    if not txn.resume() or txn.res is not s.batch or not s.batch.whole:
+        # the reservations changed (split, published whole, abandoned): the whole path
+        streams.drop(s)
+        streams.declined += 1
+        return None
+    if ready is None:
+        ready = _PUT_READY.get()
+    try:
+        b.alloc.check_not_fenced()
+        dc = s.tmpl.at(layer, kv.data_ptr())
+        ev, keep = s.copier.put_direct(dc, kv, ready)
+        nbytes = s.nbytes
+        fut: StreamFuture | None = None
+
+        def publish() -> int:
+            return txn.publish(nbytes, region_done=fut is not None and fut.early_done)
+
+        fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
+                           not_before_s=nbytes / LINK_BYTES_PER_S, label="put/direct",
+                           early=txn.publish_early, spin_ns=b.spin_ns)
+    except BaseException:
+        streams.drop(s)
+        raise
+    streams.used += 1
+    return cpath.track(fut)
 
 
 async def _put_pinned(store: Any, cpath: CudaPath, copier: Copier, txn: PutTxn,
@@ -335,9 +383,11 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     copier = cpath.copier(tensors[0].device)
     if cpath.registered:
         await invalidate_for_dma(b, poffs, layer)
-    dc = None
+    dc = tmpl = None
     if cpath.registered and type(make_plan) is ContiguousPlan and copier.wants_direct(method):
-        dc = copier.direct_plan(lay, poffs, layer, tensors[0].data_ptr())
+        tmpl = copier.direct_template(lay, poffs, layer is None)
+        if tmpl is not None:
+            dc = tmpl.at(layer, tensors[0].data_ptr())
 
     def validate() -> Any:
         # once the DMA has landed (the future's completion): the lifecycle's step 4
@@ -354,6 +404,10 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                            not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
                            spin_ns=b.spin_ns)
+        if layer is not None and method is None:
+            # the request's later layers: one short enqueue each (cuda/layerstream.py)
+            cpath.streams.add_get(layerstream.GetStream(keys, tensors[0], copier, tmpl,
+                                                        lay.num_layers, poffs))
     else:
         plan = make_plan(poffs, np.arange(n, dtype=np.int64))
         nbytes = plan.nbytes
@@ -373,6 +427,47 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                                label="get/pinned")
     fut.transfer_mode_info = txn  # type: ignore[attr-defined]
+    return cpath.track(fut)
+
+
+async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer: int,
+                    out: Any, after: Any, timeout: float | None,
+                    result: Any) -> StreamFuture | None:
+    """A later layer's get by stream ``s`` into ``out``; None: the stream does not apply. The
+    steps of ``_start_get``'s direct branch (``prepare`` may wait for the layer, up to
+    ``timeout``)."""
+    streams = cpath.streams
+    if not s.fits(layer, out):
+        streams.declined += 1
+        return None
+    b = store.blocks
+    txn = ReadTxn(b, s.keys, layer, timeout, "cuda")
+    snap = await txn.prepare()
+    poffs = snap[:, SNAP_POFF]
+    sp = s.poffs
+    if poffs.shape[0] != sp.shape[0] or not (poffs == sp).all():
+        # the blocks moved (re-put elsewhere): this snapshot is good, the template is not
+        streams.drop(s)
+        streams.declined += 1
+        return None
+    await invalidate_for_dma(b, sp, layer)
+    dc = s.tmpl.at(layer, out.data_ptr())
+    ev, keep = s.copier.get_direct(dc, out, after)
+    nbytes = s.nbytes
+
+    def validate() -> Any:
+        try:
+            txn.validate(nbytes, cpu=False)
+        except BlockEvicted:
+            cpath.validation_failures += 1
+            raise
+        return result
+
+    fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
+                       not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
+                       spin_ns=b.spin_ns)
+    fut.transfer_mode_info = txn  # type: ignore[attr-defined]
+    streams.used += 1
     return cpath.track(fut)
 
 
