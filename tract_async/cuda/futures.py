@@ -25,7 +25,12 @@ outstanding; otherwise it queries every outstanding event, resolves the complete
 sleeps with exponential backoff from ``min_sleep_s`` to ``max_sleep_s`` (20 -> 200 µs) while
 nothing completes. A future may carry ``not_before``: the earliest time it can complete (its
 bytes over the link's bandwidth); the poller does not query it earlier, so a 1 GiB transfer costs
-a handful of wake-ups instead of ~100. Cost per future: one list append, some queries, one
+a handful of wake-ups instead of ~100. From ``not_before`` on, the transfer is about to land: for
+a while after it (``due_until``: half the time to ``not_before`` again, plus 200 µs) the poller
+looks every ``min_sleep_s`` instead of backing off. Backing off there cost a 64 MiB layer up to
+200 µs of lateness on top of the loop's wake-up: its await came 365-459 µs after its DMA had
+landed on the H100 host (``bench/gpu_layers.py``, ``future_added_us`` at 1024 blocks,
+``bench/results/gpu-20261207-s48``). Cost per future: one list append, some queries, one
 ``call_soon_threadsafe``.
 
 Cancellation (trio's abort protocol): ``cancel()`` before the completion ran means the completion
@@ -41,6 +46,10 @@ from typing import Any, Callable, Protocol
 
 from ..host.timerslack import tighten
 from .events import DONE
+
+
+DUE_SLACK_S = 200e-6
+"""Part of a future's due window (``StreamFuture.due_until``) beyond its relative half."""
 
 
 class EventLike(Protocol):
@@ -70,6 +79,10 @@ class Poller:
         self.skipped = 0
         """Futures dropped because their loop had seen them land first (no call into it)."""
         self.threads_started = 0
+        self.due_looks = 0
+        """Looks taken while a future was due and within its ``due_until``."""
+        self.max_due_wait_s = 0.0
+        """The longest sleep after such a look."""
 
     def add(self, fut: "StreamFuture") -> None:
         with self._cv:
@@ -105,6 +118,7 @@ class Poller:
             now = time.perf_counter()
             done: list[StreamFuture] = []
             earliest = float("inf")
+            due = False         # a future past its not_before, still within its due window
             for f in batch:
                 if f._is_landed:
                     # seen landed on its loop already (an awaiter's spin, ``synchronize``):
@@ -125,6 +139,8 @@ class Poller:
                     landed = True
                 if landed:
                     done.append(f)
+                elif now < f.due_until:
+                    due = True
             if done:
                 with self._cv:
                     gone = set(map(id, done))
@@ -138,11 +154,18 @@ class Poller:
                     self.resolved += 1
                 sleep = self.min_sleep_s
                 continue
-            wait = sleep
-            if earliest != float("inf") and len(batch) and all(f.not_before > now for f in batch):
+            if due:             # about to land: look again soon, no backoff
+                self.due_looks += 1
+                wait = self.min_sleep_s
+                if wait > self.max_due_wait_s:
+                    self.max_due_wait_s = wait
+            elif (earliest != float("inf") and len(batch)
+                  and all(f.not_before > now for f in batch)):
                 wait = max(sleep, earliest - now)
+            else:
+                wait = sleep
             time.sleep(min(wait, 0.05))
-            sleep = min(self.max_sleep_s, sleep * 2)
+            sleep = self.min_sleep_s if due else min(self.max_sleep_s, sleep * 2)
 
 
 _POLLER: Poller | None = None
@@ -205,6 +228,10 @@ class StreamFuture:
         self._poll_error: BaseException | None = None
         self.t_submit = time.perf_counter()
         self.not_before = self.t_submit + not_before_s
+        self.due_until = (self.not_before + 0.5 * not_before_s + DUE_SLACK_S
+                          if not_before_s > 0 else 0.0)
+        """Until when the poller looks every ``min_sleep_s`` once ``not_before`` has passed
+        (module docstring)."""
         self.t_landed_seen: float | None = None     # when the poller saw the event complete
         self.t_completed: float | None = None       # when the completion ran on the loop
         (poller_ or poller()).add(self)
