@@ -40,6 +40,7 @@ destination waits with ``await fut.wait_landed()`` before reusing or freeing it.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -50,6 +51,11 @@ from .events import DONE
 
 DUE_SLACK_S = 200e-6
 """Part of a future's due window (``StreamFuture.due_until``) beyond its relative half."""
+
+DUE_ENV = "TRACT_CUDA_POLL_DUE"
+"""``0``: no due windows (the poller backs off as soon as it looks), for A/B runs."""
+
+_DUE_ON = os.environ.get(DUE_ENV, "1") != "0"
 
 
 class EventLike(Protocol):
@@ -229,7 +235,7 @@ class StreamFuture:
         self.t_submit = time.perf_counter()
         self.not_before = self.t_submit + not_before_s
         self.due_until = (self.not_before + 0.5 * not_before_s + DUE_SLACK_S
-                          if not_before_s > 0 else 0.0)
+                          if not_before_s > 0 and _DUE_ON else 0.0)
         """Until when the poller looks every ``min_sleep_s`` once ``not_before`` has passed
         (module docstring)."""
         self.t_landed_seen: float | None = None     # when the poller saw the event complete
