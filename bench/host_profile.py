@@ -103,7 +103,10 @@ async def main_async(args: argparse.Namespace) -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     region_dir = args.region_dir or "/dev/shm"
     path = tempfile.mktemp(prefix="tract-hostprof-", dir=region_dir)
-    cfg = tract.EngineConfig(region=path, region_bytes=(args.region_gib << 30), create=True,
+    # three requests' worth of blocks by default: a round's blocks, the previous round's while
+    # they are consumed, and room for the allocator's chunks (1 GiB held 504 of 1024 blocks)
+    gib = args.region_gib or max(1, -(-3 * args.blocks * lay.block_bytes // (1 << 30)))
+    cfg = tract.EngineConfig(region=path, region_bytes=(gib << 30), create=True,
                              remove_on_close=True, layout=lay, namespace="host-profile")
     res: dict[str, Any] = {"device": args.device, "blocks": args.blocks, "rounds": args.rounds,
                            "layout": "llama3-8b 64 KiB/block/layer"}
@@ -164,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--region-dir", default=None)
-    p.add_argument("--region-gib", type=int, default=1,
-                   help="region size (GiB); 1024-block rounds need 3 or more")
+    p.add_argument("--region-gib", type=int, default=None,
+                   help="region size (GiB); default: three rounds' blocks, at least 1")
     return asyncio.run(main_async(p.parse_args(argv)))
 
 
