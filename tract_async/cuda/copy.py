@@ -340,18 +340,6 @@ class Copier:
         self._count("direct", dc.nbytes)
         return self.events.take().record(handle), (tensor,)
 
-    def join(self, events: Sequence[Any], *, to_region: bool) -> Any:
-        """An event on the put (``to_region``) or get DMA stream that completes once every one
-        of ``events`` has: the stream waits for each, then records it (the stages of a staged
-        transfer, some of which may have ended on another stream)."""
-        stream, handle = ((self.put_dma, self._put_dma_h) if to_region
-                          else (self.get_dma, self._get_dma_h))
-        for ev in events:
-            self._wait_raw(stream, handle, ev)
-        if self.fast is None:
-            return self._event(stream)
-        return self.events.take().record(handle)
-
     def _wait_raw(self, stream: Any, handle: int, wait_for: Any) -> None:
         """``stream`` waits for ``wait_for``: a torch Event, a raw event, or a torch Stream."""
         w = getattr(wait_for, "wait_on", None)

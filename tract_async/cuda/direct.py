@@ -307,23 +307,6 @@ def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
     return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
 
 
-def stage_copies(layout: Any, poffs: np.ndarray, n_total: int, first: int, region_ptr: int,
-                 tensor_ptr: int) -> DirectCopy | None:
-    """The 2-D copies of one stage of a staged whole-block transfer (``cuda/store.py``, "Staged
-    whole prompts"): blocks ``first .. first+len(poffs)`` of a contiguous whole-block tensor of
-    ``n_total`` blocks at ``tensor_ptr`` (plane ``p`` of block ``j`` is tensor row
-    ``p*n_total + j``, as in ``copies``). None when they would take more than ``MAX_CALLS``
-    copies (that stage takes the gather path)."""
-    half = layout.half_layer_bytes
-    planes = 2 * layout.num_layers
-    segs = segments(poffs, layout.block_bytes)
-    if segs.shape[0] * planes > MAX_CALLS:
-        return None
-    rows = copies(segs, poffs, n_total, planes, half, 0, tensor_ptr + first * half, region_ptr)
-    calls = [(r, rp, t, tp, half, h) for r, rp, t, tp, h in rows.tolist()]
-    return DirectCopy(calls, half, int(poffs.shape[0]) * planes * half)
-
-
 def batch_copies(poffs: np.ndarray, planes: int, half: int,
                  region_ptr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One 1-D copy per block and plane at layer 0 and tensor address 0: (region addresses,

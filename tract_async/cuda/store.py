@@ -13,16 +13,6 @@ get:  snapshot -> wait for blocks / the layer (``timeout``) -> bounds check -> e
 A failed or cancelled put evicts its reservations only once its DMA has landed (invariant 7);
 a cancelled get returns only once no more bytes can land in ``out``.
 
-Staged whole prompts. A whole-block transfer of ``routing.CUDA_STAGE_MIN_BYTES`` or more goes
-in stages of growing size (``routing.cuda_stages``: 16, 48, 149 blocks of a 213-block Llama
-prompt), one transaction each: each stage's metadata -- key words, snapshot, reservation or
-read checks, plan -- runs while the stage before it is on the wire, so the first DMA starts
-after the first stage's metadata instead of the whole prompt's (~1 ms of host work on the H100
-host before a 213-block put's first copy, ``bench/results/gpu-20261207-s49``). One future
-covers every stage (its event joins theirs); its completion publishes (or validates) each
-stage in order; a failure part-way waits for the stages already on the wire before it abandons
-them (invariant 7) or returns (a get's ``out``).
-
 ``CudaPath`` is the per-engine state: the region's registration, one ``Copier`` per device,
 the outstanding futures (drained before the engine closes), and the counters ``stats()`` shows.
 """
@@ -45,9 +35,9 @@ from ..errors import BlockEvicted
 from ..region import index as ix
 from ..region.index import SNAP_POFF
 from ..stores.fillbook import FillBatch
-from ..stores.txn import Deadline, PutTxn, ReadTxn
+from ..stores.txn import PutTxn, ReadTxn
 from ..stores import routing as R
-from . import direct, layerstream, tables
+from . import layerstream, tables
 from .copy import Copier
 from .events import DONE
 from .futures import StreamFuture, poller
@@ -233,12 +223,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     t0 = time.perf_counter_ns() if ph is not None else 0
     if ready is None:
         ready = _PUT_READY.get()
-    if (layer is None and method is None and cpath.registered
-            and type(make_plan) is ContiguousPlan):
-        stages = R.cuda_stages(store.layout, len(keys), None)
-        if stages is not None:
-            return await _start_put_staged(store, cpath, keys, tensors[0], make_plan, stages,
-                                           timeout, ready)
     # a later layer of blocks this node is filling needs neither the key words, nor the index,
     # nor the lock (the request's blocks were reserved once, by its first layer's put)
     txn = PutTxn(b, keys, layer, timeout, "cuda")
@@ -329,93 +313,6 @@ def put_layer(store: Any, cpath: CudaPath, s: layerstream.PutStream, layer: int,
     return cpath.track(fut)
 
 
-async def _start_put_staged(store: Any, cpath: CudaPath, keys: list[bytes], kv: Any,
-                            make_plan: PlanFn, stages: list[tuple[int, int]],
-                            timeout: float | None, ready: Any) -> StreamFuture:
-    """A whole-block put in ``stages`` (module docstring, "Staged whole prompts"): one
-    transaction per stage under the put's one deadline; the future's completion publishes
-    every stage and counts one put."""
-    b, lay = store.blocks, store.layout
-    n = len(keys)
-    copier = cpath.copier(kv.device)
-    ready = copier.producer_event(ready)        # the producer's work as of this call, for all
-    ptr = kv.data_ptr()
-    dl = Deadline(timeout)
-    done: list[tuple[PutTxn, int]] = []
-    events: list[Any] = []
-    keep: list[Any] = [kv]
-    t_first = 0.0
-    try:
-        for a, z in stages:
-            st = PutTxn(b, keys[a:z], None, dl.left(), "cuda-stage")
-            if not await st.begin(count_empty=False):
-                continue
-            b.alloc.check_not_fenced()          # stores/region.py, "Fenced copies"
-            poffs = st.offsets()
-            dc = (direct.stage_copies(lay, poffs, n, a, copier.region_ptr, ptr)
-                  if st.whole() and copier.wants_direct(None) else None)
-            if dc is not None:
-                ev, k = copier.put_direct(dc, kv, ready)
-                nbytes = dc.nbytes
-            else:
-                plan = make_plan(poffs, st.positions() + a)
-                ev, k, _m = copier.put(plan, [kv], planes=planes_of(lay, None), ready=ready)
-                nbytes = plan.nbytes
-            if not events:
-                t_first = time.perf_counter()
-            events.append(ev)
-            keep.extend(k)
-            done.append((st, nbytes))
-    except BaseException:
-        if events:
-            await _settle_stages(cpath, copier, events, keep, to_region=True)
-        for st, _ in done:
-            await st.abandon()
-        raise
-    if not done:
-        b.stats.puts += 1
-        return cpath.track(StreamFuture(DONE, completion=lambda: 0, label="put"))
-
-    def publish() -> int:
-        stored = sum(st.publish(nb) for st, nb in done)
-        b.stats.puts -= len(done) - 1           # one put, however many stages
-        return stored
-
-    return _stages_future(cpath, copier, events, keep, publish, sum(nb for _, nb in done),
-                          t_first, "put/staged", b.spin_ns, to_region=True)
-
-
-def _stages_future(cpath: CudaPath, copier: Copier, events: list[Any], keep: list[Any],
-                   completion: Callable[[], Any], nbytes: int, t_first: float, label: str,
-                   spin_ns: int, *, to_region: bool) -> StreamFuture:
-    """One future over the stages of a staged transfer: its event joins theirs; the stages'
-    pooled events go back once it has landed. Its ``not_before`` counts from the first
-    stage's enqueue (the transfer began then, not at this call)."""
-    ev = events[0] if len(events) == 1 else copier.join(events, to_region=to_region)
-    left = max(0.0, nbytes / LINK_BYTES_PER_S - (time.perf_counter() - t_first))
-    fut = StreamFuture(ev, completion=completion, keep=tuple(keep), nbytes=nbytes,
-                       not_before_s=left, label=label, spin_ns=spin_ns)
-    if len(events) > 1:
-        fut.on_landed(lambda: _release(events))
-    return cpath.track(fut)
-
-
-def _release(events: list[Any]) -> None:
-    """Give the pooled raw events of landed stages back (``events.EventPool``)."""
-    for e in events:
-        rel = getattr(e, "release", None)
-        if rel is not None:
-            rel()
-
-
-async def _settle_stages(cpath: CudaPath, copier: Copier, events: list[Any], keep: list[Any],
-                         *, to_region: bool) -> None:
-    """Wait until no byte of the stages enqueued so far can still move (a failure part-way)."""
-    fut = _stages_future(cpath, copier, events, keep, lambda: None, 0, time.perf_counter(),
-                         "staged/settle", 0, to_region=to_region)
-    await asyncio.shield(fut.wait_landed())
-
-
 async def _put_pinned(store: Any, cpath: CudaPath, copier: Copier, txn: PutTxn,
                       tensors: Sequence[Any], plan: tables.RowPlan, ready: Any) -> StreamFuture:
     """The unregistered fallback: device -> pinned buffer -> CPU copy into the region, then
@@ -479,12 +376,6 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                      result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
     n = len(keys)
     b = store.blocks
-    if (layer is None and method is None and cpath.registered
-            and type(make_plan) is ContiguousPlan):
-        stages = R.cuda_stages(store.layout, n, None)
-        if stages is not None:
-            return await _start_get_staged(store, cpath, keys, tensors[0], make_plan, stages,
-                                           timeout, result, after)
     txn = ReadTxn(b, keys, layer, timeout, "cuda")
     snap = await txn.prepare()
     poffs = snap[:, SNAP_POFF].copy()
@@ -578,73 +469,6 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
     fut.transfer_mode_info = txn  # type: ignore[attr-defined]
     streams.used += 1
     return cpath.track(fut)
-
-
-async def _start_get_staged(store: Any, cpath: CudaPath, keys: list[bytes], out: Any,
-                            make_plan: PlanFn, stages: list[tuple[int, int]],
-                            timeout: float | None, result: Any, after: Any) -> StreamFuture:
-    """A whole-block get in ``stages`` (module docstring, "Staged whole prompts"): each stage
-    prepared (waiting up to what is left of the one deadline), invalidated where this host's
-    CPU read it, and enqueued while the stage before it moves; the completion validates every
-    stage."""
-    b, lay = store.blocks, store.layout
-    n = len(keys)
-    copier = cpath.copier(out.device)
-    ptr = out.data_ptr()
-    dl = Deadline(timeout)
-    txns: list[tuple[ReadTxn, int]] = []
-    events: list[Any] = []
-    keep: list[Any] = [out]
-    t_first = 0.0
-    try:
-        for a, z in stages:
-            t = ReadTxn(b, keys[a:z], None, dl.left(), "cuda-stage")
-            snap = await t.prepare()
-            poffs = snap[:, SNAP_POFF].copy()
-            await invalidate_for_dma(b, poffs, None)
-            dc = (direct.stage_copies(lay, poffs, n, a, copier.region_ptr, ptr)
-                  if copier.wants_direct(None) else None)
-            if dc is not None:
-                ev, k = copier.get_direct(dc, out, after)
-                nbytes = dc.nbytes
-            else:
-                plan = make_plan(poffs, np.arange(a, z, dtype=np.int64))
-                ev, k, _m = copier.get(plan, [out], planes=planes_of(lay, None), after=after)
-                nbytes = plan.nbytes
-            if not events:
-                t_first = time.perf_counter()
-            events.append(ev)
-            keep.extend(k)
-            txns.append((t, nbytes))
-    except BaseException:
-        if events:      # bytes may still land in ``out``: return only once none can
-            await _settle_stages(cpath, copier, events, keep, to_region=False)
-        raise
-
-    def validate() -> Any:
-        try:
-            for t, nb in txns:
-                t.validate(nb, cpu=False)
-        except BlockEvicted:
-            cpath.validation_failures += 1
-            raise
-        return result
-
-    fut = _stages_future(cpath, copier, events, keep, validate, sum(nb for _, nb in txns),
-                         t_first, "get/staged", b.spin_ns, to_region=False)
-    fut.transfer_mode_info = _StagedReads([t for t, _ in txns])  # type: ignore[attr-defined]
-    return fut
-
-
-class _StagedReads:
-    """``finish_get``'s view of a staged get's transactions: consumed in order."""
-
-    def __init__(self, txns: list[ReadTxn]) -> None:
-        self.txns = txns
-
-    async def consume(self) -> None:
-        for t in self.txns:
-            await t.consume()
 
 
 async def invalidate_for_dma(b: Any, poffs: np.ndarray, layer: int | None) -> int:

@@ -19,7 +19,6 @@ in blocks and bytes, its layer, and the copy threads this node has. The owners o
 | ``STAGE_MIN_BLOCKS``, ``STAGE_MIN_BYTES`` | 2048, 16 MiB | a put of at least this many new blocks and bytes, with two or more copy threads, is staged |
 | ``PARALLEL_MIN_BLOCKS`` | 32 | a read of fewer blocks keeps the step-by-step path instead of the parallel groups |
 | ``PARALLEL_INVALIDATE_BYTES`` | 64 MiB | a GPU get from this size drops its cached payload lines from several threads |
-| ``CUDA_STAGE_MIN_BYTES``, ``CUDA_STAGE_FIRST_BYTES``, ``CUDA_STAGE_GROWTH`` | 128 MiB, 32 MiB, 3 | a whole-block CUDA put or get of at least this size goes in stages of growing size (``cuda_stages``) |
 
 The one-block fast path of the Engine (``stores/small.py``) is the fused path for one block,
 taken before any of this when the key and tensor are of the exact expected kind.
@@ -81,49 +80,6 @@ def fusable(layout: Any, n: int, layer: int | None) -> bool:
     """A transfer of ``n`` blocks that the fused kernels take: whole blocks, at most
     ``FUSED_MAX_BLOCKS`` of them, and small enough to copy on the loop's thread."""
     return layer is None and n <= FUSED_MAX_BLOCKS and n * layout.block_bytes <= INLINE_COPY_BYTES
-
-
-CUDA_STAGE_MIN_BYTES = 128 << 20
-"""A whole-block CUDA put or get of at least this many bytes goes in stages (``cuda_stages``,
-``cuda/store.py``, "Staged whole prompts"): its metadata before the first DMA (key words,
-snapshot, reservation, plan: ~1 ms for a 213-block prompt on the H100 host,
-``bench/results/gpu-20261207-s49``) then shrinks to the first stage's. Below it there is too
-little to hide."""
-
-CUDA_STAGE_FIRST_BYTES = 32 << 20
-"""The first stage of a staged CUDA transfer: its DMA (~0.6 ms at the ~53 GB/s of the H100
-host's link) covers the metadata of the next, ``CUDA_STAGE_GROWTH`` times larger, stage."""
-
-CUDA_STAGE_GROWTH = 3
-"""Each stage of a staged CUDA transfer is this many times the one before (its metadata grows
-with its blocks, and runs under the previous stage's DMA)."""
-
-CUDA_STAGES_ENV = "TRACT_CUDA_STAGES"
-"""``0``: no staged CUDA transfers (for A/B runs)."""
-
-
-def cuda_stages(layout: Any, n: int, layer: int | None) -> list[tuple[int, int]] | None:
-    """The stages (``(first, end)`` block positions) of a CUDA transfer of ``n`` whole blocks,
-    or None: not staged (a layer, fewer bytes than ``CUDA_STAGE_MIN_BYTES``, or switched off).
-    Stages grow by ``CUDA_STAGE_GROWTH`` from ``CUDA_STAGE_FIRST_BYTES``; a last stage smaller
-    than the one before joins it."""
-    import os
-    bb = layout.block_bytes
-    if layer is not None or n * bb < CUDA_STAGE_MIN_BYTES \
-            or os.environ.get(CUDA_STAGES_ENV, "1") == "0":
-        return None
-    size = max(1, CUDA_STAGE_FIRST_BYTES // bb)
-    out: list[tuple[int, int]] = []
-    a = 0
-    while a < n:
-        z = min(n, a + size)
-        out.append((a, z))
-        a = z
-        size *= CUDA_STAGE_GROWTH
-    if len(out) > 1 and out[-1][1] - out[-1][0] < out[-2][1] - out[-2][0]:
-        last = out.pop()
-        out[-1] = (out[-1][0], last[1])
-    return out if len(out) > 1 else None
 
 
 def stageable(layout: Any, n: int, layer: int | None, copy_threads: int) -> bool:
