@@ -103,3 +103,39 @@ async def test_interleaved_requests_each_keep_their_known_slots(region_path: str
                 got = await eng.get_kv(keys, layer=layer)
                 assert np.array_equal(np.asarray(got), kv[layer])
         assert st.known_slot_reads == 2 * (TINY.num_layers - 1)
+
+
+@pytest.mark.parametrize("n", [1, N])
+async def test_a_read_prepared_by_kept_rows_waits_for_its_layer_and_misses_a_changed_block(
+        region_path: str, n: int) -> None:
+    """``ReadTxn.prepare_known`` (a CUDA layer stream's later layers, of any size: a one-block
+    stream keeps its first layer's rows too): not ready before the layer is in; the kept
+    slots once it is; and after the blocks were evicted and stored again in those slots, the
+    revalidation rejects the read (a miss), however fine the refreshed rows look."""
+    from tract_async.stores.txn import ReadTxn
+    async with tract.Engine.open(cfg(region_path, 0, create=True)) as eng:
+        b = eng._store.blocks
+        keys = eng.block_keys(range(TINY.block_tokens * n), extra_keys=["kept"])
+        kv = kv_for_keys(keys, as_numpy=True)
+        await eng.put_kv(keys, np.ascontiguousarray(kv[0]), layer=0)
+        t0 = ReadTxn(b, keys, 0, None, "cuda")
+        rows = (await t0.prepare()).copy()
+        t1 = ReadTxn(b, keys, 1, None, "cuda", words=t0.words)
+        before = b.stats.known_slot_reads
+        assert not t1.prepare_known(rows)               # layer 1 is not in yet
+        for layer in range(1, TINY.num_layers):
+            await eng.put_kv(keys, np.ascontiguousarray(kv[layer]), layer=layer)
+        t1 = ReadTxn(b, keys, 1, None, "cuda", words=t0.words)
+        assert t1.prepare_known(rows)
+        assert b.stats.known_slot_reads == before + 1
+        assert (t1.snap[:, 3] == rows[:, 3]).all()      # the kept payloads
+        t1.validate(n * TINY.layer_bytes, cpu=False)
+        await _evict_and_put_again(eng, keys, kv)
+        now = b.snapshot(b.read_words(keys))
+        if (now[:, 0] == rows[:, 0]).all():             # the slots reused: rows look fine
+            t2 = ReadTxn(b, keys, 2, None, "cuda", words=t0.words)
+            assert t2.prepare_known(rows)
+            with pytest.raises(BlockEvicted):
+                t2.validate(n * TINY.layer_bytes, cpu=False)
+        else:
+            assert not ReadTxn(b, keys, 2, None, "cuda", words=t0.words).prepare_known(rows)

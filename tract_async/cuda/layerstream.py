@@ -22,11 +22,13 @@ put:  the transaction (``PutTxn``) resumes the reservations (``FillBook.batch_of
       must be the very ``FillBatch`` the template was built from, still whole) -> the fence
       check -> the template at this layer and tensor -> the copies on the put stream after
       ``ready`` -> the future, whose completion publishes (its early step from the poller).
-get:  the transaction prepares (``ReadTxn.prepare``: the known-slot path, the layer's bits
-      afresh, state, bounds and namespace, or the whole wait and snapshot) -> the CPU-cache
-      record (``invalidate_for_dma``) -> the template, where the snapshot's payload offsets
-      are the stream's (else the whole path) -> the copies -> the future, whose completion
-      re-validates every block's version (invariant 6).
+get:  the transaction prepares by the first layer's snapshot (``ReadTxn.prepare_known``: the
+      layer's bits afresh at the slots found then, state, bounds and namespace), or, where a
+      block is not ready for this layer yet, the whole wait and snapshot (``prepare``; its
+      payload offsets must be the stream's, else the whole path) -> the CPU-cache record
+      (``invalidate_for_dma``) -> the copies -> the future, whose completion re-validates
+      every block's version (invariant 6): a block evicted or reused since the first layer
+      is a miss there, never wrong bytes.
 
 The protocol is the transactions' and is unchanged: a stream skips only checks whose answer
 is fixed by the keys, the tensor's shape and the reservation or snapshot, and it declines
@@ -92,14 +94,18 @@ class PutStream(_Stream):
 
 class GetStream(_Stream):
     """A layer-streamed get's later layers (module docstring). ``poffs``: the payload offsets
-    the template was built from."""
+    the template was built from; ``rows`` and ``words``: the first layer's snapshot and the
+    keys' index words, by which a later layer is prepared (``ReadTxn.prepare_known``: each
+    entry's layer bits afresh at the slots found then, no lookup by key)."""
 
-    __slots__ = ("poffs",)
+    __slots__ = ("poffs", "rows", "words")
 
     def __init__(self, keys: list[bytes], tensor: Any, copier: Any, tmpl: Any, layers: int,
-                 poffs: np.ndarray) -> None:
+                 poffs: np.ndarray, rows: np.ndarray, words: np.ndarray) -> None:
         super().__init__(keys, tensor, copier, tmpl, layers)
         self.poffs = poffs
+        self.rows = rows
+        self.words = words
 
 
 class Streams:

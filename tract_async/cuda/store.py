@@ -407,7 +407,8 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         if layer is not None and method is None:
             # the request's later layers: one short enqueue each (cuda/layerstream.py)
             cpath.streams.add_get(layerstream.GetStream(keys, tensors[0], copier, tmpl,
-                                                        lay.num_layers, poffs))
+                                                        lay.num_layers, poffs, snap.copy(),
+                                                        txn.key_words()))
     else:
         plan = make_plan(poffs, np.arange(n, dtype=np.int64))
         nbytes = plan.nbytes
@@ -441,15 +442,17 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
         streams.declined += 1
         return None
     b = store.blocks
-    txn = ReadTxn(b, s.keys, layer, timeout, "cuda")
-    snap = await txn.prepare()
-    poffs = snap[:, SNAP_POFF]
+    txn = ReadTxn(b, s.keys, layer, timeout, "cuda", words=s.words)
     sp = s.poffs
-    if poffs.shape[0] != sp.shape[0] or not (poffs == sp).all():
-        # the blocks moved (re-put elsewhere): this snapshot is good, the template is not
-        streams.drop(s)
-        streams.declined += 1
-        return None
+    if not txn.prepare_known(s.rows):
+        snap = await txn.prepare()          # waits for the layer (or says what is wrong)
+        poffs = snap[:, SNAP_POFF]
+        if poffs.shape[0] != sp.shape[0] or not (poffs == sp).all():
+            # the blocks moved (re-put elsewhere): this snapshot is good, the template is not
+            streams.drop(s)
+            streams.declined += 1
+            return None
+        s.rows = snap.copy()                # the same slots, maybe newer entries: kept fresh
     await invalidate_for_dma(b, sp, layer)
     dc = s.tmpl.at(layer, out.data_ptr())
     ev, keep = s.copier.get_direct(dc, out, after)
@@ -460,6 +463,7 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
             txn.validate(nbytes, cpu=False)
         except BlockEvicted:
             cpath.validation_failures += 1
+            streams.drop(s)         # its rows are stale: the next layer looks the keys up
             raise
         return result
 

@@ -281,6 +281,10 @@ class BlockLifecycle:
         """Steps 1-2 of a read (``ReadSide.prepare_read``): the key words and the snapshot."""
         return await self.reader.prepare_read(keys, layer, timeout)
 
+    def prepare_known(self, rows: np.ndarray, layer: int) -> np.ndarray | None:
+        """Steps 1-2 of a later layer's read by a kept snapshot (``ReadSide.prepare_known``)."""
+        return self.reader.prepare_known(rows, layer)
+
     def validate_read(self, kb: KeyBatch, snap: np.ndarray, nbytes: int, *,
                       cpu: bool = True, layer: int | None = None) -> None:
         """Step 4 of a read (``ReadSide.validate_read``), after its copy."""

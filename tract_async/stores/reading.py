@@ -100,13 +100,8 @@ class ReadSide:
             # layer bits afresh at the slots found then, a line a block, instead of a lookup
             # per block (whatever changed since is caught by this read's revalidation: see
             # ``PrefixIndex.refresh_layers``); anything not fine takes the whole path below
-            snap = known.copy()
-            self.index.refresh_layers(snap)
-            lay = self.layouts
-            tag, mask = (lay.tag, NS_MASK) if lay is not None else (0, 0)
-            if rows_fine(snap, layer, self.layout.block_bytes, g.chunks_offset, end, tag,
-                         NS_SHIFT, mask):
-                self.stats.known_slot_reads += 1
+            snap = self._refreshed(known, layer)
+            if snap is not None:
                 return words, snap
         if timeout is not None and timeout > 0:
             snap = await self.waits.wait(words, self.waits.first_look(words, layer), layer,
@@ -148,6 +143,29 @@ class ReadSide:
                                f"[{snap[i, SNAP_POFF]}, +{snap[i, SNAP_NBYTES]}) that do not fit this layout: "
                                f"changed during the read; treat as a miss")
         return words, snap
+
+    def prepare_known(self, rows: np.ndarray, layer: int) -> np.ndarray | None:
+        """Steps 1-2 of a later layer's read of blocks whose snapshot the caller kept from the
+        first layer (``rows``: a CUDA layer stream's, ``cuda/layerstream.py``, of any size):
+        the known-slot path of ``prepare_read`` without finding the rows by their keys. The
+        refreshed copy, or None when some block is not fine for ``layer`` yet (the caller then
+        takes ``prepare_read``, which waits or says what is wrong)."""
+        self.preclaimer.read_started()
+        return self._refreshed(rows, layer)
+
+    def _refreshed(self, rows: np.ndarray, layer: int) -> np.ndarray | None:
+        """A copy of ``rows`` with each entry's layer bits and flags afresh, if every block is
+        fine for ``layer`` (``rows_fine``: present, the layer in, this namespace, in bounds)."""
+        snap = rows.copy()
+        self.index.refresh_layers(snap)
+        g = self.ageo
+        lay = self.layouts
+        tag, mask = (lay.tag, NS_MASK) if lay is not None else (0, 0)
+        if not rows_fine(snap, layer, self.layout.block_bytes, g.chunks_offset,
+                         g.chunks_offset + g.nchunks * g.chunk_bytes, tag, NS_SHIFT, mask):
+            return None
+        self.stats.known_slot_reads += 1
+        return snap
 
     def _known_rows(self, keys: list[bytes]) -> np.ndarray | None:
         """The remembered snapshot of exactly ``keys`` (``known``), or None."""

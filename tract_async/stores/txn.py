@@ -300,6 +300,16 @@ class ReadTxn(KeyBatch, _Deadline):
         self.words, self.snap = words, snap
         return snap
 
+    def prepare_known(self, rows: np.ndarray) -> bool:
+        """Steps 1-2 of a later layer by the snapshot its first layer took (a CUDA layer
+        stream; the region's lifecycle only): False, nothing prepared, when some block is not
+        fine for this layer yet (``prepare`` then waits or raises). The words must be set."""
+        snap = self.blocks.prepare_known(rows, self.layer)  # type: ignore[attr-defined]
+        if snap is None:
+            return False
+        self.snap = snap
+        return True
+
     def took(self, snap: np.ndarray) -> None:
         """A back-end that snapshotted and validated by itself (the parallel groups) hands its
         snapshot over for ``consume``."""
