@@ -123,6 +123,8 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   blocks evenly spaced and scattered, raw pinned copies in the same run, ~1 min)
 #   batch_ab (TRACT_CUDA_BATCH off / auto: bench/gpu_layers.py, then bench/host_profile.py
 #   --blocks 213, whose slots LRU scatters; ~2 min)
+#   dma_memory (bench/dma_memory.py: raw copies into cudaHostAlloc, registered /dev/shm and
+#   huge-page memory, contiguous and in the whole-prompt pattern; ~30 s)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
@@ -163,6 +165,7 @@ want serve_gpu && TRACT_PHASES=1 step serve_gpu "${SERVE_GPU_S:-330}" $PY bench/
 want prefill_shapes && step prefill_shapes 200 $PY bench/prefill_shapes.py
 want host_profile && step host_profile 150 $PY bench/host_profile.py --blocks "${PROFILE_BLOCKS:-1}"
 want copy_batch && step copy_batch 150 $PY bench/copy_batch.py
+want dma_memory && step dma_memory 120 $PY bench/dma_memory.py
 want batch_ab && for m in off auto; do
   TRACT_CUDA_BATCH=$m step "gpu_layers_batch_$m" 120 $PY bench/gpu_layers.py --budget-s 60 \
     --name "gpu-layers-batch-$m-$(date -u +%Y%m%d-%H%M%S)"
