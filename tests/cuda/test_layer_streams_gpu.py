@@ -167,3 +167,24 @@ def test_a_get_stream_never_hands_over_bytes_of_blocks_that_changed(region_path)
                     await (await eng.start_get_kv(keys, out=out[i], layer=i))
                 assert same_bits(out[i], kv2[i]), i
     asyncio.run(main())
+
+
+def test_a_later_layer_whose_enqueue_fails_abandons_the_request_as_the_whole_path_does(
+        region_path):
+    """The stream's enqueue raises (a ``ready`` that is neither an event nor a stream): the
+    request's reservations are abandoned, so the keys can be stored again from scratch."""
+    lay = layout()
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
+            n = 5
+            keys = eng.block_keys(tokens(n, lay, 8))
+            kv = rand_kv(lay, n, 8)
+            await (await eng.start_put_kv(keys, kv[0], layer=0))
+            with pytest.raises(Exception):
+                await eng.start_put_kv(keys, kv[1], layer=1, ready="not an event")
+            assert streams(eng)["used"] == 0
+            assert eng.lookup(keys) == 0
+            assert await eng.put_kv(keys, kv) == n              # all new again
+            assert same_bits(await eng.get_kv(keys, device="cuda"), kv)
+    asyncio.run(main())

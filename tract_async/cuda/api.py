@@ -115,7 +115,7 @@ class CudaOps:
             s = cp.streams.find_put(keys)       # a later layer (cuda/layerstream.py)
             if s is not None:
                 self._eng.check_open()
-                fut = cs.put_layer(self._eng.store, cp, s, layer, kv, ready, timeout)
+                fut = await cs.put_layer(self._eng.store, cp, s, layer, kv, ready, timeout)
                 if fut is not None:
                     return fut
         self._eng.check_open()

@@ -276,10 +276,11 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         raise
 
 
-def put_layer(store: Any, cpath: CudaPath, s: layerstream.PutStream, layer: int, kv: Any,
-              ready: Any, timeout: float | None) -> StreamFuture | None:
+async def put_layer(store: Any, cpath: CudaPath, s: layerstream.PutStream, layer: int,
+                    kv: Any, ready: Any, timeout: float | None) -> StreamFuture | None:
     """A later layer's put by stream ``s`` (``cuda/layerstream.py``); None: the stream does not
-    apply (the caller takes the whole path). The steps of ``_start_put``'s direct branch."""
+    apply (the caller takes the whole path). The steps of ``_start_put``'s direct branch, its
+    abandon on a failed enqueue included."""
     streams = cpath.streams
     if not s.fits(layer, kv):
         streams.declined += 1
@@ -308,6 +309,7 @@ def put_layer(store: Any, cpath: CudaPath, s: layerstream.PutStream, layer: int,
                            early=txn.publish_early, spin_ns=b.spin_ns)
     except BaseException:
         streams.drop(s)
+        await txn.abandon()
         raise
     streams.used += 1
     return cpath.track(fut)
