@@ -12,16 +12,18 @@ trim can reach the target: the later layers need a path of their own.
 
 This module holds the streams; their steps are ``cuda/store.py``'s (``put_layer``,
 ``get_layer``), beside the whole path they shorten. A ``PutStream`` or ``GetStream`` is left
-behind by a layer operation that took the whole path
-and went by the direct copies (``cuda/direct.py``). It holds the checked keys, the tensor's
-shape, dtype and device, the copier and the copy template at layer 0. A later layer of the same
-keys (found by one list comparison, identity per key first) runs only what can differ from
-layer to layer:
+behind by a layer operation that took the whole path and went by the direct copies
+(``cuda/direct.py``). It holds the checked keys, the tensor's shape, dtype and device, the
+copier and the copy template at layer 0 (a get's also the first layer's snapshot). A later
+layer of the same keys (found by one list comparison, identity per key first) runs only what
+can differ from layer to layer (measured: 10-40 µs less host time to start a later layer on
+the H100 host, ``bench/results/gpu-20261207-s49``):
 
 put:  the transaction (``PutTxn``) resumes the reservations (``FillBook.batch_of``: the batch
       must be the very ``FillBatch`` the template was built from, still whole) -> the fence
       check -> the template at this layer and tensor -> the copies on the put stream after
-      ``ready`` -> the future, whose completion publishes (its early step from the poller).
+      ``ready`` -> the future, whose completion publishes (its early step from the poller);
+      a failed enqueue abandons the request's reservations, as the whole path's does.
 get:  the transaction prepares by the first layer's snapshot (``ReadTxn.prepare_known``: the
       layer's bits afresh at the slots found then, state, bounds and namespace), or, where a
       block is not ready for this layer yet, the whole wait and snapshot (``prepare``; its
