@@ -98,6 +98,15 @@ _RUN_PATHS: dict[str, str] = {}
 its own file, never another run's."""
 
 
+def read_text(path: str) -> str:
+    """A small sysfs / procfs file's text, stripped; ``? (<why>)`` where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        return f"? ({e.strerror})"
+
+
 def result_path(name: str) -> str:
     """``bench/results/<name>-<YYYYmmdd-HHMMSS>-<commit>.json`` for this run (the same path on
     every call in one process), never an existing file: results are records, and a later run

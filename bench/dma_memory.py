@@ -20,13 +20,12 @@ memory) -- so that the memory and the copy pattern are told apart:
 * ``anon-thp``: anonymous memory with ``MADV_HUGEPAGE``, registered.
 
 Prints a table (median ms and GB/s per kind, direction and pattern) and writes
-``bench/results/dma-memory-<time>.json`` with the machine, the THP settings and the kernel's
+``bench/results/dma-memory-<time>-<commit>.json`` (``_common.write_json``) with the machine, the THP settings and the kernel's
 huge-page counters after each allocation.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
@@ -49,17 +48,9 @@ BLOCK = 2 << 20          # a Llama-3-8B block, all layers
 ROW = 32 << 10           # one K or V plane of one block and layer
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as e:
-        return f"unreadable: {e}"
-
-
 def _meminfo() -> dict[str, str]:
     out = {}
-    for line in _read("/proc/meminfo").splitlines():
+    for line in C.read_text("/proc/meminfo").splitlines():
         k, _, v = line.partition(":")
         if "Huge" in k or k in ("Shmem", "ShmemPmdMapped"):
             out[k] = v.strip()
@@ -161,10 +152,9 @@ def main() -> int:
     nbytes = (args.mib << 20) // BLOCK * BLOCK
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev.random_(0, 255)
-    res: dict[str, Any] = {"benchmark": "dma_memory", "issue": 35, "machine": C.machine(),
-                           "bytes": nbytes, "reps": args.reps,
-                           "thp": {"enabled": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
-                                   "shmem_enabled": _read(
+    res: dict[str, Any] = {"benchmark": "dma_memory", "issue": 35, "bytes": nbytes, "reps": args.reps,
+                           "thp": {"enabled": C.read_text("/sys/kernel/mm/transparent_hugepage/enabled"),
+                                   "shmem_enabled": C.read_text(
                                        "/sys/kernel/mm/transparent_hugepage/shmem_enabled")},
                            "kinds": {}}
     rows = []
@@ -187,10 +177,7 @@ def main() -> int:
         r["vs_hostalloc"] = (base[r["copy"]] / r["ms"]) if r["copy"] in base else None
     res["rows"] = rows
     print(C.table(rows, ["kind", "copy", "ms", "gbs", "vs_hostalloc"]), flush=True)
-    path = os.path.join(C.RESULTS_DIR, time.strftime("dma-memory-%Y%m%d-%H%M%S.json"))
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {C.write_json('dma-memory', res)}")
     return 0
 
 

@@ -44,14 +44,6 @@ GAP_S = 0.0003
 WARM = 10
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as e:
-        return f"? ({e.strerror})"
-
-
 def host() -> dict[str, Any]:
     """What decides wake-up costs here (sysfs / procfs; '?' where absent)."""
     cpu = "/sys/devices/system/cpu"
@@ -59,19 +51,19 @@ def host() -> dict[str, Any]:
     d = f"{cpu}/cpu0/cpuidle"
     if os.path.isdir(d):
         for s in sorted(os.listdir(d)):
-            states.append(f"{_read(f'{d}/{s}/name')} ({_read(f'{d}/{s}/latency')} us)")
+            states.append(f"{C.read_text(f'{d}/{s}/name')} ({C.read_text(f'{d}/{s}/latency')} us)")
     with open("/proc/cpuinfo") as f:
         flags = next((ln for ln in f if ln.startswith("flags")), "").split()
     with open("/proc/meminfo") as f:
         huge = {ln.split(":")[0]: ln.split(":")[1].strip() for ln in f
                 if ln.startswith(("HugePages_Total", "HugePages_Free", "Hugepagesize"))}
     return {
-        "clocksource": _read("/sys/devices/system/clocksource/clocksource0/current_clocksource"),
-        "cpuidle_driver": _read(f"{cpu}/cpuidle/current_driver"),
+        "clocksource": C.read_text("/sys/devices/system/clocksource/clocksource0/current_clocksource"),
+        "cpuidle_driver": C.read_text(f"{cpu}/cpuidle/current_driver"),
         "cpuidle_states": states,
-        "guest_halt_poll_ns": _read("/sys/module/haltpoll/parameters/guest_halt_poll_ns"),
-        "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
-        "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        "guest_halt_poll_ns": C.read_text("/sys/module/haltpoll/parameters/guest_halt_poll_ns"),
+        "thp": C.read_text("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "thp_shmem": C.read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
         "hugepages": huge,
         "hypervisor": "hypervisor" in flags,
         "cores": os.cpu_count(),

@@ -285,16 +285,10 @@ class Copier:
         m = method or self.method
         return self.have_2d and (m == "auto" or m == "direct")
 
-    def direct_plan(self, layout: Any, poffs: np.ndarray, layer: int | None,
-                    tensor_ptr: int) -> Any:
-        """``direct.plan`` through this copier's template cache (one per layout): a request's
-        later layers reuse its first layer's copies (``direct.Template``)."""
-        t = self.direct_template(layout, poffs, layer is None)
-        return None if t is None else t.at(layer, tensor_ptr)
-
     def direct_template(self, layout: Any, poffs: np.ndarray, whole: bool) -> Any:
         """The ``direct.Template`` of blocks ``poffs`` (one layer's planes, or every layer's
-        for ``whole``) from this copier's cache; None: the gather path."""
+        for ``whole``) from this copier's template cache (one per layout): a request's later
+        layers reuse its first layer's copies. None: the gather path."""
         cache = self._templates.get(id(layout))
         if cache is None or cache.layout is not layout:
             from . import direct, triton_copy
