@@ -257,23 +257,30 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                 return await _put_pinned(store, cpath, copier, txn, tensors, plan, ready)
             ev, keep, m = copier.put(plan, tensors, planes=planes_of(store.layout, layer),
                                      ready=ready, method=method)
-        fut: StreamFuture | None = None
-
-        def publish() -> int:
-            # once the DMA has landed (the future's completion, on the loop): the lifecycle's
-            # step 3, or its bookkeeping when the poller's early step stored the layer bits
-            return txn.publish(nbytes, region_done=fut is not None and fut.early_done)
-
-        fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
-                           not_before_s=nbytes / LINK_BYTES_PER_S, label=f"put/{m}",
-                           early=txn.publish_early if type(res) is FillBatch else None,
-                           spin_ns=b.spin_ns)
+        fut = _put_future(txn, ev, keep, nbytes, f"put/{m}", type(res) is FillBatch,
+                          b.spin_ns)
         if ph is not None:
             ph.add("enqueue", t0)
         return cpath.track(fut)
     except BaseException:
         await txn.abandon()
         raise
+
+
+def _put_future(txn: PutTxn, ev: Any, keep: tuple[Any, ...], nbytes: int, label: str,
+                early: bool, spin_ns: int) -> StreamFuture:
+    """The future of a put's enqueued copies: its completion publishes once the DMA has landed
+    (on the loop: the lifecycle's step 3, or only its bookkeeping when the poller's early step
+    -- ``early``: a whole batch's -- stored the layer bits first)."""
+    fut: StreamFuture | None = None
+
+    def publish() -> int:
+        return txn.publish(nbytes, region_done=fut is not None and fut.early_done)
+
+    fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
+                       not_before_s=nbytes / LINK_BYTES_PER_S, label=label,
+                       early=txn.publish_early if early else None, spin_ns=spin_ns)
+    return fut
 
 
 async def put_layer(store: Any, cpath: CudaPath, s: layerstream.PutStream, layer: int,
@@ -298,15 +305,7 @@ async def put_layer(store: Any, cpath: CudaPath, s: layerstream.PutStream, layer
         b.alloc.check_not_fenced()
         dc = s.tmpl.at(layer, kv.data_ptr())
         ev, keep = s.copier.put_direct(dc, kv, ready)
-        nbytes = s.nbytes
-        fut: StreamFuture | None = None
-
-        def publish() -> int:
-            return txn.publish(nbytes, region_done=fut is not None and fut.early_done)
-
-        fut = StreamFuture(ev, completion=publish, keep=keep, nbytes=nbytes,
-                           not_before_s=nbytes / LINK_BYTES_PER_S, label="put/direct",
-                           early=txn.publish_early, spin_ns=b.spin_ns)
+        fut = _put_future(txn, ev, keep, s.nbytes, "put/direct", True, b.spin_ns)
     except BaseException:
         streams.drop(s)
         await txn.abandon()
@@ -391,18 +390,10 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         if tmpl is not None:
             dc = tmpl.at(layer, tensors[0].data_ptr())
 
-    def validate() -> Any:
-        # once the DMA has landed (the future's completion): the lifecycle's step 4
-        try:
-            txn.validate(nbytes, cpu=not cpath.registered)
-        except BlockEvicted:
-            cpath.validation_failures += 1
-            raise
-        return result
-
     if dc is not None:
         nbytes = dc.nbytes
         ev, keep = copier.get_direct(dc, tensors[0], after)
+        validate = _validator(cpath, txn, nbytes, result, cpu=False)
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                            not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
                            spin_ns=b.spin_ns)
@@ -415,6 +406,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         plan = make_plan(poffs, np.arange(n, dtype=np.int64))
         nbytes = plan.nbytes
         planes = planes_of(lay, layer)
+        validate = _validator(cpath, txn, nbytes, result, cpu=not cpath.registered)
         if cpath.registered:
             ev, keep, m = copier.get(plan, tensors, planes=planes, after=after, method=method)
             fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
@@ -431,6 +423,23 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                                label="get/pinned")
     fut.transfer_mode_info = txn  # type: ignore[attr-defined]
     return cpath.track(fut)
+
+
+def _validator(cpath: CudaPath, txn: ReadTxn, nbytes: int, result: Any, *, cpu: bool,
+               on_miss: Callable[[], Any] | None = None) -> Callable[[], Any]:
+    """A read's completion: once its copy has landed, the lifecycle's step 4 (every block still
+    the one snapshotted, else BlockEvicted, counted here, ``on_miss`` run); gives ``result``.
+    ``cpu``: this host's CPU read the bytes (the pinned fallback)."""
+    def validate() -> Any:
+        try:
+            txn.validate(nbytes, cpu=cpu)
+        except BlockEvicted:
+            cpath.validation_failures += 1
+            if on_miss is not None:
+                on_miss()
+            raise
+        return result
+    return validate
 
 
 async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer: int,
@@ -459,16 +468,8 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
     dc = s.tmpl.at(layer, out.data_ptr())
     ev, keep = s.copier.get_direct(dc, out, after)
     nbytes = s.nbytes
-
-    def validate() -> Any:
-        try:
-            txn.validate(nbytes, cpu=False)
-        except BlockEvicted:
-            cpath.validation_failures += 1
-            streams.drop(s)         # its rows are stale: the next layer looks the keys up
-            raise
-        return result
-
+    # a miss: the stream's rows are stale, so the next layer looks the keys up
+    validate = _validator(cpath, txn, nbytes, result, cpu=False, on_miss=lambda: streams.drop(s))
     fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                        not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
                        spin_ns=b.spin_ns)
