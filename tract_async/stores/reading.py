@@ -192,9 +192,11 @@ class ReadSide:
         keys, words = kb.keys, kb.words
         n = len(keys)
         slots, versions = snap[:, SNAP_SLOT], snap[:, SNAP_VERSION]
-        ok = np.ones(n, dtype=np.bool_)
-        bad = (self.index.revalidate(slots, versions, snap[:, SNAP_POFF], words, ok)
-               if self.validate_reads else 0)
+        if self.validate_reads:         # (revalidate writes every ok[i])
+            ok = np.empty(n, dtype=np.bool_)
+            bad = self.index.revalidate(slots, versions, snap[:, SNAP_POFF], words, ok)
+        else:
+            ok, bad = np.ones(n, dtype=np.bool_), 0
         self.count_read(keys, ok, int(bad), nbytes, slots, versions,
                         snap[:, SNAP_POFF] if cpu else None, layer)
 
