@@ -96,6 +96,18 @@ def decode_entry(entry: int) -> tuple[int, int, int]:
     return entry >> 40, (entry >> 16) & 0xFFFFFF, entry & 0xFFFF
 
 
+@njit(cache=True)            # holds the GIL: one fresh load (stores/fused.py, "Holding the GIL")
+def _load_fresh_held(m, offset_bytes, site):
+    """``K.load_fresh`` for a caller in Python on a hot path (``check_not_fenced``: every put).
+
+    ``K.load_fresh`` is compiled ``nogil``: called from Python, it lets the GIL go for a
+    fraction of a microsecond, and a thread waiting for it (the CUDA poller, every 20 µs while
+    a transfer is due) takes it and runs a round of its loop first. On the 2-core VM a
+    one-block layer put's fence check took 16-22 µs that way inside a stream of layer puts,
+    2.8 µs through this (and the put's other steps ran half as fast while the poller shared
+    the GIL with it): ``bench/results/vm-20261207-s50``."""
+    return K.load_fresh(m, offset_bytes, site)
+
 
 @njit(cache=True, nogil=True)
 def _publish_heap_words(m, word_offs, word_vals, used_offs, used_vals):
@@ -395,7 +407,8 @@ class Allocator:
         right before its payload copy (``stores/region.py``, "Fenced copies"): a node paused
         between its reservation and its copy must not copy into chunks that were reclaimed,
         and perhaps claimed by another node, meanwhile."""
-        ep = int(K.load_fresh(self._region.mem, self.geo.count_off(self.node_id) + 8, S_COUNT_READ))
+        ep = int(_load_fresh_held(self._region.mem, self.geo.count_off(self.node_id) + 8,
+                                  S_COUNT_READ))
         if ep >= self.epoch:
             raise NodeEvicted(f"node {self.node_id} (epoch {self.epoch}) was judged dead and its "
                               f"chunks were reclaimed: rejoin before allocating again")

@@ -53,6 +53,8 @@ SIGNATURES: list[tuple[str, str, str]] = [
      '(UniTuple(int64, 10), int64, int64, int64, int64, int64)'),
     ('tract_async.region.index', 'clear_lane',
      '(UniTuple(int64, 10), int64, int64, int64, int64)'),
+    ('tract_async.region.alloc', '_load_fresh_held',
+     '(UniTuple(int64, 10), int64, int64)'),
     ('tract_async.region.chunks', '_set_owners_run',
      "(UniTuple(int64, 10), int64, int64, int64, int64, int64, int64, int64, int64, int64, int64, Array(int64, 1, 'C', False, aligned=True))"),
     ('tract_async.region.index', 'reserve_batch_counted',
