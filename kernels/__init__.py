@@ -8,7 +8,7 @@ from .mem import (BACKEND_HW, BACKEND_SIM, ENV_BACKEND, LINE_BYTES, Mem, MemStat
                   mem_state, release_mem,
                   drop_rows_ahead, flush,
                   flush_range, full_fence, invalidate, invalidate_range, load, load_fresh,
-                  make_mem, nt_copy_raw, prefetch, read_bytes, read_rows, resolve_backend, store, store_fence,
+                  load_fresh_held, make_mem, nt_copy_raw, prefetch, read_bytes, read_rows, resolve_backend, store, store_fence,
                   store_flush, store_nt, with_skip_site, write_bytes, write_rows, writeback,
                   read_rows_behind)
 from .memfields import (MEM_BACKEND, MEM_BASE_ADDR, MEM_CACHE_LINES, MEM_CTL_ADDR,
@@ -20,6 +20,7 @@ __all__ = [
     "mem_state", "release_mem", "MEM_BACKEND", "MEM_BASE_ADDR", "MEM_CACHE_LINES",
     "MEM_CTL_ADDR", "MEM_SIZE_BYTES", "MEM_SKIP_SITE", "NO_SITE", "cpu_flags",
     "flush", "flush_range", "full_fence", "invalidate", "invalidate_range", "load", "load_fresh",
+    "load_fresh_held",
     "make_mem", "name_of", "nt_copy_raw", "prefetch", "read_bytes", "registered", "resolve_backend", "site",
     "store", "store_fence", "store_flush", "store_nt", "with_skip_site", "write_bytes", "write_rows",
     "read_rows", "read_rows_behind", "drop_rows_ahead", "writeback",

@@ -96,17 +96,44 @@ def decode_entry(entry: int) -> tuple[int, int, int]:
     return entry >> 40, (entry >> 16) & 0xFFFFFF, entry & 0xFFFF
 
 
-@njit(cache=True)            # holds the GIL: one fresh load (stores/fused.py, "Holding the GIL")
-def _load_fresh_held(m, offset_bytes, site):
-    """``K.load_fresh`` for a caller in Python on a hot path (``check_not_fenced``: every put).
+@njit(cache=True)            # holds the GIL (stores/fused.py, "Holding the GIL")
+def _ring_push(m, off, head, ring_entries, entry):
+    """``entry`` into the return ring at ``off`` (this node its sender), ``head`` its next
+    index: the entry, flushed, then (after a store fence) the head that covers it, flushed and
+    fenced. False, nothing written, when the ring is full (by a fresh read of its tail).
+    One kernel call: seven word-sized calls from Python each let the GIL go (a remote free
+    cost 10.5 µs a slot on the 2-core VM that way, 16.6 beside a thread wanting the GIL)."""
+    tail = np.int64(K.load_fresh(m, off + 64, S_RING_TAIL_READ))
+    if head - tail >= ring_entries:
+        return False
+    eoff = off + 128 + (head % ring_entries) * 8
+    K.store(m, eoff, entry)                       # 1. the entry
+    K.flush(m, eoff, S_RING_ENTRY_FLUSH)
+    K.store_fence(m)
+    K.store(m, off, head + 1)                     # 2. then the head that covers it
+    K.flush(m, off, S_RING_HEAD_FLUSH)
+    K.full_fence(m)
+    return True
 
-    ``K.load_fresh`` is compiled ``nogil``: called from Python, it lets the GIL go for a
-    fraction of a microsecond, and a thread waiting for it (the CUDA poller, every 20 µs while
-    a transfer is due) takes it and runs a round of its loop first. On the 2-core VM a
-    one-block layer put's fence check took 16-22 µs that way inside a stream of layer puts,
-    2.8 µs through this (and the put's other steps ran half as fast while the poller shared
-    the GIL with it): ``bench/results/vm-20261207-s50``."""
-    return K.load_fresh(m, offset_bytes, site)
+
+@njit(cache=True)            # holds the GIL (stores/fused.py, "Holding the GIL")
+def _ring_take(m, off, tail, ring_entries, out):
+    """The entries a sender pushed into the ring at ``off`` since ``tail``, read fresh into
+    ``out`` (its head first, then each entry); returns how many (at most ``len(out)``)."""
+    head = np.int64(K.load_fresh(m, off, S_RING_HEAD_READ))
+    n = min(head - tail, out.shape[0])
+    for i in range(n):
+        out[i] = np.int64(K.load_fresh(m, off + 128 + ((tail + i) % ring_entries) * 8,
+                                       S_RING_ENTRY_READ))
+    return n
+
+
+@njit(cache=True)            # holds the GIL (stores/fused.py, "Holding the GIL")
+def _ring_release(m, off, tail):
+    """Tell the sender of the ring at ``off`` that its entries up to ``tail`` were taken."""
+    K.store(m, off + 64, tail)
+    K.flush(m, off + 64, S_RING_TAIL_FLUSH)
+    K.full_fence(m)
 
 
 @njit(cache=True, nogil=True)
@@ -374,6 +401,7 @@ class Allocator:
         self._free: dict[int, list[int]] = {c: [] for c in classes}   # class -> chunk indices
         self._ring_head = np.zeros(g.max_nodes, dtype=np.int64)         # rings (o, me)
         self._ring_tail = np.zeros(g.max_nodes, dtype=np.int64)         # rings (me, s)
+        self._ring_buf = np.empty(g.ring_entries, dtype=np.int64)       # drain_returns's
         m = region.mem
         for other in range(g.max_nodes):
             off_out = g.ring_off(other, self.node_id)
@@ -407,8 +435,8 @@ class Allocator:
         right before its payload copy (``stores/region.py``, "Fenced copies"): a node paused
         between its reservation and its copy must not copy into chunks that were reclaimed,
         and perhaps claimed by another node, meanwhile."""
-        ep = int(_load_fresh_held(self._region.mem, self.geo.count_off(self.node_id) + 8,
-                                  S_COUNT_READ))
+        ep = int(K.load_fresh_held(self._region.mem, self.geo.count_off(self.node_id) + 8,
+                                   S_COUNT_READ))
         if ep >= self.epoch:
             raise NodeEvicted(f"node {self.node_id} (epoch {self.epoch}) was judged dead and its "
                               f"chunks were reclaimed: rejoin before allocating again")
@@ -890,19 +918,10 @@ class Allocator:
         return True
 
     def _push(self, owner: int, entry: int) -> bool:
-        g, m = self.geo, self._region.mem
-        off = g.ring_off(owner, self.node_id)
+        off = self.geo.ring_off(owner, self.node_id)
         head = int(self._ring_head[owner])
-        tail = int(K.load_fresh(m, off + 64, S_RING_TAIL_READ))
-        if head - tail >= g.ring_entries:
+        if not _ring_push(self._region.mem, off, head, self.geo.ring_entries, entry):
             return False
-        eoff = off + 128 + (head % g.ring_entries) * 8
-        K.store(m, eoff, entry)                       # 1. the entry
-        K.flush(m, eoff, S_RING_ENTRY_FLUSH)
-        K.store_fence(m)
-        K.store(m, off, head + 1)                     # 2. then the head that covers it
-        K.flush(m, off, S_RING_HEAD_FLUSH)
-        K.full_fence(m)
         self._ring_head[owner] = head + 1
         self._sent += 1
         return True
@@ -922,29 +941,36 @@ class Allocator:
                 del self._pending[owner]
 
     def drain_returns(self) -> int:
-        """Take back the slots other nodes freed (every return ring into this node)."""
+        """Take back the slots other nodes freed (every return ring into this node): per sender,
+        its new entries in one kernel call, the valid ones freed as one batch (``_free_local``'s
+        checks; an entry repeated within the batch counts once), then its tail."""
         g, m = self.geo, self._region.mem
+        buf = self._ring_buf
         got = 0
         for sender in range(g.max_nodes):
             if sender == self.node_id:
                 continue
             off = g.ring_off(self.node_id, sender)
-            head = int(K.load_fresh(m, off, S_RING_HEAD_READ))
             tail = int(self._ring_tail[sender])
-            if head == tail:
+            n = int(_ring_take(m, off, tail, g.ring_entries, buf))
+            if n == 0:
                 continue
-            while tail < head:
-                entry = int(K.load_fresh(m, off + 128 + (tail % g.ring_entries) * 8,
-                                         S_RING_ENTRY_READ))
+            local: dict[int, list[int]] = {}
+            seen: set[tuple[int, int]] = set()
+            for entry in buf[:n].tolist():
                 gen, chunk, slot = decode_entry(entry)
-                if self._free_local(chunk, slot, gen, strict=False):
-                    got += 1
-                else:
+                c = self._chunks.get(chunk)
+                if (c is None or (c.generation & GEN_MASK) != (gen & GEN_MASK)
+                        or not 0 <= slot < c.nslots or not c.used[slot] or (chunk, slot) in seen):
                     self._dropped += 1
-                tail += 1
-            K.store(m, off + 64, tail)
-            K.flush(m, off + 64, S_RING_TAIL_FLUSH)
-            K.full_fence(m)
+                    continue
+                seen.add((chunk, slot))
+                local.setdefault(chunk, []).append(slot)
+                got += 1
+            if local:
+                self._publish({ci: self._release_slots(ci, slots) for ci, slots in local.items()})
+            tail += n
+            _ring_release(m, off, tail)
             self._ring_tail[sender] = tail
         self._received += got
         if self._pending:

@@ -315,8 +315,8 @@ class ChunkTable:
                           claim_token=int(rec["claim_token"]))
 
     def generation(self, chunk: int) -> int:
-        return int(K.load_fresh(self._region.mem, self.geo.owner_off(chunk) + _O["generation"],
-                                S_OWNER_READ))
+        return int(K.load_fresh_held(self._region.mem,    # (a remote free's check: holds the GIL)
+                                     self.geo.owner_off(chunk) + _O["generation"], S_OWNER_READ))
 
     def counts(self) -> np.ndarray:
         """Structured array of the per-node records (chunks, reclaimed_epoch)."""
