@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import tables
+from . import direct, tables
 from .hostreg import HostRegistration, cudart_lib, memcpy2d_async
 
 METHODS = ("auto", "direct", "dma", "dma2d", "zerocopy")
@@ -139,7 +139,6 @@ class Copier:
         self._templates: dict[int, Any] = {}
         # batched copies for plans of many runs (cuda/direct.py, "Batches"): the policy, or
         # "off" with the reason where the runtime or the driver has none
-        from . import direct
         mode = direct.batch_mode()
         if mode == "off":
             self.batch_reason: str | None = f"off ({direct.BATCH_ENV})"
@@ -291,7 +290,7 @@ class Copier:
         layers reuse its first layer's copies. None: the gather path."""
         cache = self._templates.get(id(layout))
         if cache is None or cache.layout is not layout:
-            from . import direct, triton_copy
+            from . import triton_copy
             cache = self._templates[id(layout)] = direct.TemplateCache(
                 layout, self.region_ptr, batch=self.batch,
                 max_calls=(direct.ZEROCOPY_MAX_CALLS if self.have_triton
@@ -314,7 +313,6 @@ class Copier:
                 to_region: bool, what: str, order: Any) -> tuple[Any, tuple[Any, ...]]:
         if tensor.device != self.device:
             self._check_sources((tensor,), what)
-        from . import direct
         fc = self.fast
         if fc is None:                      # torch's events and streams, CDLL calls
             _wait(stream, self.producer_event(wait_for))
