@@ -111,3 +111,27 @@ async def test_concurrent_requests_share_decode_steps(model, region_path, tmp_pa
     assert batch["steps"] < total - len(prompts), batch   # fewer steps than tokens: shared
     assert all(sp.proc.returncode == 0 for sp in rack.services)
     assert not glob.glob(region_path + "*")
+
+
+async def test_kv_read_whole_before_the_compute_holds_a_reader_slot(model, tmp_path) -> None:
+    """http mode reads a request's whole KV before its generation: that read takes one of the
+    decode worker's reader slots (``decode_batch + early_reads``), as layer streams do, so that
+    no more requests than that hold their KV at once (a nixl decode worker whose reads were
+    unbounded ran out of GPU memory under load: bench/results/gpu-20261207-s50, call 3)."""
+    from tract_async.serving.model import reference_generate
+    prompts = [[256] + [(k * 5 + 7 * i) % 250 for i in range((2 + k % 2) * T - 1)]
+               for k in range(5)]
+    rack = Rack(mode="http", region=None, log_dir=str(tmp_path), seed=0, block_tokens=T,
+                torch_threads=1, layer_timeout_s=60.0,
+                role_options={"decode": {"decode_batch": 1, "early_reads": 1}})
+    async with rack, aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p, 24)
+                                         for p in prompts))
+        async with session.get(f"{rack.url_of('decode')}/health") as r:
+            health = await r.json()
+    for p, (tokens, _, _) in zip(prompts, results):
+        assert tokens == reference_generate(model, p, 24, eos_token_id=EOS)
+    held = health["kv_holders"]
+    assert held["limit"] == 2, held
+    assert 1 <= held["max"] <= held["limit"], held
+    assert all(sp.proc.returncode == 0 for sp in rack.services)

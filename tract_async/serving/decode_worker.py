@@ -91,6 +91,10 @@ class DecodeWorker:
         # early_reads of them at a time (the KV they hold in memory)
         self.batcher: Any = None
         self.readers = asyncio.Semaphore(cfg.decode_batch + cfg.early_reads)
+        self.kv_holders = 0
+        """Requests of the batched path holding KV now: from their reads' start to their
+        generation's end (``health``: the most at once, against ``readers``' limit)."""
+        self.kv_holders_max = 0
         self.gclog: GcLog | None = None       # TRACT_PHASES=1: collections on the timeline
         self.looplag: LoopLag | None = None   # TRACT_PHASES=1: loop stalls on the timeline
         self.served = 0
@@ -108,11 +112,23 @@ class DecodeWorker:
                                                     "layer_waits", "lock_wait_s",
                                                     "lock_acquisitions")}
         if self.batcher is not None:
+            out["kv_holders"] = {"max": self.kv_holders_max,
+                                 "limit": self.cfg.decode_batch + self.cfg.early_reads}
             out["batch"] = {"max_batch": self.batcher.max_batch, "steps": self.batcher.steps,
                             "max_seen_batch": self.batcher.max_seen_batch,
                             "graphs": self.batcher.decoder.graphs,
                             "captures": self.batcher.decoder.captures}
         return out
+
+    @contextlib.contextmanager
+    def _holding_kv(self) -> Any:
+        """Count a request holding KV (``kv_holders``) for the duration."""
+        self.kv_holders += 1
+        self.kv_holders_max = max(self.kv_holders_max, self.kv_holders)
+        try:
+            yield
+        finally:
+            self.kv_holders -= 1
 
     def _kv_device(self) -> Any:
         """The model's CUDA device, where region gets should land (None: CPU tensors)."""
@@ -229,23 +245,26 @@ class DecodeWorker:
 
     async def generate_batched(self, req: DecodeRequest, past_len: int, get_layer: Any,
                                events: list[tuple[str, float]],
-                               on_token: Any, eos: int | None) -> None:
+                               on_token: Any, eos: int | None, *,
+                               reader_held: bool = False) -> None:
         """The request's generation in the worker's batch (``serving/batching.py``). Its layer
-        reads start now (bounded by ``readers``); it joins a running batch once they are done,
-        or at once, reading layer by layer, when nobody is decoding."""
+        reads start now (bounded by ``readers``; ``reader_held``: the caller holds its slot
+        already, for a KV read whole before this); it joins a running batch once they are
+        done, or at once, reading layer by layer, when nobody is decoding."""
         stream = get_layer if isinstance(get_layer, LayerStream) else None
-        async with self.readers:
-            if stream is not None:
-                events.append(("early_reads", now()))
-                stream.start()
-                if self.cfg.first_pass == "extend":
-                    await stream.all_read()
-            await self.batcher.generate(
-                list(req.prompt_ids), get_layer=get_layer, past_len=past_len,
-                max_new_tokens=req.max_tokens, on_token=on_token, eos_token_id=eos,
-                layer_timeout=self.cfg.layer_timeout_s,
-                ready=(lambda: stream.settled) if stream is not None else None,
-                on_start=lambda: events.append(("decode_compute_start", now())))
+        async with contextlib.nullcontext() if reader_held else self.readers:
+            with contextlib.nullcontext() if reader_held else self._holding_kv():
+                if stream is not None:
+                    events.append(("early_reads", now()))
+                    stream.start()
+                    if self.cfg.first_pass == "extend":
+                        await stream.all_read()
+                await self.batcher.generate(
+                    list(req.prompt_ids), get_layer=get_layer, past_len=past_len,
+                    max_new_tokens=req.max_tokens, on_token=on_token, eos_token_id=eos,
+                    layer_timeout=self.cfg.layer_timeout_s,
+                    ready=(lambda: stream.settled) if stream is not None else None,
+                    on_start=lambda: events.append(("decode_compute_start", now())))
 
     async def stream(self, req: DecodeRequest, resp: web.StreamResponse) -> None:
         """Generate and write NDJSON lines to ``resp`` (already prepared)."""
@@ -270,6 +289,18 @@ class DecodeWorker:
                 past_len, get_layer = self.layer_source(req, events)
                 if past_len and get_layer is None:
                     read = self.read_whole if self.cfg.mode in WHOLE_GET_MODES else self.read_http
+                    if self.batcher is not None:
+                        # the whole KV arrives before the compute: its reader slot is taken
+                        # first, so that at most decode_batch + early_reads requests hold their
+                        # KV in memory, as layer-streamed ones do (unbounded, a nixl decode
+                        # worker whose gets took seconds ran out of GPU memory at 4.2 req/s:
+                        # bench/results/gpu-20261207-s50, call 3)
+                        async with self.readers:
+                            with self._holding_kv():
+                                get_layer = await read(req, events)
+                                await self.generate_batched(req, past_len, get_layer, events,
+                                                            on_token, eos, reader_held=True)
+                        return
                     get_layer = await read(req, events)
                 if self.batcher is not None:
                     await self.generate_batched(req, past_len, get_layer, events, on_token, eos)
