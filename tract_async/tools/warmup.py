@@ -142,6 +142,10 @@ async def _scenario(path: str, backend: str) -> None:
             for layer in range(tlayout.num_layers):
                 await c.put_kv(tkeys, np.ascontiguousarray(tkv[layer]), layer=layer)
             await reader
+            # the reader's frees of the producer's slots go through the return rings (a push
+            # each, region/alloc.py), which the producer's maintenance then drains
+            await d.parts.store.blocks.drain_consumed()
+            await c.parts.store.maintain(timeout=10)
         finally:
             await d.close()
             await c.close()
