@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import importlib.util
 
 import aiohttp
 import pytest
@@ -134,4 +135,29 @@ async def test_kv_read_whole_before_the_compute_holds_a_reader_slot(model, tmp_p
     held = health["kv_holders"]
     assert held["limit"] == 2, held
     assert 1 <= held["max"] <= held["limit"], held
+    assert all(sp.proc.returncode == 0 for sp in rack.services)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
+async def test_a_nixl_prefill_waits_for_room_in_its_pool(model, tmp_path) -> None:
+    """The nixl prefill puts a request's KV into its engine's pool, where it stays until the
+    decode worker reads it. With one reader slot on the decode side and a pool that holds two
+    requests' KV, the third and fourth concurrent prefills find the pool full: they wait for
+    room (``PrefillWorker._put_when_room``) and every request completes, where the prefill
+    answered 500 (RegionFull) before (H100 at 4.2 req/s: bench/results/gpu-20261207-s50)."""
+    from tract_async.serving.model import kv_layout_for, reference_generate
+    geo = kv_layout_for(model.config, T)
+    block_bytes = geo.num_layers * 2 * T * geo.kv_heads * geo.head_dim * \
+        model.lm_head.weight.element_size()
+    prompts = [[256] + [(k * 11 + 3 * i) % 250 for i in range(3 * T - 1)] for k in range(4)]
+    rack = Rack(mode="nixl", region=None, log_dir=str(tmp_path), seed=0, block_tokens=T,
+                torch_threads=1, layer_timeout_s=60.0, kv_pool_bytes=7 * block_bytes,
+                role_options={"decode": {"decode_batch": 1, "early_reads": 0}})
+    async with rack, aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p, 40)
+                                         for p in prompts))
+    for p, (tokens, _, _) in zip(prompts, results):
+        assert tokens == reference_generate(model, p, 40, eos_token_id=EOS)
+    waited = [tract["events_ms"] for _, _, tract in results if "kv_store_full" in tract["events_ms"]]
+    assert waited, "no prefill found the pool full: the test's premise did not hold"
     assert all(sp.proc.returncode == 0 for sp in rack.services)

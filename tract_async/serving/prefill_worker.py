@@ -185,9 +185,34 @@ class PrefillWorker:
                 torch.cuda.current_stream(kv_layer.device).wait_event(ready)
         kv = torch.stack([kv_layer for kv_layer, _ in layers])
         assert self.kvdev is not None
-        await self.kvdev.put_layer(keys, kv, None)
+        await self._put_when_room(keys, kv, events)
         events.append(("kv_store_done", now()))
         return kv.numel() * kv.element_size()
+
+    async def _put_when_room(self, keys: list[bytes], kv: Any,
+                             events: list[tuple[str, float]]) -> None:
+        """The engine's put, waiting while its pool is full of KV that decode workers have not
+        read yet (up to ``layer_timeout_s``, as the http mode waits for its span pool), then
+        KVPoolFull (503). Without the wait a nixl prefill answered 500 (RegionFull) as soon as
+        its decode workers fell behind (H100, 4.2 req/s: ``bench/results/gpu-20261207-s50``,
+        call 3). Pool slots come back as the decode workers consume their reads, so the
+        wait polls: 2 ms, doubling to 50 ms."""
+        from tract_async.errors import RegionFull
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.layer_timeout_s
+        delay = 0.002
+        while True:
+            try:
+                await self.kvdev.put_layer(keys, kv, None)      # type: ignore[union-attr]
+                return
+            except RegionFull as exc:
+                if loop.time() + delay > deadline:
+                    raise KVPoolFull(f"no room in the KV pool within {self.cfg.layer_timeout_s}"
+                                     f" s: {exc}") from exc
+                if not any(name == "kv_store_full" for name, _ in events):
+                    events.append(("kv_store_full", now()))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
 
     async def _read_hit(self, keys: list[bytes]) -> tuple[int, Any]:
         """The hit blocks' KV from the region; a block evicted since the lookup is a miss."""
