@@ -270,6 +270,25 @@ def test_marks_granules_needing_and_clearing(tmp_path) -> None:
     other.close()
 
 
+def test_needing_finds_a_single_mark_at_every_place_of_every_range(tmp_path) -> None:
+    """``needing`` looks at eight granules a word in the middle of a range: one mark anywhere
+    in a range, at any alignment of its ends (and in the record's last, partial word), must be
+    found, and one just outside it must not."""
+    g = cpumarks.GRANULE_BYTES
+    cm = cpumarks.CpuMarks(str(tmp_path / "r.cpumarks"), 75 * g)   # 75 granules: 9 words + 3
+    n = cm.marks.shape[0]
+    for lo in range(0, 24):
+        for ln in (1, 2, 7, 8, 9, 16, 17, 33, n - lo):
+            hi = min(n, lo + ln)                # granules [lo, hi)
+            p = np.array([lo * g], dtype=np.int64)
+            for m in sorted({lo - 1, lo, (lo + hi) // 2, hi - 1, hi} & set(range(n))):
+                cm.marks[:] = 0
+                cm.marks[m] = 1
+                got = cm.needing(p, 0, (hi - lo) * g).tolist()
+                assert got == ([lo * g] if lo <= m < hi else []), (lo, hi, m)
+    cm.close()
+
+
 def test_sidecar_lives_beside_a_shm_region_and_goes_with_it(region_path) -> None:
     assert cpumarks.sidecar_path(region_path, "ab") == region_path + ".cpumarks"
     assert cpumarks.sidecar_path("/mnt/huge/r", "ab").endswith("tract-cpumarks-ab")

@@ -101,16 +101,34 @@ def _mark(marks, poffs, rel, span, shift):
 
 
 @njit(cache=True)             # µs-scale: holds the GIL (stores/fused.py, "Holding the GIL")
-def _needing(marks, poffs, rel, span, shift, out):
+def _needing(marks, marks64, poffs, rel, span, shift, out):
+    """``out[:k]``: the entries of ``poffs`` with a marked granule in ``[poff + rel, +span)``;
+    returns ``k``. ``marks64``: the same bytes as words, eight granules a look in the middle of
+    a range (a whole Llama-3-8B block is 512 granules: its look on the 2-core VM took 137 µs
+    for 213 blocks byte by byte)."""
     k = 0
+    n64 = marks64.shape[0]
     for i in range(poffs.shape[0]):
         a = (poffs[i] + rel) >> shift
-        b = (poffs[i] + rel + span - 1) >> shift
-        for g in range(a, b + 1):
+        b = (poffs[i] + rel + span - 1) >> shift          # inclusive
+        g = a
+        hit = False
+        while g <= b and (g & 7) != 0:                      # up to a word boundary
             if marks[g] != 0:
-                out[k] = poffs[i]
-                k += 1
+                hit = True
                 break
+            g += 1
+        while not hit and g + 7 <= b and (g >> 3) < n64:    # whole words
+            if marks64[g >> 3] != 0:
+                hit = True
+            g += 8
+        while not hit and g <= b:                           # the tail
+            if marks[g] != 0:
+                hit = True
+            g += 1
+        if hit:
+            out[k] = poffs[i]
+            k += 1
     return k
 
 
@@ -204,6 +222,8 @@ class CpuMarks:
         finally:
             os.close(fd)
         self.marks = np.frombuffer(self._mm, dtype=np.uint8)
+        self.marks64 = self.marks[:self.nbytes // 8 * 8].view(np.uint64)
+        """The record as words (``_needing``'s look at eight granules at once)."""
         self.marked = 0
         """Blocks this process marked (CPU reads)."""
         self.invalidated = 0
@@ -221,7 +241,7 @@ class CpuMarks:
         granule: what a GPU read of that range must invalidate first."""
         p = np.ascontiguousarray(poffs, dtype=np.int64)
         out = np.empty(p.shape[0], dtype=np.int64)
-        k = int(_needing(self.marks, p, rel, span, GRANULE_SHIFT, out))
+        k = int(_needing(self.marks, self.marks64, p, rel, span, GRANULE_SHIFT, out))
         self.invalidated += k
         self.skipped += p.shape[0] - k
         return out[:k]
@@ -238,6 +258,7 @@ class CpuMarks:
 
     def close(self) -> None:
         self.marks = np.zeros(0, dtype=np.uint8)
+        self.marks64 = np.zeros(0, dtype=np.uint64)
         try:
             self._mm.close()
         except (BufferError, ValueError):

@@ -98,7 +98,7 @@ SIGNATURES: list[tuple[str, str, str]] = [
     ('tract_async.region.index', 'expired_transfer_slots',
      "(UniTuple(int64, 10), int64, int64, int64, Array(int64, 1, 'C', False, aligned=True))"),
     ('tract_async.region.cpumarks', '_needing',
-     "(Array(uint8, 1, 'C', False, aligned=True), Array(int64, 1, 'C', False, aligned=True), int64, int64, int64, Array(int64, 1, 'C', False, aligned=True))"),
+     "(Array(uint8, 1, 'C', False, aligned=True), Array(uint64, 1, 'C', False, aligned=True), Array(int64, 1, 'C', False, aligned=True), int64, int64, int64, Array(int64, 1, 'C', False, aligned=True))"),
     ('tract_async.region.cpumarks', '_clear',
      "(Array(uint8, 1, 'C', False, aligned=True), Array(int64, 1, 'C', False, aligned=True), int64, int64, int64)"),
     ('tract_async.region.index', 'invalidate_payloads',
