@@ -114,37 +114,16 @@ async def test_concurrent_requests_share_decode_steps(model, region_path, tmp_pa
     assert not glob.glob(region_path + "*")
 
 
-async def test_kv_read_whole_before_the_compute_holds_a_reader_slot(model, tmp_path) -> None:
-    """http mode reads a request's whole KV before its generation: that read takes one of the
-    decode worker's reader slots (``decode_batch + early_reads``), as layer streams do, so that
-    no more requests than that hold their KV at once (a nixl decode worker whose reads were
-    unbounded ran out of GPU memory under load: bench/results/gpu-20261207-s50, call 3)."""
-    from tract_async.serving.model import reference_generate
-    prompts = [[256] + [(k * 5 + 7 * i) % 250 for i in range((2 + k % 2) * T - 1)]
-               for k in range(5)]
-    rack = Rack(mode="http", region=None, log_dir=str(tmp_path), seed=0, block_tokens=T,
-                torch_threads=1, layer_timeout_s=60.0,
-                role_options={"decode": {"decode_batch": 1, "early_reads": 1}})
-    async with rack, aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p, 24)
-                                         for p in prompts))
-        async with session.get(f"{rack.url_of('decode')}/health") as r:
-            health = await r.json()
-    for p, (tokens, _, _) in zip(prompts, results):
-        assert tokens == reference_generate(model, p, 24, eos_token_id=EOS)
-    held = health["kv_holders"]
-    assert held["limit"] == 2, held
-    assert 1 <= held["max"] <= held["limit"], held
-    assert all(sp.proc.returncode == 0 for sp in rack.services)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 async def test_a_nixl_prefill_waits_for_room_in_its_pool(model, tmp_path) -> None:
     """The nixl prefill puts a request's KV into its engine's pool, where it stays until the
-    decode worker reads it. With one reader slot on the decode side and a pool that holds two
-    requests' KV, the third and fourth concurrent prefills find the pool full: they wait for
-    room (``PrefillWorker._put_when_room``) and every request completes, where the prefill
-    answered 500 (RegionFull) before (H100 at 4.2 req/s: bench/results/gpu-20261207-s50)."""
+    decode worker reads it. The decode worker reads a request's whole KV only once it holds one
+    of its reader slots (``decode_batch + early_reads``: one here), so that no more requests
+    than that hold their KV at once (unbounded, a nixl decode worker ran out of GPU memory);
+    with a pool that holds two requests' KV, the third and fourth concurrent prefills then find
+    the pool full: they wait for room (``PrefillWorker._put_when_room``) and every request
+    completes, where the prefill answered 500 (RegionFull) before (both on the H100 at 4.2
+    req/s: bench/results/gpu-20261207-s50, call 3)."""
     from tract_async.serving.model import kv_layout_for, reference_generate
     geo = kv_layout_for(model.config, T)
     block_bytes = geo.num_layers * 2 * T * geo.kv_heads * geo.head_dim * \
@@ -156,8 +135,12 @@ async def test_a_nixl_prefill_waits_for_room_in_its_pool(model, tmp_path) -> Non
     async with rack, aiohttp.ClientSession() as session:
         results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p, 40)
                                          for p in prompts))
+        async with session.get(f"{rack.url_of('decode')}/health") as r:
+            health = await r.json()
     for p, (tokens, _, _) in zip(prompts, results):
         assert tokens == reference_generate(model, p, 40, eos_token_id=EOS)
+    held = health["kv_holders"]
+    assert held == {"max": 1, "limit": 1}, held
     waited = [tract["events_ms"] for _, _, tract in results if "kv_store_full" in tract["events_ms"]]
     assert waited, "no prefill found the pool full: the test's premise did not hold"
     assert all(sp.proc.returncode == 0 for sp in rack.services)
