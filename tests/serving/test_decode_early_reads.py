@@ -47,6 +47,20 @@ def long_prompt(model) -> tuple[list[int], list[int]]:
     pytest.fail("no candidate prompt decodes LONG tokens without the EOS")
 
 
+async def serve_together(rack: Rack, model, prompts: list[list[int]], max_tokens: int):
+    """Every prompt at once through ``rack`` (started and stopped here), each answer checked
+    against the reference; returns the answers and the decode worker's health after them."""
+    from tract_async.serving.model import reference_generate
+    async with rack, aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p,
+                                                            max_tokens) for p in prompts))
+        async with session.get(f"{rack.url_of('decode')}/health") as r:
+            health = await r.json()
+    for p, (tokens, _, _) in zip(prompts, results):
+        assert tokens == reference_generate(model, p, max_tokens, eos_token_id=EOS)
+    return results, health
+
+
 @pytest.mark.parametrize("first_pass", ["stream", "extend"])
 async def test_a_waiting_request_holds_its_kv_before_it_gets_the_compute_slot(
         model, region_path, tmp_path, first_pass) -> None:
@@ -95,17 +109,10 @@ async def test_a_waiting_request_holds_its_kv_before_it_gets_the_compute_slot(
 async def test_concurrent_requests_share_decode_steps(model, region_path, tmp_path) -> None:
     """The decode worker batches (ServiceConfig.decode_batch): requests that generate at the
     same time run in shared steps, and each still gets exactly the reference's tokens."""
-    from tract_async.serving.model import reference_generate
     prompts = [[256] + [(k * 7 + 3 * i) % 250 for i in range((2 + k) * T - 1)] for k in range(3)]
     rack = Rack(mode="region-transfer", region=region_path, log_dir=str(tmp_path), seed=0,
                 block_tokens=T, region_bytes=64 << 20, torch_threads=1, layer_timeout_s=60.0)
-    async with rack, aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p, 80)
-                                         for p in prompts))
-        async with session.get(f"{rack.url_of('decode')}/health") as r:
-            health = await r.json()
-    for p, (tokens, _, _) in zip(prompts, results):
-        assert tokens == reference_generate(model, p, 80, eos_token_id=EOS)
+    results, health = await serve_together(rack, model, prompts, 80)
     batch = health["batch"]
     assert batch["max_batch"] == 8 and batch["max_seen_batch"] >= 2, batch
     total = sum(len(t) for t, _, _ in results)
@@ -124,7 +131,7 @@ async def test_a_nixl_prefill_waits_for_room_in_its_pool(model, tmp_path) -> Non
     the pool full: they wait for room (``PrefillWorker._put_when_room``) and every request
     completes, where the prefill answered 500 (RegionFull) before (both on the H100 at 4.2
     req/s: bench/results/gpu-20261207-s50, call 3)."""
-    from tract_async.serving.model import kv_layout_for, reference_generate
+    from tract_async.serving.model import kv_layout_for
     geo = kv_layout_for(model.config, T)
     block_bytes = geo.num_layers * 2 * T * geo.kv_heads * geo.head_dim * \
         model.lm_head.weight.element_size()
@@ -132,13 +139,7 @@ async def test_a_nixl_prefill_waits_for_room_in_its_pool(model, tmp_path) -> Non
     rack = Rack(mode="nixl", region=None, log_dir=str(tmp_path), seed=0, block_tokens=T,
                 torch_threads=1, layer_timeout_s=60.0, kv_pool_bytes=7 * block_bytes,
                 role_options={"decode": {"decode_batch": 1, "early_reads": 0}})
-    async with rack, aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(complete_streaming(session, rack.router_url, p, 40)
-                                         for p in prompts))
-        async with session.get(f"{rack.url_of('decode')}/health") as r:
-            health = await r.json()
-    for p, (tokens, _, _) in zip(prompts, results):
-        assert tokens == reference_generate(model, p, 40, eos_token_id=EOS)
+    results, health = await serve_together(rack, model, prompts, 40)
     held = health["kv_holders"]
     assert held == {"max": 1, "limit": 1}, held
     waited = [tract["events_ms"] for _, _, tract in results if "kv_store_full" in tract["events_ms"]]

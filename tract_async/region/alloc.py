@@ -905,10 +905,14 @@ class Allocator:
         c.free.extend(slots)
         return c.set_used(slots, False)
 
-    def _free_local(self, chunk: int, slot: int, generation: int, *, strict: bool) -> bool:
+    def _allocated_here(self, chunk: int, slot: int, generation: int) -> bool:
+        """``slot`` of ``chunk`` (of that generation) is an allocated slot of this incarnation."""
         c = self._chunks.get(chunk)
-        if c is None or (c.generation & GEN_MASK) != (generation & GEN_MASK) \
-                or not 0 <= slot < c.nslots or not c.used[slot]:
+        return (c is not None and (c.generation & GEN_MASK) == (generation & GEN_MASK)
+                and 0 <= slot < c.nslots and bool(c.used[slot]))
+
+    def _free_local(self, chunk: int, slot: int, generation: int, *, strict: bool) -> bool:
+        if not self._allocated_here(chunk, slot, generation):
             if strict:
                 raise AllocationInvalid(f"free of chunk {chunk} slot {slot} (generation "
                                         f"{generation}) on node {self.node_id}: not allocated "
@@ -942,8 +946,8 @@ class Allocator:
 
     def drain_returns(self) -> int:
         """Take back the slots other nodes freed (every return ring into this node): per sender,
-        its new entries in one kernel call, the valid ones freed as one batch (``_free_local``'s
-        checks; an entry repeated within the batch counts once), then its tail."""
+        its new entries in one kernel call, the valid ones (``_allocated_here``; an entry
+        repeated within the batch counts once) freed as one batch, then its tail."""
         g, m = self.geo, self._region.mem
         buf = self._ring_buf
         got = 0
@@ -959,9 +963,7 @@ class Allocator:
             seen: set[tuple[int, int]] = set()
             for entry in buf[:n].tolist():
                 gen, chunk, slot = decode_entry(entry)
-                c = self._chunks.get(chunk)
-                if (c is None or (c.generation & GEN_MASK) != (gen & GEN_MASK)
-                        or not 0 <= slot < c.nslots or not c.used[slot] or (chunk, slot) in seen):
+                if not self._allocated_here(chunk, slot, gen) or (chunk, slot) in seen:
                     self._dropped += 1
                     continue
                 seen.add((chunk, slot))

@@ -201,6 +201,7 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.layer_timeout_s
         delay = 0.002
+        waited = False
         while True:
             try:
                 await self.kvdev.put_layer(keys, kv, None)      # type: ignore[union-attr]
@@ -209,8 +210,9 @@ class PrefillWorker:
                 if loop.time() + delay > deadline:
                     raise KVPoolFull(f"no room in the KV pool within {self.cfg.layer_timeout_s}"
                                      f" s: {exc}") from exc
-                if not any(name == "kv_store_full" for name, _ in events):
+                if not waited:
                     events.append(("kv_store_full", now()))
+                    waited = True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.05)
 
