@@ -441,3 +441,28 @@ def test_result_states_without_and_with_an_awaiter():
         assert fut2.seen_landed and fut2.cancelled()
 
     asyncio.run(main())
+
+
+def test_futures_added_around_the_pollers_idle_exit_all_resolve():
+    """``Poller.add`` takes no lock while the poller polls; the poller exits after
+    ``idle_exit_s`` with nothing to watch, and the next add starts it again. Futures added just
+    before, during and after those exits (timings spread over the exit window) must all be
+    resolved by the poller (no spin): a lost one would hang its await."""
+    import random
+
+    async def main():
+        p = Poller(idle_exit_s=0.002)
+        rng = random.Random(7)
+        for i in range(300):
+            await asyncio.sleep(rng.choice((0.0, 0.0005, 0.0015, 0.002, 0.0025, 0.004)))
+            evs = [FakeEvent() for _ in range(rng.randint(1, 3))]
+            for ev in evs:
+                ev.fire()
+            futs = [StreamFuture(ev, completion=lambda i=i: i, poller_=p) for ev in evs]
+            got = await asyncio.wait_for(asyncio.gather(*futs), 2.0)
+            assert got == [i] * len(evs)
+        return p
+
+    p = asyncio.run(main())
+    assert p.resolved >= 300 and p.threads_started > 10, (p.resolved, p.threads_started)
+    assert p.outstanding == 0

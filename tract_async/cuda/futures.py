@@ -40,6 +40,7 @@ destination waits with ``await fut.wait_landed()`` before reusing or freeing it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import threading
 import time
@@ -76,7 +77,15 @@ class Poller:
         self.max_sleep_s = max_sleep_s
         self.idle_exit_s = idle_exit_s
         self._cv = threading.Condition()
+        self._inbox: collections.deque[StreamFuture] = collections.deque()
+        """New futures: appended by any thread without a lock (``add``), taken by the poller."""
         self._pending: list[StreamFuture] = []
+        """The futures the poller watches: its thread's alone."""
+        self._idle = True
+        """The poller is about to wait on ``_cv``, waits there, or has no thread: ``add`` must
+        take the lock and wake or start it. Set (under ``_cv``) before the poller's last look at
+        the inbox, cleared only after it has taken something: so an ``add`` that reads it
+        clear appended before that last look, and the poller finds its future."""
         self._thread: threading.Thread | None = None
         # counters (read without the lock: approximate is fine)
         self.wakeups = 0
@@ -91,18 +100,22 @@ class Poller:
         """The longest sleep after such a look."""
 
     def add(self, fut: "StreamFuture") -> None:
-        with self._cv:
-            self._pending.append(fut)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tract-cuda-poller",
-                                                daemon=True)
-                self.threads_started += 1
-                self._thread.start()
-            self._cv.notify()
+        """Watch ``fut``. One deque append while the poller is polling (every transfer of a
+        layer stream: the lock and notify of a condition were ~3 µs of a one-block layer
+        operation on the H100 host); the lock only to wake an idle poller or start one."""
+        self._inbox.append(fut)
+        if self._idle:
+            with self._cv:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tract-cuda-poller",
+                                                    daemon=True)
+                    self.threads_started += 1
+                    self._thread.start()
+                self._cv.notify()
 
     @property
     def outstanding(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._inbox)
 
     @property
     def running(self) -> bool:
@@ -112,14 +125,23 @@ class Poller:
     def _run(self) -> None:
         tighten()           # a 20 µs sleep should take 20 µs, not 70 (timerslack.py)
         sleep = self.min_sleep_s
+        inbox, cv = self._inbox, self._cv
         while True:
-            with self._cv:
-                if not self._pending:
-                    self._cv.wait_for(lambda: bool(self._pending), timeout=self.idle_exit_s)
-                    if not self._pending:
+            while inbox:                # only this thread takes from the inbox
+                self._pending.append(inbox.popleft())
+            if not self._pending:
+                with cv:
+                    self._idle = True
+                    if not inbox:
+                        cv.wait(self.idle_exit_s)
+                    if not inbox:
+                        # an add from now on sees _idle, takes the lock after this block and
+                        # starts a new thread
                         self._thread = None
                         return
-                batch = list(self._pending)
+                    self._idle = False
+                continue
+            batch = self._pending
             self.wakeups += 1
             now = time.perf_counter()
             done: list[StreamFuture] = []
@@ -148,9 +170,8 @@ class Poller:
                 elif now < f.due_until:
                     due = True
             if done:
-                with self._cv:
-                    gone = set(map(id, done))
-                    self._pending = [f for f in self._pending if id(f) not in gone]
+                gone = set(map(id, done))
+                self._pending = [f for f in batch if id(f) not in gone]
                 for f in done:
                     if f._is_landed:
                         continue
@@ -179,8 +200,11 @@ _POLLER_LOCK = threading.Lock()
 
 
 def poller() -> Poller:
-    """The process-wide poller (created on first use)."""
+    """The process-wide poller (created on first use; no lock once it exists)."""
     global _POLLER
+    p = _POLLER
+    if p is not None:
+        return p
     with _POLLER_LOCK:
         if _POLLER is None:
             _POLLER = Poller()
@@ -206,6 +230,13 @@ class StreamFuture:
     VM).
     """
 
+    __slots__ = ("event", "_spin_ns", "nbytes", "label", "_completion", "_early", "_early_lock",
+                 "_landed_flag", "_is_landed", "_landed_hooks", "_tracker", "early_done",
+                 "early_error", "t_early", "_keep", "_loop", "_landed_fut", "_result_fut",
+                 "_state", "_value", "_cancel_requested", "_poll_error", "t_submit",
+                 "not_before", "due_until", "t_landed_seen", "t_completed",
+                 "transfer_mode_info")
+
     def __init__(self, event: EventLike, *, completion: Callable[[], Any] | None = None,
                  keep: tuple[Any, ...] = (), nbytes: int = 0, not_before_s: float = 0.0,
                  poller_: Poller | None = None, label: str = "",
@@ -220,6 +251,9 @@ class StreamFuture:
         self._landed_flag = False       # (under _early_lock) the loop saw it land first
         self._is_landed = False
         self._landed_hooks: list[Callable[[], Any]] | None = None
+        self._tracker: set[StreamFuture] | None = None     # (``track_in``)
+        self.transfer_mode_info: Any = None
+        """What the starter attaches for its finisher (a get's ``ReadTxn``)."""
         self.early_done = False
         """``early`` ran on the poller's thread and did its part (a put's layer bits)."""
         self.early_error: BaseException | None = None
@@ -347,6 +381,14 @@ class StreamFuture:
         else:
             self._landed_hooks.append(hook)
 
+    def track_in(self, outstanding: "set[StreamFuture]") -> None:
+        """Be in ``outstanding`` until seen landed (a ``CudaPath``'s transfers, which its
+        ``drain`` waits for): what an ``on_landed`` hook would do, without a closure and a hook
+        call per transfer."""
+        if not self._is_landed:
+            outstanding.add(self)
+            self._tracker = outstanding
+
     def wait_stream(self, stream: Any) -> None:
         """Make ``stream`` wait for this transfer on the device (no host synchronization)."""
         ev = self.event
@@ -427,6 +469,10 @@ class StreamFuture:
         f = self._landed_fut
         if f is not None and not f.done():
             f.set_result(None)
+        tr = self._tracker
+        if tr is not None:
+            self._tracker = None
+            tr.discard(self)
         hooks = self._landed_hooks
         if hooks is not None:            # at once, not a loop round later (bookkeeping)
             self._landed_hooks = None

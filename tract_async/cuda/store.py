@@ -107,8 +107,7 @@ class CudaPath:
 
     def track(self, fut: StreamFuture) -> StreamFuture:
         self.futures_created += 1
-        self._outstanding.add(fut)
-        fut.on_landed(lambda fut=fut: self._outstanding.discard(fut))
+        fut.track_in(self._outstanding)
         return fut
 
     async def drain(self, timeout: float) -> None:
@@ -421,7 +420,7 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             ev, keep = copier.h2d_pinned(plan, tensors, pinned, planes=planes)
             fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                                label="get/pinned")
-    fut.transfer_mode_info = txn  # type: ignore[attr-defined]
+    fut.transfer_mode_info = txn
     return cpath.track(fut)
 
 
@@ -464,7 +463,9 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
             streams.declined += 1
             return None
         s.rows = snap.copy()                # the same slots, maybe newer entries: kept fresh
-    await invalidate_for_dma(b, sp, layer)
+    need = needing_invalidation(b, sp, layer)
+    if need.size:                       # (no coroutine for the usual nothing-to-drop)
+        await _invalidate(b, need, layer)
     dc = s.tmpl.at(layer, out.data_ptr())
     ev, keep = s.copier.get_direct(dc, out, after)
     nbytes = s.nbytes
@@ -473,7 +474,7 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
     fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                        not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
                        spin_ns=b.spin_ns)
-    fut.transfer_mode_info = txn  # type: ignore[attr-defined]
+    fut.transfer_mode_info = txn
     streams.used += 1
     return cpath.track(fut)
 
@@ -484,15 +485,30 @@ async def invalidate_for_dma(b: Any, poffs: np.ndarray, layer: int | None) -> in
     is snooped against this host's caches, so no other line can be stale). Their marks are
     cleared first, then the lines dropped (the order a racing CPU read needs). Returns how many
     blocks were invalidated (usually none: a GPU-only node never reads payload with its CPU)."""
-    lay = b.layout
-    rel, span = (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes,
-                                                             lay.layer_bytes)
-    marks = b.cpu_marks
-    need = marks.needing(poffs, rel, span)
+    need = needing_invalidation(b, poffs, layer)
     if need.size:
-        marks.clear(need, rel, span)
-        await drop_cached_payloads(b.mem, need, rel, span)
+        await _invalidate(b, need, layer)
     return int(need.size)
+
+
+def _range(b: Any, layer: int | None) -> tuple[int, int]:
+    """(offset in a block, bytes) of ``layer``'s part (None: the whole block)."""
+    lay = b.layout
+    return (0, lay.block_bytes) if layer is None else (layer * lay.layer_bytes, lay.layer_bytes)
+
+
+def needing_invalidation(b: Any, poffs: np.ndarray, layer: int | None) -> np.ndarray:
+    """``invalidate_for_dma``'s look: the blocks among ``poffs`` this host's CPUs may have
+    cached (``layer``'s part)."""
+    rel, span = _range(b, layer)
+    return b.cpu_marks.needing(poffs, rel, span)
+
+
+async def _invalidate(b: Any, need: np.ndarray, layer: int | None) -> None:
+    """``invalidate_for_dma``'s drop of the blocks ``need`` (marks cleared first)."""
+    rel, span = _range(b, layer)
+    b.cpu_marks.clear(need, rel, span)
+    await drop_cached_payloads(b.mem, need, rel, span)
 
 
 _inval_pool: Any = None
@@ -541,7 +557,7 @@ async def finish_get(store: Any, cpath: CudaPath, keys: list[bytes], fut: Stream
             cpath.cancelled += 1
         await asyncio.shield(fut.wait_landed())
         raise
-    txn: ReadTxn = fut.transfer_mode_info  # type: ignore[attr-defined]
+    txn: ReadTxn = fut.transfer_mode_info
     await txn.consume()
     return out
 
