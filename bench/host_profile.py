@@ -107,9 +107,10 @@ async def main_async(args: argparse.Namespace) -> int:
     # they are consumed, and room for the allocator's chunks (1 GiB held 504 of 1024 blocks)
     gib = args.region_gib or max(1, -(-3 * args.blocks * lay.block_bytes // (1 << 30)))
     cfg = tract.EngineConfig(region=path, region_bytes=(gib << 30), create=True,
-                             remove_on_close=True, layout=lay, namespace="host-profile")
+                             remove_on_close=True, layout=lay, namespace="host-profile",
+                             mode=args.mode)
     res: dict[str, Any] = {"device": args.device, "blocks": args.blocks, "rounds": args.rounds,
-                           "layout": "llama3-8b 64 KiB/block/layer"}
+                           "mode": args.mode, "layout": "llama3-8b 64 KiB/block/layer"}
     async with tract.Engine.open(cfg) as eng:
         if cuda:
             eng.cuda_setup()
@@ -117,26 +118,37 @@ async def main_async(args: argparse.Namespace) -> int:
         shape = lay.kv_shape(args.blocks, 0)
         kv = [torch.randn(shape, device=dev).to(lay.dtype) for _ in range(lay.num_layers)]
         out = [torch.empty_like(t) for t in kv]
+        whole = torch.empty(lay.kv_shape(args.blocks), dtype=lay.dtype, device=dev)
         n = 0
+        last: list[list[bytes]] = []
 
-        def fresh() -> list[bytes]:
+        async def fresh() -> list[bytes]:
+            """A new request's keys; in transfer mode the previous request's blocks are
+            consumed first (one whole-block get, untimed) unless already gone, as a decode
+            worker would."""
             nonlocal n
             n += 1
-            return eng.block_keys(range(n * 1_000_000, n * 1_000_000 + 16 * args.blocks))
+            if args.mode == "transfer" and last:
+                prev = last.pop()
+                if eng.lookup(prev) > 0:      # (a CPU layer-by-layer read consumed them)
+                    await eng.get_kv(prev, out=whole)
+            keys = eng.block_keys(range(n * 1_000_000, n * 1_000_000 + 16 * args.blocks))
+            last.append(keys)
+            return keys
 
         warm: dict[str, list[float]] = {"put": [], "get": []}
         for _ in range(args.warmup):
-            await one_round(eng, cuda, fresh(), kv, out, warm)
+            await one_round(eng, cuda, await fresh(), kv, out, warm)
         plain: dict[str, list[float]] = {"put": [], "get": []}
         for _ in range(args.rounds):
-            await one_round(eng, cuda, fresh(), kv, out, plain)
+            await one_round(eng, cuda, await fresh(), kv, out, plain)
         prof = cProfile.Profile()
         profiled: dict[str, list[float]] = {"put": [], "get": []}
-        rounds_keys = [fresh() for _ in range(args.rounds)]
-        prof.enable()
-        for keys in rounds_keys:
+        for _ in range(args.rounds):
+            keys = await fresh()
+            prof.enable()
             await one_round(eng, cuda, keys, kv, out, profiled)
-        prof.disable()
+            prof.disable()
     ops = args.rounds * 2 * lay.num_layers
     res["host_us_median"] = {k: statistics.median(v) for k, v in plain.items()}
     res["host_us_median_profiled"] = {k: statistics.median(v) for k, v in profiled.items()}
@@ -146,7 +158,7 @@ async def main_async(args: argparse.Namespace) -> int:
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(60)
     res["pstats_tottime"] = text.getvalue()
     print(f"host time per layer operation, median over layers 1-31 ({args.rounds} rounds, "
-          f"{args.blocks} blocks, {args.device}): put {res['host_us_median']['put']:.1f} us, "
+          f"{args.blocks} blocks, {args.device}, {args.mode} mode): put {res['host_us_median']['put']:.1f} us, "
           f"get {res['host_us_median']['get']:.1f} us (under the profiler: "
           f"{res['host_us_median_profiled']['put']:.1f} / "
           f"{res['host_us_median_profiled']['get']:.1f})")
@@ -166,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="rounds of 32 puts and 32 gets")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--mode", choices=["transfer", "cache"], default="transfer",
+                   help="the engine's mode (transfer: what the layer benchmark and a "
+                        "prefill/decode pair run; cache: the default of runs before session 51)")
     p.add_argument("--region-dir", default=None)
     p.add_argument("--region-gib", type=int, default=None,
                    help="region size (GiB); default: three rounds' blocks, at least 1")
