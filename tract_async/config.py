@@ -197,6 +197,7 @@ class EngineConfig:
     transport: str = "http"
     nixl_progress_thread: bool = False       # NIXL's own progress thread (it spins: README)
     nixl_pool_device: str = "cpu"            # "cuda[:N]": the block pool in GPU memory (VRAM)
+    nixl_staging_bytes: int = 2 << 30        # NIXL READ staging in use at once (more waits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -245,6 +246,9 @@ class EngineConfig:
             from .transport.nixl_env import INSTALL_HINT
             raise NixlUnavailable(f"EngineConfig.transport='nixl' needs the nixl package, which "
                                   f"is not installed: {INSTALL_HINT}")
+        if self.nixl_staging_bytes <= 0:
+            raise ConfigError(f"EngineConfig.nixl_staging_bytes must be > 0, got "
+                              f"{self.nixl_staging_bytes}")
         if self.nixl_pool_device != "cpu" and not self.nixl_pool_device.startswith("cuda"):
             raise ConfigError(f"EngineConfig.nixl_pool_device must be 'cpu' or 'cuda[:N]', got "
                               f"{self.nixl_pool_device!r}")

@@ -192,6 +192,57 @@ async def test_round_trips_with_nixls_own_progress_thread() -> None:
         await a.close()
 
 
+async def test_staging_in_use_is_bounded_and_reads_wait_their_turn() -> None:
+    """``nixl_staging_bytes``: concurrent remote gets stage at most that much at once (one READ
+    is always let through); the others wait for room, in order, and every get is exact. With
+    the bound below any READ's size, one READ stages at a time; with the default, the same
+    gets' READs overlap (the control). A decode worker under load once staged every arriving
+    request's whole KV at once in GPU memory and ran out of it."""
+    async def six_gets(**kw: Any) -> dict[str, Any]:
+        a, b = await http_pair(**kw)
+        try:
+            sets = [a.block_keys(range(1000 * i, 1000 * i + 16)) for i in range(6)]
+            for ks in sets:
+                await a.put_kv(ks, kv_for_keys(ks))
+            got = await asyncio.gather(*(b.get_kv(ks) for ks in sets))
+            for ks, kv in zip(sets, got):
+                assert all(block_matches(ks, kv))
+            st = b.stats()["nixl"]["staging"]
+            assert st["in_use"] == 0, st
+            return st
+        finally:
+            await b.close()
+            await a.close()
+
+    one = await six_gets(nixl_staging_bytes=1)
+    assert one["reads_max"] == 1 and one["waits"] >= 1, one
+    free = await six_gets()
+    assert free["reads_max"] >= 2 and free["waits"] == 0, free
+
+
+async def test_staging_room_times_out_and_gives_back_what_a_cancelled_waiter_got() -> None:
+    """``_Staging.room``: a READ that cannot get room within its timeout raises the transport's
+    TransferTimeout and leaves no waiter behind; one cancelled just as it was granted hands the
+    room on (nothing leaks); an oversized READ alone is let through."""
+    from tract_async.stores.nixl import _Staging
+    st = _Staging(None, torch.device("cpu"), 0, 1 << 20)     # (room never touches the agent)
+    first = await st.room(1 << 20, None)
+    with pytest.raises(TE.TransferTimeout, match="no room to stage"):
+        await st.room(4096, 0.01)
+    assert not st._waiters and st.in_use == 1 << 20
+    waiter = asyncio.ensure_future(st.room(4096, 5.0))
+    await asyncio.sleep(0)
+    st.release(first)                     # grants the waiter ...
+    waiter.cancel()                       # ... which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert st.in_use == 0 and not st._waiters     # the grant went back
+    big = await st.room(8 << 20, 0.01)    # larger than the bound, alone: let through
+    assert st.in_use == 8 << 20
+    st.release(big)
+    assert st.in_use == 0 and st.in_use_max == 8 << 20 and st.waits == 2
+
+
 async def test_transport_is_chosen_per_peer() -> None:
     """A NIXL engine and an HTTP engine peer with each other; each reads the other over HTTP."""
     a = await tract.Engine.open(http_cfg(0))                            # nixl

@@ -16,7 +16,11 @@ miss and never wrong bytes, transfer-only consumption, LRU, expiry. What this su
 * **Remote gets.** One NIXL READ per peer of a get, into a staging buffer from a small cache of
   registered buffers (registering costs 17-30 µs here, more than a 4 KiB READ over TCP), then the
   same check and copy-out as over HTTP. A READ that times out leaves its buffer quarantined
-  (``nixl_agent``: no reuse while bytes might still land).
+  (``nixl_agent``: no reuse while bytes might still land). The staging in use at once is
+  bounded (``EngineConfig.nixl_staging_bytes``; one READ is always let through, whatever its
+  size): further READs wait for room, in order, within their timeout. Unbounded, a decode
+  worker under load staged every arriving request's whole KV at once in GPU memory and ran out
+  of it (1 GiB a request on the H100 host, ``bench/results/gpu-20261207-s51``).
 * **Layer readiness.** A put of one layer also sends its announce ops to every NIXL peer as a
   NIXL notification, before the HTTP announcement that the put waits for. The receiver merges
   them only into entries that already exist at the same slot and version
@@ -33,10 +37,13 @@ miss and never wrong bytes, transfer-only consumption, LRU, expiry. What this su
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import bisect
+import collections
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -66,22 +73,97 @@ class NixlStats(HttpStats):
     notifs_refused: int = 0          # malformed or unknown notifications (dropped)
 
 
+def _size_class(nbytes: int) -> int:
+    """The staging buffer that holds ``nbytes``: a power of two, at least 4 KiB."""
+    return 1 << max(12, (nbytes - 1).bit_length())
+
+
 class _Staging:
-    """Registered staging buffers for NIXL READs, reused by size (power-of-two classes).
+    """Registered staging buffers for NIXL READs, reused by size (power-of-two classes), and the
+    bound on the bytes of them in use at once (``room`` / ``release``: first come, first
+    served; a READ alone is always let through).
 
     A buffer whose READ was abandoned stays registered and in use (quarantined by the agent);
-    ``give`` never hands it out again and forgets it (the agent frees it when it closes)."""
+    ``give`` never hands it out again and forgets it (the agent frees it when it closes). Its
+    room is released all the same: a bound that quarantined buffers could exhaust would stop
+    every later READ."""
 
-    def __init__(self, agent: NixlAgent, device: torch.device, limit_bytes: int) -> None:
+    def __init__(self, agent: NixlAgent, device: torch.device, limit_bytes: int,
+                 inflight_bytes: int) -> None:
         self.agent = agent
         self.device = device
         self.limit_bytes = limit_bytes
+        self.inflight_bytes = inflight_bytes
+        self.in_use = 0
+        """Bytes of staging held by READs now (their size classes)."""
+        self.in_use_max = 0
+        self.reads = 0
+        """READs holding room now."""
+        self.reads_max = 0
+        self.waits = 0
+        """READs that waited for room."""
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._free: list[tuple[int, int, torch.Tensor, str]] = []   # (nbytes, seq, tensor, name)
         self._cached = 0
         self._seq = 0
 
+    def _fits(self, size: int) -> bool:
+        return self.in_use == 0 or self.in_use + size <= self.inflight_bytes
+
+    def _hold(self, size: int) -> None:
+        self.in_use += size
+        self.in_use_max = max(self.in_use_max, self.in_use)
+        self.reads += 1
+        self.reads_max = max(self.reads_max, self.reads)
+
+    async def room(self, nbytes: int, timeout: float | None) -> int:
+        """Wait (up to ``timeout`` s) until a READ of ``nbytes`` may stage; returns what to
+        ``release`` after it. Raises transport TransferTimeout."""
+        size = _size_class(nbytes)
+        if not self._waiters and self._fits(size):
+            self._hold(size)
+            return size
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((size, fut))
+        self.waits += 1
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except BaseException as e:
+            if fut.done() and not fut.cancelled():
+                self.release(size)          # granted as it gave up: hand it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove((size, fut))
+                self._grant()               # a smaller one behind it may fit now
+            if isinstance(e, TimeoutError):
+                raise TE.TransferTimeout(f"no room to stage {nbytes} bytes within {timeout} s "
+                                         f"({self.in_use} of {self.inflight_bytes} in use)"
+                                         ) from None
+            raise
+        return size
+
+    def release(self, size: int) -> None:
+        """A READ's room back (``room``'s result); wakes the waiters it lets in."""
+        self.in_use -= size
+        self.reads -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        w = self._waiters
+        while w:
+            size, fut = w[0]
+            if fut.done():
+                w.popleft()
+                continue
+            if not self._fits(size):
+                return
+            w.popleft()
+            self._hold(size)
+            fut.set_result(None)
+
     def take(self, nbytes: int) -> tuple[torch.Tensor, str]:
-        size = 1 << max(12, (nbytes - 1).bit_length())
+        size = _size_class(nbytes)
         i = bisect.bisect_left(self._free, (size, -1))
         if i < len(self._free) and self._free[i][0] == size:
             _, _, buf, name = self._free.pop(i)
@@ -115,7 +197,8 @@ class NixlStore(HttpStore):
         self.nixl = NixlAgent(self.agent.name, progress_thread=cfg.nixl_progress_thread)
         self.nixl_pool = self.nixl.register_memory(self.pool.bytes, name=POOL_NAME, writable=False)
         self.nixl.set_notif_handler(self._on_nixl_notif)
-        self._staging = _Staging(self.nixl, self.pool.bytes.device, STAGING_CACHE_BYTES)
+        self._staging = _Staging(self.nixl, self.pool.bytes.device, STAGING_CACHE_BYTES,
+                                 cfg.nixl_staging_bytes)
         self._nixl_peers: set[str] = set()
 
     def _pool_device(self) -> str:
@@ -218,17 +301,28 @@ class NixlStore(HttpStore):
                 yield staging
             return
         m = len(remote_addrs)
-        buf, name = self._staging.take(m * span)
+        t0 = time.monotonic()
+        held = await self._staging.room(m * span, deadline)
         try:
-            info: RegionInfo = self.nixl.registry.get(name)
-            await self._read_into(self.nixl, peer_name, info.addr, info.mem_type, info.dev_id,
-                                  remote_addrs, span, deadline)
-            self.stats.reads_nixl += 1
-            yield buf[:m * span]
+            if deadline is not None:        # (a timeout in seconds: what waiting left of it)
+                deadline = max(0.0, deadline - (time.monotonic() - t0))
+            buf, name = self._staging.take(m * span)
+            try:
+                info: RegionInfo = self.nixl.registry.get(name)
+                await self._read_into(self.nixl, peer_name, info.addr, info.mem_type,
+                                      info.dev_id, remote_addrs, span, deadline)
+                self.stats.reads_nixl += 1
+                yield buf[:m * span]
+            finally:
+                self._staging.give(buf, name)
         finally:
-            self._staging.give(buf, name)
+            self._staging.release(held)
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
-        out["nixl"] = {**self.nixl.describe(), "nixl_peers": sorted(self._nixl_peers)}
+        st = self._staging
+        out["nixl"] = {**self.nixl.describe(), "nixl_peers": sorted(self._nixl_peers),
+                       "staging": {"in_use": st.in_use, "in_use_max": st.in_use_max,
+                                   "limit": st.inflight_bytes, "waits": st.waits,
+                                   "reads_max": st.reads_max}}
         return out
