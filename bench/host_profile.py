@@ -94,6 +94,52 @@ def profile_rows(prof: cProfile.Profile, ops: int, key: str, top: int) -> list[d
     return rows[:top]
 
 
+def thread_times() -> dict[int, dict[str, Any]]:
+    """Every thread of this process (Linux ``/proc``): name (Python's where it has one), CPU
+    seconds, voluntary / involuntary context switches. A helper thread busy in a slow run shows
+    here (the runs of one tree differ by 2x on the H100 hosts: ``gpu-20261207-s51``)."""
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, dict[str, Any]] = {}
+    base = "/proc/self/task"
+    if not os.path.isdir(base):
+        return out
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"{base}/{tid}/comm") as f:
+                comm = f.read().strip()
+            sw = {}
+            with open(f"{base}/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        k, v = line.split(":")
+                        sw[k.strip()] = int(v)
+        except OSError:
+            continue                          # gone meanwhile
+        out[int(tid)] = {"name": names.get(int(tid), comm),
+                         "cpu_s": (int(fields[11]) + int(fields[12])) / tick,
+                         "voluntary": sw.get("voluntary_ctxt_switches", 0),
+                         "involuntary": sw.get("nonvoluntary_ctxt_switches", 0)}
+    return out
+
+
+def thread_delta(before: dict[int, dict[str, Any]],
+                 after: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each thread did between two ``thread_times`` (threads born meanwhile count whole),
+    busiest first."""
+    rows = []
+    for tid, a in after.items():
+        b = before.get(tid, {"cpu_s": 0.0, "voluntary": 0, "involuntary": 0})
+        rows.append({"tid": tid, "name": a["name"], "cpu_s": round(a["cpu_s"] - b["cpu_s"], 3),
+                     "voluntary": a["voluntary"] - b["voluntary"],
+                     "involuntary": a["involuntary"] - b["involuntary"]})
+    rows.sort(key=lambda r: -r["cpu_s"])
+    return rows
+
+
 async def main_async(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -140,8 +186,11 @@ async def main_async(args: argparse.Namespace) -> int:
         for _ in range(args.warmup):
             await one_round(eng, cuda, await fresh(), kv, out, warm)
         plain: dict[str, list[float]] = {"put": [], "get": []}
+        th0, w0 = thread_times(), time.perf_counter()
         for _ in range(args.rounds):
             await one_round(eng, cuda, await fresh(), kv, out, plain)
+        res["threads_unprofiled"] = {"wall_s": round(time.perf_counter() - w0, 3),
+                                     "threads": thread_delta(th0, thread_times())}
         prof = cProfile.Profile()
         profiled: dict[str, list[float]] = {"put": [], "get": []}
         for _ in range(args.rounds):
@@ -162,6 +211,10 @@ async def main_async(args: argparse.Namespace) -> int:
           f"get {res['host_us_median']['get']:.1f} us (under the profiler: "
           f"{res['host_us_median_profiled']['put']:.1f} / "
           f"{res['host_us_median_profiled']['get']:.1f})")
+    th = res["threads_unprofiled"]
+    print(f"\nthreads during the unprofiled rounds ({th['wall_s']} s of wall time; CPU s, "
+          f"voluntary / involuntary switches):")
+    print(C.table(th["threads"], ["name", "tid", "cpu_s", "voluntary", "involuntary"]))
     for key, title in (("by_tottime", "own time"), ("by_cumtime", "cumulative time")):
         print(f"\nby {title}, per operation (puts and gets together, {ops} operations):")
         print(C.table([{"us": round(r[key.replace('by_', '') + '_us_per_op'], 2),
