@@ -53,6 +53,16 @@ from .events import DONE
 DUE_SLACK_S = 200e-6
 """Part of a future's due window (``StreamFuture.due_until``) beyond its relative half."""
 
+SPIN_ADMIT = 0.75
+"""An awaiter spins (``StreamFuture._spin``) when its transfer's ``not_before`` is at most this
+part of the spin budget away. ``not_before`` assumes 60 GB/s; the H100 host's DMAs run at 45-54
+(a 64 MiB layer: not_before 1.12 ms, landed 1.42 ms after its start), so the spin, which lasts
+the budget, still sees a transfer land that it admitted at 3/4 of the budget. Half the budget
+(until session 51) left every 64 MiB layer (1024 blocks) to the poller and the loop's wake-up:
+its await came 240-300 µs after the event had completed (``bench/gpu_layers.py``: e2e 1.66 /
+1.76 ms against event-synced 1.42 / 1.46, put / get, ``bench/results/gpu-20261207-s51``), where
+the spin ends at the landing."""
+
 DUE_ENV = "TRACT_CUDA_POLL_DUE"
 """``0``: no due windows (the poller backs off as soon as it looks), for A/B runs."""
 
@@ -338,9 +348,9 @@ class StreamFuture:
         return (yield from asyncio.shield(self._result_future()).__await__())
 
     def _spin(self) -> None:
-        """On the awaiting (loop) thread, when the transfer should land within half the spin
-        budget (``not_before``): query the event in a tight loop for up to the budget and, once
-        it completed, run the completion here.
+        """On the awaiting (loop) thread, when the transfer should land within ``SPIN_ADMIT`` of
+        the spin budget (``not_before``): query the event in a tight loop for up to the budget
+        and, once it completed, run the completion here.
 
         Why. Through the poller a completion costs its sleep granularity (20-200 µs) plus a
         wake-up of the loop (``call_soon_threadsafe``: a write to the loop's self-pipe, tens of
@@ -351,7 +361,7 @@ class StreamFuture:
         transfer that is about to land."""
         now = time.perf_counter()
         budget = self._spin_ns * 1e-9
-        if self.not_before - now > budget / 2:
+        if self.not_before - now > budget * SPIN_ADMIT:
             return                      # lands later: the poller resolves it without a spinner
         end = now + budget
         ev = self.event
