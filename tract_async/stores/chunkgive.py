@@ -28,11 +28,13 @@ from ..sync.lock import GlobalLock
 from .eviction import Evictor
 from .spares import Spares
 
-GIVE_CHECK_S = 0.005
+GIVE_CHECK_S = 0.05
 """A reservation looks at other nodes' asks for chunks at most this often. Reading every
 node's count line fresh cost ~24 us of a 133 us 64 KiB put on the 2-core VM when done on every
-batch; an asker waits up to ``reservation.CHUNK_WAIT_S``, so a few milliseconds of delay cost it
-nothing."""
+batch, and 83-156 µs of a whole prompt's put start there (213 blocks: ~10 % of it; cold, the
+same look alone takes 17): at 5 ms every whole prompt paid it (``bench/results/
+vm-20261207-s51/wp_stages.log``). An asker waits up to ``reservation.CHUNK_WAIT_S`` (2 s) and
+maintenance looks every round (50 ms or more) as well, so 50 ms here cost it nothing."""
 
 
 class ChunkGiver:
