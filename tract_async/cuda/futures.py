@@ -94,8 +94,9 @@ class Poller:
         self._idle = True
         """The poller is about to wait on ``_cv``, waits there, or has no thread: ``add`` must
         take the lock and wake or start it. Set (under ``_cv``) before the poller's last look at
-        the inbox, cleared only after it has taken something: so an ``add`` that reads it
-        clear appended before that last look, and the poller finds its future."""
+        the inbox; cleared by a started or woken poller before it looks at the inbox again: so
+        an ``add`` that reads it clear appended before the poller's next look, and the poller
+        finds its future."""
         self._thread: threading.Thread | None = None
         # counters (read without the lock: approximate is fine)
         self.wakeups = 0
@@ -110,9 +111,11 @@ class Poller:
         """The longest sleep after such a look."""
 
     def add(self, fut: "StreamFuture") -> None:
-        """Watch ``fut``. One deque append while the poller is polling (every transfer of a
-        layer stream: the lock and notify of a condition were ~3 µs of a one-block layer
-        operation on the H100 host); the lock only to wake an idle poller or start one."""
+        """Watch ``fut``. One deque append while the poller is polling; the lock (and a
+        condition's notify: with the old always-locked add, ~3 µs of a one-block layer
+        operation's own time in the H100 host's profile) only to wake an idle poller or start
+        one. A layer stream in transfer mode still finds it idle at most operations (one notify
+        each in ``bench/host_profile.py``'s profile, ``gpu-20261207-s51`` call 5)."""
         self._inbox.append(fut)
         if self._idle:
             with self._cv:
@@ -136,6 +139,7 @@ class Poller:
         tighten()           # a 20 µs sleep should take 20 µs, not 70 (timerslack.py)
         sleep = self.min_sleep_s
         inbox, cv = self._inbox, self._cv
+        self._idle = False  # (the inbox is looked at next)
         while True:
             while inbox:                # only this thread takes from the inbox
                 self._pending.append(inbox.popleft())
