@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tract_async.cuda.futures import Poller, StreamFuture
+from tract_async.cuda.futures import NAP_MAX_S, Poller, StreamFuture
 
 
 class FakeEvent:
@@ -333,6 +333,66 @@ def test_a_transfer_due_within_three_quarters_of_the_budget_is_spun_for():
     got, dt, resolved, queries = asyncio.run(main())
     assert got == 9 and resolved == 0 and queries >= 50, (got, resolved, queries)
     assert dt < 0.3, dt                    # not the poller's look at not_before (0.6 s)
+
+
+def test_an_awaiter_naps_until_shortly_before_a_later_landing_then_spins():
+    """``NAP_MAX_S``: a transfer due beyond the spin's admission but within the nap bound (a
+    whole prompt: 7.45 ms) is awaited by letting the loop run until half the budget before its
+    expected landing, then spinning: it completes on the loop's thread, with no poller round
+    (this poller would look once every 0.2 s: 50 queries would take it 10 s) and no wake-up
+    through the loop. A transfer due later than the bound is left to the poller."""
+    async def main():
+        p = Poller(min_sleep_s=0.2, max_sleep_s=0.2)
+        ev = CountingEvent(50)
+        fut = StreamFuture(ev, completion=lambda: 21, poller_=p, spin_ns=4_000_000,
+                           not_before_s=0.008)
+        ticks: list[int] = []
+        asyncio.get_running_loop().call_later(0.003, ticks.append, 1)   # during the nap
+        t0 = time.perf_counter()
+        async with asyncio.timeout(1.0):
+            got = await fut
+        dt = time.perf_counter() - t0
+        assert ticks == [1]                   # the loop ran while the awaiter napped
+        far = StreamFuture(FakeEvent(), completion=lambda: 0, poller_=p, spin_ns=4_000_000,
+                           not_before_s=10 * NAP_MAX_S)
+        nap_far = far._nap_s()
+        far.event.fire()
+        return got, dt, p.resolved, nap_far
+
+    got, dt, resolved, nap_far = asyncio.run(main())
+    assert got == 21 and resolved == 0, (got, resolved)
+    assert 0.005 <= dt < 0.5, dt          # napped (the loop ran), then spun; not the poller
+    assert nap_far == 0.0
+
+
+def test_a_cancelled_napping_awaiter_leaves_the_completion_to_the_poller():
+    """Cancelling the task that naps before its spin does not cancel the transfer: the poller
+    still completes it, once."""
+    calls = []
+
+    async def main():
+        p = Poller()
+        ev = FakeEvent()
+        fut = StreamFuture(ev, completion=lambda: calls.append(1) or 5, poller_=p,
+                           spin_ns=2_000_000, not_before_s=0.008)
+        task = asyncio.ensure_future(_await(fut))
+        await asyncio.sleep(0.002)          # napping now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ev.fire()
+        for _ in range(200):
+            if fut.done():
+                break
+            await asyncio.sleep(0.005)
+        return fut
+
+    fut = asyncio.run(main())
+    assert calls == [1] and fut.result() == 5 and not fut.cancelled()
+
+
+async def _await(fut: StreamFuture) -> object:
+    return await fut
 
 
 def test_a_spin_that_runs_out_leaves_the_completion_to_the_poller():
