@@ -548,3 +548,28 @@ def test_futures_added_around_the_pollers_idle_exit_all_resolve():
     p = asyncio.run(main())
     assert p.resolved >= 300 and p.threads_started > 10, (p.resolved, p.threads_started)
     assert p.outstanding == 0
+
+
+def test_an_idle_poller_is_woken_by_the_next_future():
+    """A poller waiting idle (nothing outstanding, its thread alive for ``idle_exit_s``) is woken
+    by the next future's ``add`` at once, not at the end of its idle wait."""
+    async def main():
+        p = Poller(idle_exit_s=5.0)
+        ev = FakeEvent()
+        ev.fire()
+        assert await StreamFuture(ev, completion=lambda: 1, poller_=p) == 1
+        await asyncio.sleep(0.05)               # the poller has dropped it and waits idle
+        assert p.running and p.outstanding == 0
+        waits = []
+        for i in range(5):
+            ev2 = FakeEvent()
+            ev2.fire()
+            t0 = time.perf_counter()
+            async with asyncio.timeout(1.0):
+                assert await StreamFuture(ev2, completion=lambda i=i: i, poller_=p) == i
+            waits.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.02)           # idle again
+        return p, waits
+
+    p, waits = asyncio.run(main())
+    assert p.threads_started == 1 and max(waits) < 0.5, (p.threads_started, waits)

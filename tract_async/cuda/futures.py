@@ -99,17 +99,24 @@ class Poller:
         self.min_sleep_s = min_sleep_s
         self.max_sleep_s = max_sleep_s
         self.idle_exit_s = idle_exit_s
-        self._cv = threading.Condition()
+        self._life = threading.Lock()
+        """Held to start the thread (``add``) and to decide to end it (the poller): so an add
+        racing the poller's exit either is seen by it or starts the next thread."""
+        self._wake = threading.Lock()
+        """A binary semaphore: released (unlocked) by ``add`` to wake an idle poller, which
+        waits by acquiring it. Unlike a condition's notify, the waker takes no lock the woken
+        thread holds: with one, an add waited out the woken poller's round for the GIL (35 µs
+        of an add on the VM, ``bench/results/vm-20261207-s51``)."""
+        self._wake.acquire()
         self._inbox: collections.deque[StreamFuture] = collections.deque()
         """New futures: appended by any thread without a lock (``add``), taken by the poller."""
         self._pending: list[StreamFuture] = []
         """The futures the poller watches: its thread's alone."""
         self._idle = True
-        """The poller is about to wait on ``_cv``, waits there, or has no thread: ``add`` must
-        take the lock and wake or start it. Set (under ``_cv``) before the poller's last look at
-        the inbox; cleared by a started or woken poller before it looks at the inbox again: so
-        an ``add`` that reads it clear appended before the poller's next look, and the poller
-        finds its future."""
+        """The poller is about to wait for ``_wake``, waits there, or has no thread: ``add``
+        must wake or start it. Set before the poller's last look at the inbox; cleared by a
+        started or woken poller before it looks at the inbox again: so an ``add`` that reads it
+        clear appended before the poller's next look, and the poller finds its future."""
         self._thread: threading.Thread | None = None
         # counters (read without the lock: approximate is fine)
         self.wakeups = 0
@@ -124,20 +131,24 @@ class Poller:
         """The longest sleep after such a look."""
 
     def add(self, fut: "StreamFuture") -> None:
-        """Watch ``fut``. One deque append while the poller is polling; the lock (and a
-        condition's notify: with the old always-locked add, ~3 µs of a one-block layer
-        operation's own time in the H100 host's profile) only to wake an idle poller or start
-        one. A layer stream in transfer mode still finds it idle at most operations (one notify
-        each in ``bench/host_profile.py``'s profile, ``gpu-20261207-s51`` call 5)."""
+        """Watch ``fut``. One deque append while the poller is polling (a condition's lock and
+        notify on every add were ~3 µs of a one-block layer operation's own time in the H100
+        host's profile); a wake (``_wake``) for an idle poller, which a layer stream in
+        transfer mode finds at most operations (``gpu-20261207-s51`` call 5); the start of a
+        thread when none runs."""
         self._inbox.append(fut)
         if self._idle:
-            with self._cv:
+            with self._life:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="tract-cuda-poller",
                                                     daemon=True)
                     self.threads_started += 1
                     self._thread.start()
-                self._cv.notify()
+                    return
+            try:
+                self._wake.release()
+            except RuntimeError:
+                pass                    # a wake is pending already
 
     @property
     def outstanding(self) -> int:
@@ -151,22 +162,21 @@ class Poller:
     def _run(self) -> None:
         tighten()           # a 20 µs sleep should take 20 µs, not 70 (timerslack.py)
         sleep = self.min_sleep_s
-        inbox, cv = self._inbox, self._cv
+        inbox, wake = self._inbox, self._wake
         self._idle = False  # (the inbox is looked at next)
         while True:
             while inbox:                # only this thread takes from the inbox
                 self._pending.append(inbox.popleft())
             if not self._pending:
-                with cv:
-                    self._idle = True
-                    if not inbox:
-                        cv.wait(self.idle_exit_s)
-                    if not inbox:
-                        # an add from now on sees _idle, takes the lock after this block and
-                        # starts a new thread
-                        self._thread = None
-                        return
-                    self._idle = False
+                self._idle = True
+                if not inbox and not wake.acquire(timeout=self.idle_exit_s):
+                    with self._life:
+                        if not inbox:
+                            # an add from now on sees _idle, takes _life after this block and
+                            # starts a new thread
+                            self._thread = None
+                            return
+                self._idle = False
                 continue
             batch = self._pending
             self.wakeups += 1
