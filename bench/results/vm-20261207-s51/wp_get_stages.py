@@ -35,6 +35,7 @@ wrap(DR.Template, "at", " template.at")
 wrap(W.FakeCopier, "get_direct", " get_direct(fake)")
 wrap(FU.StreamFuture, "__init__", " StreamFuture()")
 wrap(CS, "_validator", " _validator")
+wrap(FU.Poller, "add", "  poller.add")
 from tract_async.cuda import layerstream as LS
 wrap(LS.Streams, "add_get", " streams.add_get")
 wrap(LS.GetStream, "__init__", " GetStream()")
