@@ -42,6 +42,30 @@ import tract_async as tract  # noqa: E402
 NS_PER_US = 1000.0
 
 
+class _Yard:
+    def __init__(self) -> None:
+        self.a = 1
+        self.b: list[int] = []
+
+    def f(self, x: int) -> int:
+        return self.a + x
+
+
+def yardstick_us() -> float:
+    """A fixed piece of plain Python (calls, attributes, a list, a dict), timed: how fast this
+    process runs Python right now. On the H100 hosts one tree's runs differ up to 2x
+    (``bench/results/gpu-20261207-s51``); the operations' times over this tell the host's
+    speed from the code's."""
+    t0 = time.perf_counter_ns()
+    r, t = _Yard(), 0
+    for i in range(60):
+        t += r.f(i)
+        r.b.append(i)
+        d = {"k": i}
+        t += d["k"]
+    return (time.perf_counter_ns() - t0) / NS_PER_US
+
+
 async def one_round(eng: Any, cuda: bool, keys: list[bytes], kv: list[Any], out: list[Any],
                     times: dict[str, list[float]]) -> None:
     """Every layer's put, then every layer's get, each started and awaited; host times (the
@@ -58,6 +82,7 @@ async def one_round(eng: Any, cuda: bool, keys: list[bytes], kv: list[Any], out:
             t1 = pc()
         if i:
             times["put"].append((t1 - t0) / NS_PER_US)
+            times.setdefault("yardstick", []).append(yardstick_us())
     for i, o in enumerate(out):
         t0 = pc()
         if cuda:
@@ -200,6 +225,8 @@ async def main_async(args: argparse.Namespace) -> int:
             prof.disable()
     ops = args.rounds * 2 * lay.num_layers
     res["host_us_median"] = {k: statistics.median(v) for k, v in plain.items()}
+    yard = res["host_us_median"]["yardstick"]
+    res["over_yardstick"] = {k: res["host_us_median"][k] / yard for k in ("put", "get")}
     res["host_us_median_profiled"] = {k: statistics.median(v) for k, v in profiled.items()}
     res["by_tottime"] = profile_rows(prof, ops, "tottime_us_per_op", args.top)
     res["by_cumtime"] = profile_rows(prof, ops, "cumtime_us_per_op", args.top)
@@ -210,7 +237,9 @@ async def main_async(args: argparse.Namespace) -> int:
           f"{args.blocks} blocks, {args.device}, {args.mode} mode): put {res['host_us_median']['put']:.1f} us, "
           f"get {res['host_us_median']['get']:.1f} us (under the profiler: "
           f"{res['host_us_median_profiled']['put']:.1f} / "
-          f"{res['host_us_median_profiled']['get']:.1f})")
+          f"{res['host_us_median_profiled']['get']:.1f}); a Python yardstick {yard:.2f} us "
+          f"in the same rounds: put / get {res['over_yardstick']['put']:.2f} / "
+          f"{res['over_yardstick']['get']:.2f} of it")
     th = res["threads_unprofiled"]
     print(f"\nthreads during the unprofiled rounds ({th['wall_s']} s of wall time; CPU s, "
           f"voluntary / involuntary switches):")
