@@ -158,21 +158,33 @@ def with_skip_site(m: Mem, skip_site: int) -> Mem:
 # all: three stores in a caller's loop still cost 156 ns. The Mem now holds only integers
 # (a plain tuple, ``Mem``), so nothing is counted anywhere; the split stays, as the sim half
 # is large.
+#
+# Why ``forceinline=True`` and not ``inline="always"``. Both put the word kernels' code into
+# their callers; ``inline="always"`` does it on Numba's IR, before typing: every call site
+# deep-copies the callee's IR and runs Numba's untyped passes on it again (919 inlines in the
+# warm-up scenario, a third of its compile time under cProfile). ``forceinline`` marks the
+# LLVM function ``alwaysinline``: each kernel is typed and lowered once per signature and LLVM
+# inlines it when it links the caller. The warm-up's cold compile (with its helper, CI's
+# bounds checks) took 0.77-0.80x the time and CPU of the IR inlining's in three alternating
+# pairs (62.6 -> 48.4, 48.8 -> 39.3, 48.2 -> 37.4 s), the machine code kept calls only to the
+# kernels that are not inlined, and bench/kernels.py and bench/putget.py stayed within their
+# noise (bench/results/vm-20261207-s52/README.md). (A plain call, neither, compiled as fast but
+# left 2,500 calls in the machine code.)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _check_word(size_bytes, offset_bytes):
     if offset_bytes < 0 or offset_bytes + 8 > size_bytes or (offset_bytes & 7) != 0:
         raise IndexError("region word offset out of range or misaligned")
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _check_range(size_bytes, offset_bytes, nbytes):
     if offset_bytes < 0 or nbytes < 0 or offset_bytes + nbytes > size_bytes:
         raise IndexError("region byte range out of bounds")
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _hw_load(base_addr, size_bytes, offset_bytes):
     _check_word(size_bytes, offset_bytes)
     return aload64(np.uint64(base_addr) + np.uint64(offset_bytes))
@@ -184,7 +196,7 @@ def _sim_load(m, offset_bytes):
     return sim.sim_load(m, offset_bytes)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _hw_store(base_addr, size_bytes, offset_bytes, value):
     _check_word(size_bytes, offset_bytes)
     astore64(np.uint64(base_addr) + np.uint64(offset_bytes), value)
@@ -196,7 +208,7 @@ def _sim_store(m, offset_bytes, value):
     sim.sim_store(m, offset_bytes, value)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _hw_store_nt(base_addr, size_bytes, offset_bytes, value):
     _check_word(size_bytes, offset_bytes)
     ntstore64(np.uint64(base_addr) + np.uint64(offset_bytes), value)
@@ -208,7 +220,7 @@ def _sim_store_nt(m, offset_bytes, value):
     sim.sim_store_nt(m, offset_bytes, value)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _hw_flush(base_addr, size_bytes, flush_insn, skip_site, offset_bytes, site):
     if site == skip_site:
         return
@@ -227,7 +239,7 @@ def _sim_flush(m, offset_bytes, site, keep):
     sim.sim_flush(m, offset_bytes, keep)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _hw_writeback(base_addr, size_bytes, skip_site, offset_bytes, site):
     if site == skip_site:
         return
@@ -235,7 +247,7 @@ def _hw_writeback(base_addr, size_bytes, skip_site, offset_bytes, site):
     clwb_line(np.uint64(base_addr) + np.uint64(offset_bytes))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def load(m, offset_bytes):
     """Load one 64-bit word (no invalidate: may be stale on incoherent memory)."""
     if m[MEM_BACKEND] == BACKEND_SIM:
@@ -243,7 +255,7 @@ def load(m, offset_bytes):
     return _hw_load(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], offset_bytes)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def store(m, offset_bytes, value):
     """Store one 64-bit word (no flush: other nodes may not see it yet)."""
     if m[MEM_BACKEND] == BACKEND_SIM:
@@ -252,7 +264,7 @@ def store(m, offset_bytes, value):
         _hw_store(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], offset_bytes, np.uint64(value))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def store_nt(m, offset_bytes, value):
     """Store one 64-bit word non-temporally (``movnti``): it goes to memory with no flush.
 
@@ -267,7 +279,7 @@ def store_nt(m, offset_bytes, value):
         _hw_store_nt(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], offset_bytes, np.uint64(value))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def flush(m, offset_bytes, site):
     """Write back and invalidate the line holding ``offset_bytes`` (clflushopt/clflush).
 
@@ -281,7 +293,7 @@ def flush(m, offset_bytes, site):
                   offset_bytes, site)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def invalidate(m, offset_bytes, site):
     """Drop this node's cached copy of the line so that the next load reads memory.
 
@@ -296,7 +308,7 @@ def invalidate(m, offset_bytes, site):
                   offset_bytes, site)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def writeback(m, offset_bytes, site):
     """``clwb``: write the line back, possibly keeping it cached. Writer side only."""
     if m[MEM_BACKEND] == BACKEND_SIM:
@@ -305,21 +317,21 @@ def writeback(m, offset_bytes, site):
         _hw_writeback(m[MEM_BASE_ADDR], m[MEM_SIZE_BYTES], m[MEM_SKIP_SITE], offset_bytes, site)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def store_fence(m):
     """``sfence``: order earlier stores and flushes before later stores (no-op in the sim)."""
     if m[MEM_BACKEND] == BACKEND_HW:
         sfence()
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def full_fence(m):
     """``mfence``: later loads may not pass earlier stores or flushes (no-op in the sim)."""
     if m[MEM_BACKEND] == BACKEND_HW:
         mfence()
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def prefetch(m, offset_bytes):
     """Start loading the line of ``offset_bytes`` (``prefetcht0``; a hint: no fault, no
     ordering). Why: a batch that invalidated many scattered lines and fenced then loads each
@@ -332,7 +344,7 @@ def prefetch(m, offset_bytes):
         prefetch_line(np.uint64(m[MEM_BASE_ADDR]) + np.uint64(offset_bytes))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def store_flush(m, offset_bytes, value, site):
     """Publish one word: store, flush its line, ``mfence``."""
     store(m, offset_bytes, value)
@@ -340,7 +352,7 @@ def store_flush(m, offset_bytes, value, site):
     full_fence(m)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def load_fresh(m, offset_bytes, site):
     """Read one word as memory holds it now: invalidate its line, ``mfence``, load."""
     invalidate(m, offset_bytes, site)

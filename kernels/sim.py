@@ -65,52 +65,52 @@ def new_state(cache_lines: int, seed: int, evict_prob: float) -> tuple[np.ndarra
 # (mem.py, "Why the Mem holds only integers").
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _tag(m, slot):
     return np.int64(aload64(np.uint64(m[MEM_TAGS_ADDR]) + np.uint64(slot * 8)))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _set_tag(m, slot, line):
     astore64(np.uint64(m[MEM_TAGS_ADDR]) + np.uint64(slot * 8), np.uint64(np.int64(line)))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _word(m, slot, w):
     return aload64(np.uint64(m[MEM_LINES_ADDR]) + np.uint64((slot * 8 + w) * 8))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _set_word(m, slot, w, value):
     astore64(np.uint64(m[MEM_LINES_ADDR]) + np.uint64((slot * 8 + w) * 8), np.uint64(value))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _dirty(m, slot):
     return _load_byte(np.uint64(m[MEM_DIRTY_ADDR]) + np.uint64(slot))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _set_dirty(m, slot, value):
     _store_byte(np.uint64(m[MEM_DIRTY_ADDR]) + np.uint64(slot), np.uint8(value))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _ctl(m, i):
     return aload64(np.uint64(m[MEM_CTL_ADDR]) + np.uint64(i * 8))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _set_ctl(m, i, value):
     astore64(np.uint64(m[MEM_CTL_ADDR]) + np.uint64(i * 8), np.uint64(value))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _count(m, i):
     _set_ctl(m, i, _ctl(m, i) + np.uint64(1))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _slot_of(m, line_index):
     h = np.uint64(line_index) * np.uint64(0x9E3779B97F4A7C15)
     return np.int64((h >> np.uint64(40)) & np.uint64(m[MEM_CACHE_LINES] - 1))

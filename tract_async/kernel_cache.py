@@ -214,7 +214,10 @@ def preload() -> int:
     makes one (a constant argument, such as a flush site's number: a call from Python types an
     int as ``int64``), and the calling kernel's own machine code holds the code it calls, so
     loading it serves no call. That is 53 of 174 signatures and a third of the loading time
-    (0.33 of 0.95 s on the 2-core VM), in every process that opens an engine."""
+    (0.33 of 0.95 s on the 2-core VM), in every process that opens an engine. For the same
+    reason a ``forceinline`` kernel is left out (the word accesses, ``kernels/mem.py``): its
+    callers hold its code; a call from Python loads it from the cache then (35 signatures,
+    ~0.2 s of every preload on the 2-core VM)."""
     global _preloaded
     with _state_lock:
         if _preloaded:
@@ -223,6 +226,8 @@ def preload() -> int:
     from numba.core.types import Literal
     n = 0
     for d in _engine_dispatchers():
+        if d.targetoptions.get("forceinline"):
+            continue
         try:
             cache = d._cache
             index = cache._cache_file._load_index()

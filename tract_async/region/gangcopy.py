@@ -88,7 +88,7 @@ some block was stored under another namespace than the reader's (``region/namesp
 either way the step-by-step read looks again and says which."""
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def foreign_ns(flags, ns_tag):
     """Whether an entry whose ``flags`` word is ``flags`` was stored under a namespace other
     than ``ns_tag`` (a tag of 0 on either side is not checked: ``region/namespaces.py``)."""

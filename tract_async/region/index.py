@@ -203,7 +203,7 @@ def lane_line(header_offset: int, lane: int) -> int:
 # jitted primitives (no lock: readers)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _tag_off(tgeo, poff):
     """Offset of the slot tag of the payload at ``poff`` (``layout.SLOT_TAG``), or -1 when the
     region has no tags or ``poff`` lies outside the chunk area."""
@@ -215,7 +215,7 @@ def _tag_off(tgeo, poff):
             + (rel % tgeo[TG_CHUNK_BYTES]) // tgeo[TG_MIN_SLOT] * TAG_WORD_BYTES)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _tag_of(slot, version):
     return (np.uint64(slot + 1) << np.uint64(TAG_VERSION_BITS)) | (
         np.uint64(version) & np.uint64(TAG_VERSION_MASK))
@@ -242,7 +242,7 @@ def _active(m, eoff, lanes, own=-1):
     return act
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _home(k0, mask, lanes):
     """First entry of the key's home group: the group of ``lanes`` entries its hash names."""
     return np.int64(k0 & np.uint64(mask)) & ~np.int64(lanes - 1)
@@ -607,7 +607,7 @@ def publish_layers_known(m, eoff, slots, lo_val, hi_val, all_lo, all_hi):
 # global-lock holder
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _claimed_find(table, slot):
     """Batch position that claimed ``slot`` in this call, or -1 (``table`` rows: slot, position)."""
     h = np.int64((np.uint64(slot) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & (table.shape[0] - 1)
@@ -618,7 +618,7 @@ def _claimed_find(table, slot):
     return -1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _claimed_add(table, slot, pos):
     h = np.int64((np.uint64(slot) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & (table.shape[0] - 1)
     while table[h, 0] >= 0:
@@ -920,7 +920,7 @@ def clear_lane(m, eoff, mask, lanes, lane):
 _NOT_A_VICTIM = np.uint64(2**64 - 1)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def _victim_age(m, off, now_ns):
     """The LRU sort key of the entry at ``off`` (lines already fresh): 0 for an expired
     transfer-only entry (goes first), else its last touch | 1; ``_NOT_A_VICTIM`` when it is

@@ -190,7 +190,7 @@ def post_request(m, req_off, epoch):
 GRANT_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, forceinline=True)
 def grant_check(req, token):
     """The grant line's check word. Multiplying by an odd constant is a bijection, so a read that
     pairs a grant's ``grant_seq`` with another grant's token or check word fails it."""
