@@ -1,5 +1,6 @@
 """ServiceConfig's GIL knobs: a worker's engine does not spin on its loop, and the worker
-process bounds how long a thread waits for the GIL (``ServiceConfig``'s docstring says why)."""
+process bounds how long a thread waits for the GIL (``ServiceConfig``'s docstring says why).
+And what a worker checks of its configuration before it builds its model."""
 from __future__ import annotations
 
 import asyncio
@@ -119,3 +120,34 @@ def test_nixl_progress_thread_auto_follows_the_cores(monkeypatch) -> None:
     with pytest.raises(ServiceConfigError):
         ServiceConfig(role="prefill", mode="nixl", nixl_progress_thread="maybe")
 
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_region_in_a_missing_directory_fails_before_the_model_is_built(
+        tmp_path, monkeypatch, role: str) -> None:  # noqa: ANN001
+    """A worker that is to create its region in a directory that does not exist says so at
+    once, in ``Engine.open``'s words, instead of after building its model (the failed starts of
+    tests/serving/test_zygote.py spent 7-10 CPU-s each on the model first)."""
+    from tract_async.errors import RegionNotFound
+    from tract_async.serving import decode_worker, prefill_worker
+    mod = prefill_worker if role == "prefill" else decode_worker
+    built: list[object] = []
+    monkeypatch.setattr(mod, "load_model", lambda cfg: built.append(cfg))
+    region = str(tmp_path / "no-such-dir" / "region")
+    cfg = ServiceConfig(role=role, mode="region-transfer", node_id=0 if role == "prefill" else 1,
+                        create_region=True, region=region)
+    app = mod.build_app(cfg)
+    res = (prefill_worker._resources if role == "prefill" else decode_worker._resources)(app)
+    with pytest.raises(RegionNotFound, match=r"directory .*no-such-dir does not exist"):
+        await res.__anext__()
+    assert built == []
+    assert not (tmp_path / "no-such-dir").exists()
+
+
+def test_check_creatable_passes_an_existing_directory_and_creates_nothing(tmp_path) -> None:  # noqa: ANN001
+    from tract_async.errors import RegionNotFound
+    from tract_async.region.region import check_creatable
+    check_creatable(str(tmp_path / "region"))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RegionNotFound, match="create it first"):
+        check_creatable(str(tmp_path / "a" / "b" / "region"))

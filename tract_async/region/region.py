@@ -288,6 +288,15 @@ def _cannot_create(path: str) -> RegionNotFound:
                           f"(/dev/shm), hugetlbfs or a local disk, or use a devdax device")
 
 
+def check_creatable(path: str) -> None:
+    """Raise what creating a region at ``path`` would (``RegionNotFound``, with the same words)
+    where its directory does not exist. For a caller that has expensive work to do before it
+    creates the region: a serving worker builds its model (seconds of CPU) before it opens its
+    engine, and a mistyped ``--region`` should not wait for that to be reported."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise _cannot_create(path)
+
+
 def _lock_for_create(fd: int, path: str) -> None:
     """Take the creator lock (module docstring) on a freshly opened region file, or refuse:
     another process is creating a region at this path right now."""

@@ -46,8 +46,8 @@ from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import (ENGINE_MODES, SALTED_MODES, SEQUENTIAL_MODES,
                                           DecodeRequest, decode_past_len, error_body, now)
 from tract_async.serving.service import (ServiceConfig, TaskOwner, agent_ready_info,
-                                         agent_secret, kv_layout, load_model, open_engine,
-                                         worker_app)
+                                         agent_secret, check_before_model, kv_layout, load_model,
+                                         open_engine, worker_app)
 
 #: Modes whose decode reads every layer in one engine get after the prefill has answered: the
 #: sequential modes that move KV through an Engine (rdma-model, nixl).
@@ -363,6 +363,7 @@ DECODE_KEY = web.AppKey("decode_worker", DecodeWorker)
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     w = app[DECODE_KEY]
     cfg = w.cfg
+    check_before_model(cfg)
     w.model = await asyncio.to_thread(load_model, cfg)
     w.layout = kv_layout(cfg, w.model)
     async with contextlib.AsyncExitStack() as stack:

@@ -42,8 +42,8 @@ from tract_async.serving.metrics import ServiceMetrics
 from tract_async.serving.protocol import (ENGINE_MODES, NET_MODES, SALTED_MODES, PrefillReply,
                                           PrefillRequest, error_body, now)
 from tract_async.serving.service import (KVDevice, ServiceConfig, TaskOwner, agent_ready_info,
-                                         agent_secret, kv_layout, load_model, open_engine,
-                                         worker_app)
+                                         agent_secret, check_before_model, kv_layout, load_model,
+                                         open_engine, worker_app)
 
 
 class PrefillWorker:
@@ -268,6 +268,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     """Model, then engine or agent; released in reverse order."""
     w = app[PREFILL_KEY]
     cfg = w.cfg
+    check_before_model(cfg)
     w.model = await asyncio.to_thread(load_model, cfg)
     w.layout = kv_layout(cfg, w.model)
     async with contextlib.AsyncExitStack() as stack:

@@ -293,6 +293,15 @@ def engine_config(cfg: ServiceConfig, layout: Any) -> Any:
                               create=cfg.create_region, chunk_bytes=chunk)
 
 
+def check_before_model(cfg: ServiceConfig) -> None:
+    """What would make the worker's ``open_engine`` fail and can be known before its model is
+    built (1-10 s of CPU on the 2-core VM): a region to create in a directory that does not
+    exist (``RegionNotFound``, as ``Engine.open`` words it)."""
+    if cfg.create_region and cfg.region:
+        from tract_async.region.region import check_creatable
+        check_creatable(cfg.region)
+
+
 async def open_engine(cfg: ServiceConfig, layout: Any, *, attach_timeout_s: float = 60.0) -> Any:
     """Open the worker's Engine. An attaching worker (``create_region`` false) waits, up to
     ``attach_timeout_s``, for the creating worker to have made the region (they start together).
