@@ -188,3 +188,63 @@ def test_a_later_layer_whose_enqueue_fails_abandons_the_request_as_the_whole_pat
             assert await eng.put_kv(keys, kv) == n              # all new again
             assert same_bits(await eng.get_kv(keys, device="cuda"), kv)
     asyncio.run(main())
+
+
+def region_stats(eng: tract.Engine):
+    return eng._store.blocks.stats
+
+
+def test_layers_a_validated_read_saw_in_need_no_look_and_stay_exact(region_path):
+    """cuda/layerstream.py, "Seen layers": a request read after its prefill finished looks at
+    the entries on its first layer only; the next request of the same keys looks again on its
+    first layer (a layer asked again), then not."""
+    lay = layout(6)
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
+            n = 7
+            keys = eng.block_keys(tokens(n, lay, 11))
+            kv = rand_kv(lay, n, 11)
+            await eng.put_kv(keys, kv)
+            st = region_stats(eng)
+            for rnd in range(2):
+                out = torch.zeros_like(kv)
+                seen0, known0 = st.seen_layer_reads, st.known_slot_reads
+                for i in range(lay.num_layers):
+                    await (await eng.start_get_kv(keys, out=out[i], layer=i))
+                assert same_bits(out, kv), rnd
+                # round 0: layer 0 makes the stream (the whole path); round 1: layer 0 is
+                # asked again, so it looks (known slots); every later layer: no look
+                assert st.seen_layer_reads - seen0 == lay.num_layers - 1, rnd
+                assert st.known_slot_reads - known0 == rnd, rnd
+    asyncio.run(main())
+
+
+def test_a_layer_not_yet_seen_in_is_looked_at_while_the_producer_streams(region_path):
+    """A decode stream that reads each layer as it lands: the first read saw only layer 0 in,
+    so layer 1 is looked at (then found in), and layers are skipped only once a validated
+    read saw them in; every layer exact."""
+    lay = layout(6)
+
+    async def main():
+        async with tract.Engine.open(cfg(region_path, lay)) as eng:
+            n = 9
+            keys = eng.block_keys(tokens(n, lay, 12))
+            kv = rand_kv(lay, n, 12)
+            out = torch.zeros_like(kv)
+            st = region_stats(eng)
+            await (await eng.start_put_kv(keys, kv[0], layer=0))
+            await (await eng.start_get_kv(keys, out=out[0], layer=0))   # the stream
+            seen0, known0 = st.seen_layer_reads, st.known_slot_reads
+            await (await eng.start_put_kv(keys, kv[1], layer=1))
+            await (await eng.start_get_kv(keys, out=out[1], layer=1))
+            assert (st.seen_layer_reads - seen0, st.known_slot_reads - known0) == (0, 1)
+            for i in range(2, lay.num_layers):
+                await (await eng.start_put_kv(keys, kv[i], layer=i))
+            for i in range(2, lay.num_layers):
+                await (await eng.start_get_kv(keys, out=out[i], layer=i))
+            # layer 2 learned from layer 1's read (layers 0-1 in): looked; it saw them all
+            assert (st.seen_layer_reads - seen0, st.known_slot_reads - known0) == (
+                lay.num_layers - 3, 2)
+            assert same_bits(out, kv)
+    asyncio.run(main())

@@ -80,3 +80,75 @@ def test_fits_only_the_first_layers_tensor_form() -> None:
     assert not st.fits(1, torch.empty(LAY.kv_shape(3, 0), dtype=torch.float16))
     assert not st.fits(1, good.transpose(1, 2).contiguous().transpose(1, 2))
     assert st.nbytes == 3 * LAY.layer_bytes
+
+
+def get_stream(rows: np.ndarray, first: int = 0, layers: int = 8) -> ls.GetStream:
+    n = rows.shape[0]
+    poffs = rows[:, 3].copy()
+    tmpl = direct.template(LAY, poffs, False, 0)
+    assert tmpl is not None
+    t = torch.empty(LAY.kv_shape(n, 0), dtype=LAY.dtype)
+    return ls.GetStream(keys_of(n, 7), t, None, tmpl, layers, poffs, rows,
+                        np.zeros((n, 4), dtype=np.uint64), first)
+
+
+def snap_rows(n: int, state: int, lo: int) -> np.ndarray:
+    """Snapshot rows (``PrefixIndex.snapshot`` columns) of ``n`` evenly spaced blocks."""
+    rows = np.zeros((n, 8), dtype=np.int64)
+    rows[:, 0] = np.arange(n)
+    rows[:, 1] = 5
+    rows[:, 2] = state
+    rows[:, 3] = np.arange(n, dtype=np.int64) * LAY.block_bytes + (1 << 20)
+    rows[:, 4] = LAY.block_bytes
+    rows[:, 5] = lo
+    return rows
+
+
+def test_a_stream_knows_only_layers_a_validated_read_of_its_rows_saw_in_every_block() -> None:
+    """cuda/layerstream.py, "Seen layers": nothing is known before a validated read; then the
+    AND of the blocks' bits (READY: every layer); a read validated against rows the stream no
+    longer reads by teaches nothing; new rows forget."""
+    from tract_async.region.index import READY, RESERVED
+    rows = snap_rows(3, RESERVED, 0b0011)
+    s = get_stream(rows)
+    assert not s.knows(1)                       # no validated read yet: look
+    part = rows.copy()
+    part[:, 5] = 0b0111
+    part[1, 5] = 0b1111                         # one block further on: the AND counts
+    s.validated(s.rows, part)
+    assert s.knows(2)
+    assert not s.knows(3)
+    later = rows.copy()
+    later[:, 5] = 0b11111111
+    s.validated(rows.copy(), later)             # prepared by other rows: not learned
+    assert not s.knows(4)
+    s.validated(s.rows, later)
+    assert s.knows(5) and s.knows(6)
+    s.new_rows(rows.copy())                     # (a wait found newer entries): forgotten
+    assert not s.knows(7)
+    ready = snap_rows(3, READY, 0)              # READY rows hold every layer, bits or not
+    s2 = get_stream(ready)
+    s2.validated(s2.rows, ready)
+    assert all(s2.knows(i) for i in range(1, 8))
+
+
+def test_a_layer_asked_again_starts_a_new_requests_reads() -> None:
+    """A layer read a second time by the same stream (the same keys' next request) forgets what
+    was learned and looks: blocks consumed or evicted and put again are then waited for."""
+    from tract_async.region.index import READY
+    ready = snap_rows(2, READY, 0)
+    s = get_stream(ready, first=0)
+    s.validated(s.rows, ready)
+    assert [s.knows(i) for i in range(1, 8)] == [True] * 7
+    assert not s.knows(0)                       # layer 0 again: a new request; look
+    s.validated(s.rows, ready)
+    assert s.knows(1)
+
+
+def test_layers_in_all_covers_both_words() -> None:
+    from tract_async.region.index import RESERVED
+    rows = snap_rows(2, RESERVED, -1)           # all 64 low bits (int64 -1)
+    rows[:, 6] = 0b1
+    rows[1, 6] = 0b11
+    assert ls.layers_in_all(rows, 66) == (1 << 65) - 1
+    assert ls.layers_in_all(rows[:0], 5) == 0b11111

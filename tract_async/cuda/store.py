@@ -393,14 +393,16 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         nbytes = dc.nbytes
         ev, keep = copier.get_direct(dc, tensors[0], after)
         validate = _validator(cpath, txn, nbytes, result, cpu=False)
+        if layer is not None and method is None:
+            # the request's later layers: one short enqueue each (cuda/layerstream.py)
+            gs = layerstream.GetStream(keys, tensors[0], copier, tmpl, lay.num_layers, poffs,
+                                       snap.copy(), txn.key_words(), layer)
+            cpath.streams.add_get(gs)
+            validate = _validator(cpath, txn, nbytes, result, cpu=False,
+                                  on_ok=_learn(gs, gs.rows, txn))
         fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                            not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
                            spin_ns=b.spin_ns)
-        if layer is not None and method is None:
-            # the request's later layers: one short enqueue each (cuda/layerstream.py)
-            cpath.streams.add_get(layerstream.GetStream(keys, tensors[0], copier, tmpl,
-                                                        lay.num_layers, poffs, snap.copy(),
-                                                        txn.key_words()))
     else:
         plan = make_plan(poffs, np.arange(n, dtype=np.int64))
         nbytes = plan.nbytes
@@ -425,10 +427,12 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
 
 
 def _validator(cpath: CudaPath, txn: ReadTxn, nbytes: int, result: Any, *, cpu: bool,
-               on_miss: Callable[[], Any] | None = None) -> Callable[[], Any]:
+               on_miss: Callable[[], Any] | None = None,
+               on_ok: Callable[[], Any] | None = None) -> Callable[[], Any]:
     """A read's completion: once its copy has landed, the lifecycle's step 4 (every block still
-    the one snapshotted, else BlockEvicted, counted here, ``on_miss`` run); gives ``result``.
-    ``cpu``: this host's CPU read the bytes (the pinned fallback)."""
+    the one snapshotted, else BlockEvicted, counted here, ``on_miss`` run; ``on_ok`` run when
+    it passed); gives ``result``. ``cpu``: this host's CPU read the bytes (the pinned
+    fallback)."""
     def validate() -> Any:
         try:
             txn.validate(nbytes, cpu=cpu)
@@ -437,8 +441,16 @@ def _validator(cpath: CudaPath, txn: ReadTxn, nbytes: int, result: Any, *, cpu: 
             if on_miss is not None:
                 on_miss()
             raise
+        if on_ok is not None:
+            on_ok()
         return result
     return validate
+
+
+def _learn(s: layerstream.GetStream, base: np.ndarray, txn: ReadTxn) -> Callable[[], None]:
+    """A stream read's ``on_ok``: the layers its snapshot showed in become known to ``s``
+    (``GetStream.validated``; cuda/layerstream.py, "Seen layers")."""
+    return lambda: s.validated(base, txn.snap)
 
 
 async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer: int,
@@ -454,7 +466,9 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
     b = store.blocks
     txn = ReadTxn(b, s.keys, layer, timeout, "cuda", words=s.words)
     sp = s.poffs
-    if not txn.prepare_known(s.rows):
+    if s.knows(layer):                      # a validated read saw it in for every block
+        txn.prepare_seen(s.rows)
+    elif not txn.prepare_known(s.rows):
         snap = await txn.prepare()          # waits for the layer (or says what is wrong)
         poffs = snap[:, SNAP_POFF]
         if poffs.shape[0] != sp.shape[0] or not (poffs == sp).all():
@@ -462,7 +476,8 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
             streams.drop(s)
             streams.declined += 1
             return None
-        s.rows = snap.copy()                # the same slots, maybe newer entries: kept fresh
+        s.new_rows(snap.copy())             # the same slots, maybe newer entries: kept fresh
+    base = s.rows
     need = needing_invalidation(b, sp, layer)
     if need.size:                       # (no coroutine for the usual nothing-to-drop)
         await _invalidate(b, need, layer)
@@ -470,7 +485,8 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
     ev, keep = s.copier.get_direct(dc, out, after)
     nbytes = s.nbytes
     # a miss: the stream's rows are stale, so the next layer looks the keys up
-    validate = _validator(cpath, txn, nbytes, result, cpu=False, on_miss=lambda: streams.drop(s))
+    validate = _validator(cpath, txn, nbytes, result, cpu=False, on_miss=lambda: streams.drop(s),
+                          on_ok=_learn(s, base, txn))
     fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                        not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
                        spin_ns=b.spin_ns)

@@ -285,6 +285,10 @@ class BlockLifecycle:
         """Steps 1-2 of a later layer's read by a kept snapshot (``ReadSide.prepare_known``)."""
         return self.reader.prepare_known(rows, layer)
 
+    def read_seen(self) -> None:
+        """Steps 1-2 of a layer read that needs no look (``ReadSide.read_seen``)."""
+        self.reader.read_seen()
+
     def validate_read(self, kb: KeyBatch, snap: np.ndarray, nbytes: int, *,
                       cpu: bool = True, layer: int | None = None) -> None:
         """Step 4 of a read (``ReadSide.validate_read``), after its copy."""

@@ -153,6 +153,13 @@ class ReadSide:
         self.preclaimer.read_started()
         return self._refreshed(rows, layer)
 
+    def read_seen(self) -> None:
+        """Steps 1-2 of a later layer's read that a validated read of the same snapshot saw
+        published for every block (``cuda/layerstream.py``, "Seen layers"): no entry to look
+        at; counted, and the read is announced as ``prepare_known`` does."""
+        self.preclaimer.read_started()
+        self.stats.seen_layer_reads += 1
+
     def _refreshed(self, rows: np.ndarray, layer: int) -> np.ndarray | None:
         """A copy of ``rows`` with each entry's layer bits and flags afresh, if every block is
         fine for ``layer`` (``rows_fine``: present, the layer in, this namespace, in bounds)."""

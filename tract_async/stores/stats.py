@@ -77,6 +77,9 @@ class StoreStats(TransferStats):
     known_slot_reads: int = 0
     """Layer reads that took the slots of the previous layer's read of the same keys (layer
     bits re-read at those slots, no lookup: ``prepare_read``)."""
+    seen_layer_reads: int = 0
+    """Layer reads of a CUDA layer stream that looked at no entry: a validated read of the same
+    snapshot had seen the layer in for every block (``cuda/layerstream.py``, "Seen layers")."""
     doorbell_wakes: int = 0
     """Waits that a producer's doorbell woke (the rest found their block on a timer's look,
     or polled: ``stores/doorbell.py``)."""

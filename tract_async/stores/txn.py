@@ -310,6 +310,13 @@ class ReadTxn(KeyBatch, _Deadline):
         self.snap = snap
         return True
 
+    def prepare_seen(self, rows: np.ndarray) -> None:
+        """Steps 1-2 of a later layer that a validated read by ``rows`` saw in for every block
+        (a CUDA layer stream's, ``cuda/layerstream.py``, "Seen layers"): nothing to look at;
+        this read's validation, after its copy, checks that the versions still hold."""
+        self.blocks.read_seen()  # type: ignore[attr-defined]
+        self.snap = rows
+
     def took(self, snap: np.ndarray) -> None:
         """A back-end that snapshotted and validated by itself (the parallel groups) hands its
         snapshot over for ``consume``."""
