@@ -8,7 +8,10 @@ import contextlib
 import multiprocessing as mp
 from typing import AsyncIterator
 
+import numpy as np
 import pytest
+
+import tract_kernels as K
 
 from tract_async import errors as E
 from tract_async.region.alloc import Allocation, Allocator, allocations_of_rows, sections_for
@@ -312,3 +315,35 @@ async def test_bulk_take_matches_per_chunk_take(region_path: str, backend: str,
         lock.close()
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("backend", ["hw", "sim"])
+def test_asks_other_than_sees_another_nodes_ask_fresh_and_ignores_stale_or_own(
+        region_path: str, backend: str) -> None:
+    """``ChunkTable.asks_other_than`` (the reservation's look at chunk asks, one GIL-holding
+    kernel) answers what ``wanted()`` does: an ask stored by another attachment is seen even
+    after the reader cached the line (sim: the invalidation is what shows it), the asker's own
+    ask does not count, an expired ask does not count."""
+    import time as _time
+    from tract_async.region import Region
+    from tract_async.region import chunks as CH
+    P.make_region(region_path, backend, evict_prob=0.0).close()
+    ra = Region.attach(region_path, backend=backend, sim_seed=3, sim_evict_prob=0.0)
+    rb = Region.attach(region_path, backend=backend, sim_seed=5, sim_evict_prob=0.0)
+    try:
+        ta, tb = CH.ChunkTable(ra), CH.ChunkTable(rb)
+        assert not ta.asks_other_than(0)                 # (and node 0's view caches the lines)
+        tb.set_wanted(1, 2)                              # node 1 asks, from its own view
+        assert ta.asks_other_than(0) and bool(ta.wanted()[1] == 2)
+        assert not ta.asks_other_than(1)                 # its own ask
+        g = tb.geo
+        K.store(rb.mem, g.count_off(1) + 24,            # the ask expired
+                np.uint64(_time.time_ns() - int(CH.WANT_TTL_S * 1e9) - 1))
+        K.flush(rb.mem, g.count_off(1) + 24, CH.S_COUNT_FLUSH)
+        K.full_fence(rb.mem)
+        assert not ta.asks_other_than(0) and int(ta.wanted()[1]) == 0
+        tb.set_wanted(1, 0)
+        assert not ta.asks_other_than(0)
+    finally:
+        ra.close()
+        rb.close()

@@ -60,9 +60,7 @@ class ChunkGiver:
         more than one: maintenance then takes the lock to consider giving some."""
         if len(self.alloc.owned_chunks()) < 2:
             return False
-        w = self.alloc.table.wanted()
-        w[self.node_id] = 0
-        return bool(w.any())
+        return self.alloc.table.asks_other_than(self.node_id)
 
     def due(self) -> bool:
         """True at most every ``GIVE_CHECK_S`` (and at the next call after ``check_passes``
