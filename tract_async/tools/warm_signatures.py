@@ -81,6 +81,8 @@ SIGNATURES: list[tuple[str, str, str]] = [
      "(Array(int64, 2, 'C', False, aligned=True), Array(int64, 1, 'C', False, aligned=True), Array(int64, 1, 'C', False, aligned=True), int64)"),
     ('tract_async.region.gangcopy', 'get_checked',
      "(UniTuple(int64, 10), int64, int64, int64, int64, int64, int64, int64, int64, int64, Array(int64, 1, 'C', False, aligned=True), Array(uint64, 2, 'C', False, aligned=True), Array(int64, 2, 'C', True, aligned=True), int64, bool, bool, int64, uint64, bool, Array(int64, 2, 'C', False, aligned=True), Array(bool, 1, 'C', False, aligned=True), omitted(default=0))"),
+    ('tract_async.region.chunks', 'asks_pending',
+     '(UniTuple(int64, 10), int64, int64, int64, int64, int64, int64)'),
     ('tract_async.stores.waits', 'poll_present',
      "(UniTuple(int64, 10), int64, int64, int64, int64, Array(uint64, 2, 'C', False, aligned=True), int64, Array(uint8, 1, 'C', False, aligned=True))"),
     ('tract_async.region.index', 'scan_entries',
