@@ -592,3 +592,23 @@ def test_an_idle_poller_is_woken_by_the_next_future():
 
     p, waits = asyncio.run(main())
     assert p.threads_started == 1 and max(waits) < 0.5, (p.threads_started, waits)
+
+
+def test_a_transfer_enqueued_before_its_future_naps_from_its_first_enqueue():
+    """A staged transfer's future is made after its last stage's enqueue; its nap and its
+    ``not_before`` run from the first (``t_submit``), so an awaiter does not sleep past a
+    landing that began earlier (cuda/store.py, "Staged whole puts")."""
+    async def main():
+        ev = FakeEvent()
+        t0 = time.perf_counter()
+        early = StreamFuture(ev, not_before_s=0.008, poller_=Poller(), t_submit=t0 - 0.006)
+        late = StreamFuture(ev, not_before_s=0.008, poller_=Poller())
+        assert early.t_submit == t0 - 0.006
+        assert early.not_before == pytest.approx(t0 + 0.002)
+        assert late.not_before >= t0 + 0.008
+        assert early._nap_s() < late._nap_s() - 0.004
+        ev.fire()
+        await early
+        await late
+
+    asyncio.run(main())

@@ -277,7 +277,8 @@ class StreamFuture:
     def __init__(self, event: EventLike, *, completion: Callable[[], Any] | None = None,
                  keep: tuple[Any, ...] = (), nbytes: int = 0, not_before_s: float = 0.0,
                  poller_: Poller | None = None, label: str = "",
-                 early: Callable[[], bool] | None = None, spin_ns: int = 0) -> None:
+                 early: Callable[[], bool] | None = None, spin_ns: int = 0,
+                 t_submit: float | None = None) -> None:
         self.event = event
         self._spin_ns = spin_ns
         self.nbytes = nbytes
@@ -303,7 +304,10 @@ class StreamFuture:
         self._value: Any = None
         self._cancel_requested = False
         self._poll_error: BaseException | None = None
-        self.t_submit = time.perf_counter()
+        # ``t_submit``: when the transfer's first copy was enqueued, where that was well before
+        # this future (a staged transfer's, cuda/store.py): its nap and its ``not_before`` run
+        # from there, not from the last stage's enqueue
+        self.t_submit = time.perf_counter() if t_submit is None else t_submit
         self.not_before = self.t_submit + not_before_s
         self.due_until = (self.not_before + 0.5 * not_before_s + DUE_SLACK_S
                           if not_before_s > 0 and _DUE_ON else 0.0)
