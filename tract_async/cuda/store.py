@@ -22,13 +22,13 @@ blocks, then three times the one before), one ``PutTxn`` each: a stage's copies 
 stream as soon as it is reserved, and the next stage is reserved while they move, so the DMA
 starts after the first stage's reservation. Its future plans the awaiter's nap from the first
 enqueue (``StreamFuture(t_submit=)``). (The first form, 16-block first stage, measured slower:
-each stage is 64 driver calls whatever its size, and the nap ran from the last stage.) As for the CPU's staged puts
-(``stores/region.py``): every stage is published after the last one landed (one future, the last
-stage's event: the stages share the put stream), in order, so no block is READY before all are
-in memory; a failure in any stage waits until none of the copies can still land and abandons
-every stage reserved so far -- nothing is stored. A whole-block get of that size is staged the
-same way (``_start_get_staged``): each stage looked up and its copies enqueued before the next
-stage's look-up, every stage validated once the last copy landed.
+each stage is 64 driver calls whatever its size, and the nap ran from the last stage.) As for
+the CPU's staged puts (``stores/region.py``): every stage is published after the last one landed
+(one future, the last stage's event: the stages share the put stream), in order, so no block is
+READY before all are in memory; a failure in any stage waits until none of the copies can still
+land and abandons every stage reserved so far -- nothing is stored. A whole-block get of that
+size is staged the same way (``_start_get_staged``): each stage looked up and its copies
+enqueued before the next stage's look-up, every stage validated once the last copy landed.
 
 ``CudaPath`` is the per-engine state: the region's registration, one ``Copier`` per device,
 the outstanding futures (drained before the engine closes), and the counters ``stats()`` shows.
