@@ -53,7 +53,7 @@ from ..region import index as ix
 from ..region.index import SNAP_POFF
 from ..stores.fillbook import FillBatch
 from ..keys import keys_to_words
-from ..stores.txn import Deadline, PutTxn, ReadTxn
+from ..stores.txn import Deadline, PutTxn, ReadTxn, publish_stages
 from ..stores import routing as R
 from . import layerstream, tables
 from .copy import Copier
@@ -357,9 +357,7 @@ async def _start_put_staged(store: Any, cpath: CudaPath, copier: Copier, keys: l
     total = sum(nb for _, nb in stages)
 
     def publish() -> int:
-        done = sum(st.publish(nb) for st, nb in stages)
-        b.stats.puts -= len(stages) - 1     # one put, however many stages
-        return done
+        return publish_stages(stages)
 
     cpath.staged_puts += 1
     cpath.put_stages += len(stages)
@@ -655,7 +653,8 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
     b = store.blocks
     txn = ReadTxn(b, s.keys, layer, timeout, "cuda", words=s.words)
     sp = s.poffs
-    if s.knows(layer):                      # a validated read saw it in for every block
+    seen = s.knows(layer)
+    if seen:                                # a validated read saw it in for every block
         txn.prepare_seen(s.rows)
     elif not txn.prepare_known(s.rows):
         snap = await txn.prepare()          # waits for the layer (or says what is wrong)
@@ -674,8 +673,9 @@ async def get_layer(store: Any, cpath: CudaPath, s: layerstream.GetStream, layer
     ev, keep = s.copier.get_direct(dc, out, after)
     nbytes = s.nbytes
     # a miss: the stream's rows are stale, so the next layer looks the keys up
+    # a read that looked at no entry has nothing new to teach the stream
     validate = _validator(cpath, txn, nbytes, result, cpu=False, on_miss=lambda: streams.drop(s),
-                          on_ok=_learn(s, base, txn))
+                          on_ok=None if seen else _learn(s, base, txn))
     fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                        not_before_s=nbytes / LINK_BYTES_PER_S, label="get/direct",
                        spin_ns=b.spin_ns)

@@ -73,7 +73,7 @@ from ..sync.settle import settled
 from . import plan as kvplan
 from .blocks import BlockLifecycle
 from .stats import StoreStats
-from .txn import PutTxn, ReadTxn
+from .txn import PutTxn, ReadTxn, publish_stages
 from .cpucopy import CpuCopier
 from . import routing as R
 from .phases import PhaseTimes
@@ -301,8 +301,7 @@ class RegionStore:
             ph.add("staged", t_all)
             ph.stamp("publish")
         t0 = time.perf_counter_ns() if ph is not None else 0
-        done = sum(st.publish(nbytes) for st, nbytes in stages)
-        b.stats.puts -= len(stages) - 1         # one put, however many stages
+        done = publish_stages(stages)
         if ph is not None:
             ph.add("publish", t0)
         return done

@@ -236,6 +236,17 @@ class PutTxn(KeyBatch, _Deadline):
         await self.blocks.abandon(keys if len(todo) == len(keys) else [keys[i] for i in todo])
 
 
+def publish_stages(stages: Sequence[tuple[PutTxn, int]]) -> int:
+    """Step 3 of a put taken in stages (``stores/region.py``, "Staged large puts";
+    ``cuda/store.py``, "Staged whole puts"), once the last stage's copy has landed: every stage
+    published, in order (no block is READY before all are in memory), ``(stage, its bytes)``;
+    the put counts once, however many stages. Returns the blocks published."""
+    done = sum(st.publish(nbytes) for st, nbytes in stages)
+    if stages:
+        stages[0][0].blocks.stats.puts -= len(stages) - 1
+    return done
+
+
 class ReadTxn(KeyBatch, _Deadline):
     """One read of ``keys`` (``layer``, or every layer for None) through prepare -> copy ->
     validate -> consume (module docstring). ``path`` names the copy back-end (``opened``).
