@@ -594,19 +594,41 @@ def test_an_idle_poller_is_woken_by_the_next_future():
     assert p.threads_started == 1 and max(waits) < 0.5, (p.threads_started, waits)
 
 
-def test_a_transfer_enqueued_before_its_future_naps_from_its_first_enqueue():
+class _FixedClock:
+    """``time`` for the futures module with ``perf_counter`` held at ``fixed`` (when set): a
+    nap's arithmetic checked without the machine's stalls in it."""
+
+    def __init__(self) -> None:
+        self.fixed: float | None = None
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(time, name)
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() if self.fixed is None else self.fixed
+
+
+def test_a_transfer_enqueued_before_its_future_naps_from_its_first_enqueue(monkeypatch):
     """A staged transfer's future is made after its last stage's enqueue; its nap and its
     ``not_before`` run from the first (``t_submit``), so an awaiter does not sleep past a
-    landing that began earlier (cuda/store.py, "Staged whole puts")."""
+    landing that began earlier (cuda/store.py, "Staged whole puts"). The clock is held still:
+    under load a stall between the futures' creation and the look made both naps 0 (CI)."""
+    from tract_async.cuda import futures as F
+    clock = _FixedClock()
+    monkeypatch.setattr(F, "time", clock)
+
     async def main():
         ev = FakeEvent()
-        t0 = time.perf_counter()
+        t0 = clock.fixed = 100.0
         early = StreamFuture(ev, not_before_s=0.008, poller_=Poller(), t_submit=t0 - 0.006)
         late = StreamFuture(ev, not_before_s=0.008, poller_=Poller())
         assert early.t_submit == t0 - 0.006
         assert early.not_before == pytest.approx(t0 + 0.002)
         assert late.not_before >= t0 + 0.008
+        assert early._nap_s() == pytest.approx(t0 - 0.006 + 0.008 * F.LAND_SLACK - t0)
+        assert late._nap_s() == pytest.approx(0.008 * F.LAND_SLACK)
         assert early._nap_s() < late._nap_s() - 0.004
+        clock.fixed = None
         ev.fire()
         await early
         await late
