@@ -139,7 +139,10 @@ async def test_a_nixl_prefill_waits_for_room_in_its_pool(model, tmp_path) -> Non
     rack = Rack(mode="nixl", region=None, log_dir=str(tmp_path), seed=0, block_tokens=T,
                 torch_threads=1, layer_timeout_s=60.0, kv_pool_bytes=7 * block_bytes,
                 role_options={"decode": {"decode_batch": 1, "early_reads": 0}})
-    results, health = await serve_together(rack, model, prompts, 40)
+    # 120 tokens: the first request's decode holds the one reader slot while the other three
+    # prefill; with 40, a loaded CI worker once prefilled so slowly that the second request was
+    # read before the fourth's put, and no prefill found the pool full (the premise below)
+    results, health = await serve_together(rack, model, prompts, 120)
     held = health["kv_holders"]
     assert held == {"max": 1, "limit": 1}, held
     waited = [tract["events_ms"] for _, _, tract in results if "kv_store_full" in tract["events_ms"]]
