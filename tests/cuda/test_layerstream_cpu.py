@@ -26,7 +26,8 @@ def put_stream(keys: list[bytes]) -> ls.PutStream:
     tmpl = direct.template(LAY, poffs, False, 0)
     assert tmpl is not None
     t = torch.empty(LAY.kv_shape(n, 0), dtype=LAY.dtype)
-    batch = FillBatch(keys, np.arange(n), np.ones(n, dtype=np.int64), poffs, np.zeros(n))
+    batch = FillBatch(keys, np.arange(n), np.ones(n, dtype=np.int64), poffs, np.zeros(n),
+                      np.zeros((n, 16), dtype=np.uint64))
     return ls.PutStream(keys, t, None, tmpl, LAY.num_layers, batch)
 
 

@@ -573,32 +573,62 @@ def publish_layers(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi):
     return became
 
 
-@njit(cache=True, nogil=True)
-def publish_layers_known(m, eoff, slots, lo_val, hi_val, all_lo, all_hi):
-    """``publish_layers`` for entries whose layer words the caller knows: every entry of
-    ``slots`` gets the layer words ``lo_val``/``hi_val`` (what it held OR'd with the new
-    layer's bits), without reading them first; READY once those are every layer's. Returns
-    the number of entries that became READY.
+ENTRY_WORDS = ENTRY_BYTES // 8
+"""The 8-byte words of an entry: a row of a batch's entry record (``reserve_batch_counted``'s
+``lines``, ``publish_layers_lines``), indexed by the entry's byte offsets over 8."""
+W_STATE, W_LLO, W_LHI = E_STATE // 8, E_LLO // 8, E_LHI // 8
+W_LINE1 = E_LINE1 // 8
 
-    Why it may skip the load: line 1's layer words have one writer while the entry is RESERVED
-    (its producer), and a producer's batch of reservations (``stores/blocks.py``,
-    ``FillBatch``) starts with no layer and has every layer published through it, so the
-    batch's own record is what its entries hold. The load of ``publish_layers`` reads memory
-    (nothing caches those lines), ~0.1 µs of latency an entry that the loop only partly
-    overlaps: about half of a 2048-block layer's publish on the 2-core VM."""
+
+@njit(cache=True, nogil=True)
+def publish_layers_lines(m, eoff, slots, lines, lo_val, hi_val, all_lo, all_hi):
+    """``publish_layers`` for a batch whose entries' words the producer recorded when it
+    reserved them (``lines``: one row of ``ENTRY_WORDS`` words an entry, as
+    ``reserve_batch_counted`` wrote them): every entry of ``slots`` gets the layer words
+    ``lo_val``/``hi_val`` (what it held OR'd with the new layer's bits) with the rest of its
+    line 1 as recorded, the whole line as eight non-temporal stores; READY once those are
+    every layer's, line 0 likewise written whole from the record with ``state = READY``.
+    Returns the number of entries that became READY.
+
+    Why whole lines. Two NT word stores leave a write-combining buffer partly filled, and a
+    partial line reaches memory as a partial write (a read-modify-write where memory keeps
+    ECC, one at a time per buffer): on the H100 hosts ~94 ns a block, ~20 µs of a 213-block
+    layer put's completion (session 53). Eight NT stores fill the buffer, which leaves as one
+    full-line write (``bench/line_publish.py``; the 2-core VM: 213 blocks 0.82 against 2.47 µs,
+    ``bench/results/vm-20261207-s54``).
+
+    Why it may write words it does not change: line 1 has one writer while the entry is
+    RESERVED, its producer, who wrote every word of it at the reservation (the record), and a
+    producer's batch (``stores/fillbook.py``, ``FillBatch``) starts with no layer and has
+    every layer published through it, so the batch's layer words are what its entries hold.
+    The one other store a RESERVED entry can meet is a reader's LRU stamp that raced the
+    reservation (module docstring, "Touch"); writing the reservation's clock over it misdates
+    nothing that was not misdated already. Line 0 while RESERVED is written by nobody but its
+    producer (a lock holder writes it only once it is READY, or when recovery takes back a
+    dead node's lane): the record's words are memory's, but for the state. A reader that
+    catches the line half written sees the same key, version and payload words either way."""
     n = slots.shape[0]
     lo = np.uint64(lo_val)
     hi = np.uint64(hi_val)
     for i in range(n):
         off = eoff + slots[i] * ENTRY_BYTES
-        K.store_nt(m, off + E_LLO, lo)
-        K.store_nt(m, off + E_LHI, hi)
+        for w in range(W_LINE1, ENTRY_WORDS):     # in address order: one buffer fills
+            if w == W_LLO:
+                v = lo
+            elif w == W_LHI:
+                v = hi
+            else:
+                v = lines[i, w]
+            K.store_nt(m, off + 8 * w, v)
     K.store_fence(m)           # every layer bit is in memory before any READY below
     if lo != np.uint64(all_lo) or hi != np.uint64(all_hi):
         K.full_fence(m)
         return 0
+    ready = np.uint64(READY)   # (a bare int beside a uint64 would unify to a float)
     for i in range(n):
-        K.store_nt(m, eoff + slots[i] * ENTRY_BYTES + E_STATE, READY)
+        off = eoff + slots[i] * ENTRY_BYTES
+        for w in range(W_LINE1):
+            K.store_nt(m, off + 8 * w, ready if w == W_STATE else lines[i, w])
     K.full_fence(m)
     return n
 
@@ -766,7 +796,7 @@ def reserve_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, poffs, pnbs
 
 @njit(cache=True, nogil=True)
 def reserve_batch_counted(m, loff, eoff, tgeo, mask, max_probe, lanes, lane, keys, ainfo, now_ns,
-                          producer, flags, deadline_ns, out):
+                          producer, flags, deadline_ns, out, lines):
     """``reserve_batch`` with the allocation columns of one (n, 4) uint64 array ``ainfo``
     (payload offset, nbytes, owner word, token), then, when every key was reserved, the
     ``publishes`` counter of the lane's line ``loff`` bumped by n (fresh read, store, flush:
@@ -777,13 +807,36 @@ def reserve_batch_counted(m, loff, eoff, tgeo, mask, max_probe, lanes, lane, key
     Why one call: each Python->Numba call that passes the ``Mem`` costs ~1.2 µs of argument
     unboxing, and the counter bump was two more such calls; a small put pays this once. The
     stores, flushes and fences are those of ``reserve_batch`` followed by the bump's, in that
-    order, exactly as the separate calls made them."""
+    order, exactly as the separate calls made them.
+
+    ``lines``: (n, ``ENTRY_WORDS``) uint64, or any other number of rows for none: when every key
+    was reserved, each row gets the words its entry now holds (``publish_layers_lines`` writes
+    a layer's line 1 and the READY line 0 whole from them). Filled here, from the values just
+    stored, because a separate call costs the ``Mem``'s unboxing again."""
     reserve_batch(m, eoff, tgeo, mask, max_probe, lanes, lane, keys, ainfo[:, 0], ainfo[:, 1],
                   ainfo[:, 2], ainfo[:, 3], now_ns, producer, flags, deadline_ns, out)
     n = keys.shape[0]
     for i in range(n):
         if out[i, 0] < 0:
             return False
+    if lines.shape[0] == n:         # the batch's record of what it wrote (publish_layers_lines)
+        for i in range(n):
+            lines[i, E_KEY0 // 8] = keys[i, 0]
+            lines[i, E_KEY1 // 8] = keys[i, 1]
+            lines[i, E_KEY2 // 8] = keys[i, 2]
+            lines[i, E_KEY3 // 8] = keys[i, 3]
+            lines[i, E_VERSION // 8] = np.uint64(out[i, 2])
+            lines[i, W_STATE] = RESERVED
+            lines[i, E_POFF // 8] = ainfo[i, 0]
+            lines[i, E_PNB // 8] = ainfo[i, 1]
+            lines[i, W_LLO] = 0
+            lines[i, W_LHI] = 0
+            lines[i, E_OWNER // 8] = ainfo[i, 2]
+            lines[i, E_TOKEN // 8] = ainfo[i, 3]
+            lines[i, E_LAST // 8] = np.uint64(now_ns)
+            lines[i, E_PRODUCER // 8] = np.uint64(producer)
+            lines[i, E_FLAGS // 8] = np.uint64(flags)
+            lines[i, E_DEADLINE // 8] = np.uint64(deadline_ns)
     cur = K.load_fresh(m, loff + LN_PUBLISHES, S_IX_READ)
     K.store_flush(m, loff + LN_PUBLISHES, cur + np.uint64(n), S_IX_HDR)
     return True

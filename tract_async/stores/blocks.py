@@ -406,7 +406,7 @@ class BlockLifecycle:
         flag change only under ``FillBook.pub_lock``: a split (an abandon starts with one) either
         happens first -- then nothing is stored here -- or waits for this store, and evicts
         afterwards. The record is the batch's layers published so far, in the order their DMAs
-        landed (the poller's order), so ``publish_layers_known`` stores the right words from
+        landed (the poller's order), so ``publish_layers_lines`` stores the right words from
         either thread."""
         if type(res) is not FillBatch:
             return False
@@ -416,8 +416,8 @@ class BlockLifecycle:
                 return False
             res.layers_lo |= lo
             res.layers_hi |= hi
-            waiting = db.publish_known_and_look(
-                self.mem, self.geo.entries_offset, res.slots, res.layers_lo,
+            waiting = db.publish_lines_and_look(
+                self.mem, self.geo.entries_offset, res.slots, res.lines, res.layers_lo,
                 res.layers_hi, self._all_lo, self._all_hi, self._db_off, self._db_nodes)
         if waiting:
             self.doorbell.ring(int(waiting), threadsafe=True)
@@ -441,9 +441,9 @@ class BlockLifecycle:
                     with self.book.pub_lock:
                         res.layers_lo |= lo
                         res.layers_hi |= hi
-                        # the batch's record is what its entries hold (publish_layers_known)
-                        waiting = db.publish_known_and_look(
-                            self.mem, self.geo.entries_offset, res.slots, res.layers_lo,
+                        # the batch's record is what its entries hold (publish_layers_lines)
+                        waiting = db.publish_lines_and_look(
+                            self.mem, self.geo.entries_offset, res.slots, res.lines, res.layers_lo,
                             res.layers_hi, self._all_lo, self._all_hi, self._db_off,
                             self._db_nodes)
                     if waiting:

@@ -109,10 +109,10 @@ def publish_and_look(m, eoff, slots, lo_bits, hi_bits, all_lo, all_hi, dboff, no
 
 
 @njit(cache=True)            # holds the GIL (fused.py, "Holding the GIL")
-def publish_known_and_look(m, eoff, slots, lo_val, hi_val, all_lo, all_hi, dboff, nodes):
-    """``index.publish_layers_known`` (the caller knows the entries' layer words), then
+def publish_lines_and_look(m, eoff, slots, lines, lo_val, hi_val, all_lo, all_hi, dboff, nodes):
+    """``index.publish_layers_lines`` (a batch that recorded its entries' words), then
     ``waiting_mask``, as ``publish_and_look``."""
-    ix.publish_layers_known(m, eoff, slots, lo_val, hi_val, all_lo, all_hi)
+    ix.publish_layers_lines(m, eoff, slots, lines, lo_val, hi_val, all_lo, all_hi)
     if dboff < 0:
         return np.int64(0)
     return waiting_mask(m, dboff, nodes)

@@ -41,16 +41,19 @@ class FillBatch:
     ``whole`` turns False, so the arrays never serve again. A transfer holding the batch as its
     handle while that happened (a copy in flight when another task abandoned some of its keys)
     then publishes through ``members``, key by key, as for any list of reservations."""
-    __slots__ = ("keys", "slots", "versions", "offsets", "chunks", "layers_lo", "layers_hi",
-                 "whole", "members")
+    __slots__ = ("keys", "slots", "versions", "offsets", "chunks", "lines", "layers_lo",
+                 "layers_hi", "whole", "members")
 
     def __init__(self, keys: list[bytes], slots: np.ndarray, versions: np.ndarray,
-                 offsets: np.ndarray, chunks: np.ndarray) -> None:
+                 offsets: np.ndarray, chunks: np.ndarray, lines: np.ndarray) -> None:
         self.keys = keys
         self.slots = slots
         self.versions = versions
         self.offsets = offsets
         self.chunks = chunks
+        self.lines = lines
+        """The words each entry held when reserved, a row an entry (``index.reserve_batch_counted``):
+        a layer's publish writes whole lines from them (``index.publish_layers_lines``)."""
         self.layers_lo = 0
         self.layers_hi = 0
         self.whole = True

@@ -46,6 +46,9 @@ from .spares import Spares, alloc_info
 from .stats import StoreStats
 from .touches import TouchLog
 
+_NO_LINES = np.empty((0, ix.ENTRY_WORDS), dtype=np.uint64)
+"""``reserve_batch_counted``'s ``lines`` for a reservation that makes no batch: nothing recorded."""
+
 EVICT_AHEAD = 64
 """When a locked reservation evicts for space, it evicts up to this many blocks (at least 16,
 at most the put's size) beyond its need, so that the puts after it find free slots and reserve
@@ -349,6 +352,14 @@ class Reserver:
                 chunks_np = a[:, A_CHUNK].copy()
                 offs = chunks = None                  # lists only for per-key reservations
             g = self.geo
+            # all reserved: a batch -- of any size for a layer-streamed put (its later layers
+            # then find the batch by one list comparison, reuse its offsets array and publish
+            # without a per-key loop, also early from the CUDA poller's thread), of more than a
+            # few blocks for a whole-block put (numpy's ~1 µs per step made a 1-block put
+            # slower, 2ba0a72); a batch records its entries' words (``lines``) in the same call
+            batch_min = 1 if getattr(kb, "layer", None) is not None else SMALL_READ + 1
+            lines = (np.empty((len(positions), ix.ENTRY_WORDS), dtype=np.uint64)
+                     if len(positions) >= batch_min else _NO_LINES)
             try:
                 # one kernel call: the reservation, then (all reserved) the publishes counter
                 counted = ix.reserve_batch_counted(
@@ -356,26 +367,20 @@ class Reserver:
                     self.index.mask, g.max_probe, g.lanes, self.lane,
                     words if len(positions) == len(keys) else
                     words[np.asarray(positions, dtype=np.int64)], ainfo, now, producer, flags,
-                    deadline, res)
+                    deadline, res, lines)
             except BaseException:
                 self._free_allocs(allocs)
                 raise
             full: list[int] = []
             unused: list[int] = []
             reserved = self.book.reserved
-            # all reserved: a batch -- of any size for a layer-streamed put (its later layers
-            # then find the batch by one list comparison, reuse its offsets array and publish
-            # without a per-key loop, also early from the CUDA poller's thread), of more than a
-            # few blocks for a whole-block put (numpy's ~1 µs per step made a 1-block put
-            # slower, 2ba0a72)
-            batch_min = 1 if getattr(kb, "layer", None) is not None else SMALL_READ + 1
             if len(positions) >= batch_min and (res[:, 0] >= 0).all():
                 ks = keys if len(positions) == len(keys) else [keys[i] for i in positions]
                 batch = FillBatch(ks, res[:, 0].copy(), res[:, 2].copy(),
                                   offs_np if offs_np is not None else
                                   np.asarray(offs, dtype=np.int64),
                                   chunks_np if chunks_np is not None else
-                                  np.asarray(chunks, dtype=np.int64))
+                                  np.asarray(chunks, dtype=np.int64), lines)
                 reserved.update(zip(ks, repeat(batch)))
                 fast = (ks, res[:, 1])     # ``mine`` is built only if they must be undone
             elif offs is None:
