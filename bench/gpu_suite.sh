@@ -125,15 +125,13 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   --blocks 213, whose slots LRU scatters; ~2 min)
 #   dma_memory (bench/dma_memory.py: raw copies into cudaHostAlloc, registered /dev/shm and
 #   huge-page memory, contiguous and in the whole-prompt pattern; ~30 s)
-#   stage_ab (TRACT_CUDA_STAGE 0 / 1 / 0 / 1: bench/gpu_layers.py's whole prompt, staged whole
-#   transfers against the default, alternating; ~2 min)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
 # (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
 want warmup && step warmup 180 $PY -m tract_async.tools.warmup
 want gpu_tests && step gpu_tests "${GPU_TESTS_S:-270}" $PY -m pytest -q -m gpu -p no:cacheprovider \
-  -o addopts="" tests/cuda/test_cuda_gpu.py tests/cuda/test_layer_streams_gpu.py tests/cuda/test_staged_gpu.py tests/engine/test_txn.py tests/engine/test_fallback.py \
+  -o addopts="" tests/cuda/test_cuda_gpu.py tests/cuda/test_layer_streams_gpu.py tests/engine/test_txn.py tests/engine/test_fallback.py \
   tests/serving/test_batching.py tests/serving/test_serving_model.py --maxfail=10
 want doorbell_tests && step doorbell_tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts= \
   tests/engine/test_doorbell.py
@@ -174,10 +172,6 @@ want batch_ab && for m in off auto; do
   TRACT_CUDA_BATCH=$m step "host_profile_213_batch_$m" 100 $PY bench/host_profile.py --blocks 213 \
     --rounds 10
 done
-want stage_ab && for r in 1 2; do for m in 0 1; do
-  TRACT_CUDA_STAGE=$m step "gpu_layers_stage_${m}_$r" 90 $PY bench/gpu_layers.py --budget-s 60 \
-    --sections whole_prompt --reps 8 --name "gpu-layers-stage-$m-$r-$(date -u +%Y%m%d-%H%M%S)"
-done; done
 # the preset's own budget (570 s) would outlast the step's limit and lose the summary: the
 # budget is the limit less the rack's start and the report
 want serve_load && step serve_load "${SERVE_LOAD_S:-540}" $PY bench/serve_load.py --size h200 \

@@ -609,9 +609,9 @@ class _FixedClock:
 
 
 def test_a_transfer_enqueued_before_its_future_naps_from_its_first_enqueue(monkeypatch):
-    """A staged transfer's future is made after its last stage's enqueue; its nap and its
-    ``not_before`` run from the first (``t_submit``), so an awaiter does not sleep past a
-    landing that began earlier (cuda/store.py, "Staged whole puts"). The clock is held still:
+    """A future made after its transfer's first enqueue (``t_submit``: a caller that enqueues
+    in parts) naps and sets ``not_before`` from that enqueue, so an awaiter does not sleep past
+    a landing that began earlier. The clock is held still:
     under load a stall between the futures' creation and the look made both naps 0 (CI)."""
     from tract_async.cuda import futures as F
     clock = _FixedClock()

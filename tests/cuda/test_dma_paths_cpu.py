@@ -86,49 +86,6 @@ def test_direct_copies_move_exactly_the_plans_rows(kind: str, n: int, layer: int
     assert (dc.rows[:, 1] >= dc.rows[:, 4]).all() and (dc.rows[:, 3] >= dc.rows[:, 4]).all()
 
 
-@pytest.mark.parametrize("kind", ["evenly", "wider", "two-chunks", "scattered"])
-def test_the_stages_of_a_staged_whole_put_move_exactly_the_plans_rows(kind: str) -> None:
-    """``direct.stage_plan`` (cuda/store.py, "Staged whole puts"): the stages' copies together
-    move exactly the rows the CPU plan moves for the whole tensor, each stage its own blocks'."""
-    from tract_async.stores import routing as R
-    n = 150
-    poffs = _offsets(kind, n, LLAMA, np.random.default_rng(7))
-    got, whole = [], None
-    for s0, s1 in R.cuda_stages(n):
-        dc = direct.stage_plan(LLAMA, poffs[s0:s1], n, s0, tensor_ptr=0, region_ptr=0)
-        if dc is None:          # scattered slots: more than MAX_CALLS copies, the gather path
-            segs = direct.segments(poffs[s0:s1], LLAMA.block_bytes)
-            assert segs.shape[0] * 2 * LLAMA.num_layers > direct.MAX_CALLS
-            whole = False
-            continue
-        assert dc.nbytes == (s1 - s0) * LLAMA.block_bytes
-        got.append(_pairs_of_copies(dc.rows, dc.half))
-    if whole is False:
-        assert kind == "scattered"
-        return
-    pairs = np.concatenate(got)
-    pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
-    assert np.array_equal(pairs, _pairs_of_plan(LLAMA, poffs, None))
-
-
-def test_staging_is_off_by_default_and_cuts_large_transfers_in_growing_stages(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from tract_async.stores import routing as R
-    monkeypatch.delenv(R.CUDA_STAGE_ENV, raising=False)
-    assert not R.cuda_stageable(LLAMA, 213, None)
-    monkeypatch.setenv(R.CUDA_STAGE_ENV, "1")
-    assert R.cuda_stageable(LLAMA, 213, None)
-    assert not R.cuda_stageable(LLAMA, 213, 0)                     # layers: never
-    assert not R.cuda_stageable(LLAMA, R.CUDA_STAGE_MIN_BLOCKS - 1, None)
-    assert R.cuda_stages(213) == [(0, 64), (64, 213)]
-    for n in (128, 213, 1024, 5000):
-        st = R.cuda_stages(n)
-        assert st[0] == (0, R.CUDA_STAGE_FIRST) and st[-1][1] == n and len(st) >= 2
-        assert all(a[1] == b[0] for a, b in zip(st, st[1:]))     # contiguous, in order
-        sizes = [b - a for a, b in st]
-        assert all(y >= x for x, y in zip(sizes, sizes[1:]))      # growing
-
-
 def test_evenly_spaced_blocks_take_two_copies_a_layer() -> None:
     poffs = (1 << 30) + np.arange(213, dtype=np.int64) * LLAMA.block_bytes
     assert len(direct.plan(LLAMA, poffs, 7, tensor_ptr=0, region_ptr=0)) == 2

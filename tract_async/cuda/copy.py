@@ -298,13 +298,6 @@ class Copier:
                            else direct.MAX_CALLS))
         return cache.get(poffs, whole)
 
-    def stage_plan(self, layout: Any, poffs: np.ndarray, n: int, first: int,
-                   tensor_ptr: int) -> Any:
-        """``direct.stage_plan`` into this copier's region (None: the stage takes ``put``)."""
-        if not self.have_2d:
-            return None
-        return direct.stage_plan(layout, poffs, n, first, tensor_ptr, self.region_ptr)
-
     def put_direct(self, dc: Any, tensor: Any, ready: Any) -> tuple[Any, tuple[Any, ...]]:
         """Enqueue ``dc`` (``direct.plan``) from ``tensor`` into the region after ``ready`` on
         the put stream. Returns (final event, keep)."""

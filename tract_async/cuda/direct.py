@@ -307,21 +307,6 @@ def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
     return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
 
 
-def stage_plan(layout: Any, poffs: np.ndarray, n: int, first: int, tensor_ptr: int,
-               region_ptr: int) -> DirectCopy | None:
-    """The copies of whole blocks ``first .. first + len(poffs)`` (payload offsets ``poffs``)
-    of a whole-block tensor of ``n`` blocks at ``tensor_ptr``: one stage of a staged whole
-    put (``cuda/store.py``, "Staged whole puts"). Plane ``p`` of block ``first + j`` is tensor
-    row ``p*n + first + j``. None when they would take more than ``MAX_CALLS`` 2-D copies."""
-    planes, half = 2 * layout.num_layers, layout.half_layer_bytes
-    segs = segments(poffs, layout.block_bytes)
-    if segs.shape[0] * planes > MAX_CALLS:
-        return None
-    rows = copies(segs, poffs, n, planes, half, 0, tensor_ptr + first * half, region_ptr)
-    return DirectCopy([(r, rp, t, tp, half, h) for r, rp, t, tp, h in rows.tolist()], half,
-                      int(poffs.shape[0]) * planes * half)
-
-
 def batch_copies(poffs: np.ndarray, planes: int, half: int,
                  region_ptr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One 1-D copy per block and plane at layer 0 and tensor address 0: (region addresses,

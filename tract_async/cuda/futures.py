@@ -304,9 +304,9 @@ class StreamFuture:
         self._value: Any = None
         self._cancel_requested = False
         self._poll_error: BaseException | None = None
-        # ``t_submit``: when the transfer's first copy was enqueued, where that was well before
-        # this future (a staged transfer's, cuda/store.py): its nap and its ``not_before`` run
-        # from there, not from the last stage's enqueue
+        # ``t_submit``: when the transfer's first copy was enqueued, where a caller that enqueues
+        # in parts made this future well after it: its nap and its ``not_before`` run from
+        # there, not from the last part's enqueue
         self.t_submit = time.perf_counter() if t_submit is None else t_submit
         self.not_before = self.t_submit + not_before_s
         self.due_until = (self.not_before + 0.5 * not_before_s + DUE_SLACK_S

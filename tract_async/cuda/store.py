@@ -13,23 +13,6 @@ get:  snapshot -> wait for blocks / the layer (``timeout``) -> bounds check -> e
 A failed or cancelled put evicts its reservations only once its DMA has landed (invariant 7);
 a cancelled get returns only once no more bytes can land in ``out``.
 
-Staged whole puts (``routing.CUDA_STAGE_ENV``, off by default: not yet measured faster). A put
-of a whole prompt's blocks (``layer`` None) reserves every block before its first copy: ~1 ms of
-host time for 213 Llama-3-8B blocks on the H100 hosts during which the copy engine sits idle,
-then 8.1 ms of DMA (``bench/results/gpu-20261207-s53``). With staging on, a put of at least
-``routing.CUDA_STAGE_MIN_BLOCKS`` blocks is cut into stages (``routing.cuda_stages``: 64
-blocks, then three times the one before), one ``PutTxn`` each: a stage's copies go on the put
-stream as soon as it is reserved, and the next stage is reserved while they move, so the DMA
-starts after the first stage's reservation. Its future plans the awaiter's nap from the first
-enqueue (``StreamFuture(t_submit=)``). (The first form, 16-block first stage, measured slower:
-each stage is 64 driver calls whatever its size, and the nap ran from the last stage.) As for
-the CPU's staged puts (``stores/region.py``): every stage is published after the last one landed
-(one future, the last stage's event: the stages share the put stream), in order, so no block is
-READY before all are in memory; a failure in any stage waits until none of the copies can still
-land and abandons every stage reserved so far -- nothing is stored. A whole-block get of that
-size is staged the same way (``_start_get_staged``): each stage looked up and its copies
-enqueued before the next stage's look-up, every stage validated once the last copy landed.
-
 ``CudaPath`` is the per-engine state: the region's registration, one ``Copier`` per device,
 the outstanding futures (drained before the engine closes), and the counters ``stats()`` shows.
 """
@@ -52,8 +35,7 @@ from ..errors import BlockEvicted
 from ..region import index as ix
 from ..region.index import SNAP_POFF
 from ..stores.fillbook import FillBatch
-from ..keys import keys_to_words
-from ..stores.txn import Deadline, PutTxn, ReadTxn, publish_stages
+from ..stores.txn import PutTxn, ReadTxn
 from ..stores import routing as R
 from . import layerstream, tables
 from .copy import Copier
@@ -88,11 +70,6 @@ class CudaPath:
         self.futures_created = 0
         self.validation_failures = 0
         self.cancelled = 0
-        self.staged_puts = 0
-        self.put_stages = 0
-        self.staged_gets = 0
-        """Whole-block puts taken in stages, their stages, and whole-block gets taken in stages
-        (module docstring, "Staged whole puts")."""
         self.streams = layerstream.Streams()
         """The layer streams of requests in flight (``cuda/layerstream.py``)."""
         self.sampler: Any = None
@@ -155,9 +132,6 @@ class CudaPath:
                                "outstanding": len(self._outstanding),
                                "validation_failures": self.validation_failures,
                                "cancelled": self.cancelled,
-                               "staged_puts": {"puts": self.staged_puts,
-                                               "stages": self.put_stages},
-                               "staged_gets": self.staged_gets,
                                "layer_streams": {"on": self.streams.on,
                                                  "used": self.streams.used,
                                                  "declined": self.streams.declined},
@@ -248,12 +222,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     t0 = time.perf_counter_ns() if ph is not None else 0
     if ready is None:
         ready = _PUT_READY.get()
-    if (method is None and cpath.registered and type(make_plan) is ContiguousPlan
-            and R.cuda_stageable(store.layout, len(keys), layer)):
-        copier = cpath.copier(tensors[0].device)
-        if copier.wants_direct(None):
-            return await _start_put_staged(store, cpath, copier, keys, tensors[0], make_plan,
-                                           timeout, ready)
     # a later layer of blocks this node is filling needs neither the key words, nor the index,
     # nor the lock (the request's blocks were reserved once, by its first layer's put)
     txn = PutTxn(b, keys, layer, timeout, "cuda")
@@ -296,75 +264,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     except BaseException:
         await txn.abandon()
         raise
-
-
-async def _start_put_staged(store: Any, cpath: CudaPath, copier: Copier, keys: list[bytes],
-                            kv: Any, make_plan: PlanFn, timeout: float | None,
-                            ready: Any) -> StreamFuture:
-    """A whole-block put in stages (module docstring, "Staged whole puts"): reserve a stage,
-    enqueue its copies (the direct 2-D copies, or ``Copier.put`` where its slots are scattered
-    or some of its keys are present already), reserve the next while they move. The future's
-    completion publishes every stage, in order."""
-    b, lay = store.blocks, store.layout
-    n = len(keys)
-    words = keys_to_words(keys)
-    deadline = Deadline(timeout)
-    ptr = kv.data_ptr()
-    stages: list[tuple[PutTxn, int]] = []
-    keeps: list[Any] = []
-    ev: Any = None
-    issuing = False
-    t_first: float | None = None        # the first enqueue: the DMA's start, for the nap
-    try:
-        for s0, s1 in R.cuda_stages(n):
-            st = PutTxn(b, keys[s0:s1], None, deadline.left(), "cuda-stage",
-                        words=words[s0:s1])
-            if not await st.begin(count_empty=False):
-                continue                    # every key of the stage present already
-            stages.append((st, 0))
-            b.alloc.check_not_fenced()      # stores/region.py, "Fenced copies"
-            issuing = True
-            dc = copier.stage_plan(lay, st.offsets(), n, s0, ptr) if st.whole() else None
-            if dc is not None:
-                ev, keep = copier.put_direct(dc, kv, ready)
-                nbytes = dc.nbytes
-            else:
-                plan = make_plan(st.offsets(), st.positions() + s0)
-                ev, keep, _ = copier.put(plan, [kv], planes=planes_of(lay, None), ready=ready)
-                nbytes = plan.nbytes
-            if t_first is None:
-                t_first = time.perf_counter()
-            stages[-1] = (st, nbytes)
-            keeps.extend(keep)
-            if s1 < n:
-                # one loop turn between stages, as between any two operations of the loop: the
-                # copies just enqueued move meanwhile, and a reservation that never suspends
-                # would keep every other task waiting for the whole put
-                await asyncio.sleep(0)
-    except BaseException:
-        if issuing:
-            # no byte of any stage may still land (invariant 7): the copies of a stage whose
-            # enqueue failed part-way have no event, so wait for the device itself (a failure
-            # path: a RegionFull, a lock timeout, a cancellation mid-put)
-            import torch
-            await asyncio.to_thread(torch.cuda.synchronize, kv.device)
-        for st, _ in stages:
-            await st.abandon()
-        raise
-    if not stages:
-        b.stats.puts += 1                   # nothing to store: one put, as an unstaged one
-        return cpath.track(StreamFuture(DONE, completion=lambda: 0, label="put/staged"))
-    total = sum(nb for _, nb in stages)
-
-    def publish() -> int:
-        return publish_stages(stages)
-
-    cpath.staged_puts += 1
-    cpath.put_stages += len(stages)
-    return cpath.track(StreamFuture(ev, completion=publish, keep=tuple(keeps), nbytes=total,
-                                    not_before_s=total / LINK_BYTES_PER_S,
-                                    label=f"put/staged{len(stages)}", spin_ns=b.spin_ns,
-                                    t_submit=t_first))
 
 
 def _put_future(txn: PutTxn, ev: Any, keep: tuple[Any, ...], nbytes: int, label: str,
@@ -477,12 +376,6 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
                      result: Any, after: Any = None, method: str | None = None) -> StreamFuture:
     n = len(keys)
     b = store.blocks
-    if (method is None and cpath.registered and type(make_plan) is ContiguousPlan
-            and R.cuda_stageable(store.layout, n, layer)):
-        copier = cpath.copier(tensors[0].device)
-        if copier.wants_direct(None):
-            return await _start_get_staged(store, cpath, copier, keys, tensors[0], make_plan,
-                                           timeout, result, after)
     txn = ReadTxn(b, keys, layer, timeout, "cuda")
     snap = await txn.prepare()
     poffs = snap[:, SNAP_POFF].copy()
@@ -530,86 +423,6 @@ async def _start_get(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             fut = StreamFuture(ev, completion=validate, keep=keep, nbytes=nbytes,
                                label="get/pinned")
     fut.transfer_mode_info = txn
-    return cpath.track(fut)
-
-
-class _Stages:
-    """The read transactions of a staged get, as its future's ``transfer_mode_info``: what
-    ``finish_get`` consumes (each stage's blocks, in order)."""
-
-    __slots__ = ("txns",)
-
-    def __init__(self, txns: list[ReadTxn]) -> None:
-        self.txns = txns
-
-    async def consume(self) -> None:
-        for t in self.txns:
-            await t.consume()
-
-
-async def _start_get_staged(store: Any, cpath: CudaPath, copier: Copier, keys: list[bytes],
-                            out: Any, make_plan: PlanFn, timeout: float | None, result: Any,
-                            after: Any) -> StreamFuture:
-    """A whole-block get in stages, the read side of "Staged whole puts" (module docstring):
-    each stage is prepared (waited for, snapshotted, its cached lines dropped) and its copies
-    enqueued before the next stage is prepared, so the DMA starts after the first stage's
-    look-up. The future's completion validates every stage (any miss: BlockEvicted for the
-    whole get). A stage that fails to prepare (BlockNotFound, TransferTimeout) raises once no
-    copy of the stages before it can still land in ``out``."""
-    b, lay = store.blocks, store.layout
-    n = len(keys)
-    deadline = Deadline(timeout)
-    ptr = out.data_ptr()
-    stages: list[tuple[ReadTxn, int]] = []
-    ev: Any = None
-    wait = after
-    keeps: list[Any] = []
-    t_first: float | None = None
-    try:
-        for s0, s1 in R.cuda_stages(n):
-            txn = ReadTxn(b, keys[s0:s1], None, deadline.left(), "cuda-stage")
-            snap = await txn.prepare()
-            poffs = snap[:, SNAP_POFF].copy()
-            await invalidate_for_dma(b, poffs, None)
-            dc = copier.stage_plan(lay, poffs, n, s0, ptr)
-            if dc is not None:
-                ev, keep = copier.get_direct(dc, out, wait)
-                nbytes = dc.nbytes
-                wait = after
-            else:
-                plan = make_plan(poffs, np.arange(s0, s1, dtype=np.int64))
-                ev, keep, _ = copier.get(plan, [out], planes=planes_of(lay, None), after=wait)
-                nbytes = plan.nbytes
-                # its last step may run on another stream than the get stream: the next
-                # stage's copies wait for it, so that the last stage's event covers every stage
-                wait = ev
-            if t_first is None:
-                t_first = time.perf_counter()
-            stages.append((txn, nbytes))
-            keeps.extend(keep)
-            if s1 < n:
-                await asyncio.sleep(0)      # (as between a staged put's stages)
-    except BaseException:
-        if stages:
-            import torch
-            await asyncio.to_thread(torch.cuda.synchronize, out.device)
-        raise
-
-    def validate() -> Any:
-        try:
-            for txn, nb in stages:
-                txn.validate(nb, cpu=False)
-        except BlockEvicted:
-            cpath.validation_failures += 1
-            raise
-        return result
-
-    total = sum(nb for _, nb in stages)
-    fut = StreamFuture(ev, completion=validate, keep=tuple(keeps), nbytes=total,
-                       not_before_s=total / LINK_BYTES_PER_S, label=f"get/staged{len(stages)}",
-                       spin_ns=b.spin_ns, t_submit=t_first)
-    fut.transfer_mode_info = _Stages([t for t, _ in stages])
-    cpath.staged_gets += 1
     return cpath.track(fut)
 
 

@@ -17,9 +17,6 @@ in blocks and bytes, its layer, and the copy threads this node has. The owners o
 | ``NT_READ_BYTES`` | 8 MiB | a get from this size writes its output with non-temporal stores |
 | ``STAGE_BLOCKS`` | 512 | keys per stage of a staged put |
 | ``STAGE_MIN_BLOCKS``, ``STAGE_MIN_BYTES`` | 2048, 16 MiB | a put of at least this many new blocks and bytes, with two or more copy threads, is staged |
-| ``CUDA_STAGE_ENV`` | ``TRACT_CUDA_STAGE``, off | staged CUDA whole-block transfers (not yet measured faster) |
-| ``CUDA_STAGE_MIN_BLOCKS``, ``_BYTES`` | 128, 64 MiB | with it on, a CUDA whole-block put or get of at least this size is staged |
-| ``CUDA_STAGE_FIRST``, ``_GROWTH`` | 64, 3 | its first stage's blocks, and how much each later stage grows |
 | ``PARALLEL_MIN_BLOCKS`` | 32 | a read of fewer blocks keeps the step-by-step path instead of the parallel groups |
 | ``PARALLEL_INVALIDATE_BYTES`` | 64 MiB | a GPU get from this size drops its cached payload lines from several threads |
 
@@ -28,7 +25,6 @@ taken before any of this when the key and tensor are of the exact expected kind.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 FUSED_MAX_BLOCKS = 8
@@ -71,31 +67,6 @@ costs a snapshot, a reservation and a copy hand-off (tens of µs). With one copy
 2-core host) the copy thread and the loop share the cores: staged and unstaged 256 MiB puts
 measured the same on the 2-core VM (18-20 ms), so those stay unstaged."""
 
-CUDA_STAGE_ENV = "TRACT_CUDA_STAGE"
-"""``1``: stage CUDA whole-block puts and gets (``cuda/store.py``, "Staged whole puts"); off by
-default until a GPU run shows it faster. Session 53's first form (a 16-block first stage, then
-48 and 149 for 213 blocks) made a 426 MiB put 0.6-1.2 ms slower on the H100 hosts
-(``bench/results/gpu-20261207-s53``): 64 driver calls per stage whatever its size, and a late
-nap. This form follows what those numbers suggest (a 64-block first stage, the nap planned
-from the first enqueue); it has not run on a GPU yet."""
-
-CUDA_STAGE_MIN_BLOCKS = 128
-CUDA_STAGE_MIN_BYTES = 64 << 20
-"""With ``CUDA_STAGE_ENV`` on, a CUDA transfer of whole blocks (``layer`` None) of at least
-this many blocks and bytes is staged: its DMA starts after the first stage's reservation (or
-look-up) instead of the whole request's (213 blocks: ~1 ms of host time on the H100 hosts
-before the first byte moved, against 8.1 ms of raw DMA for the 426 MiB). Two stages at least."""
-
-CUDA_STAGE_FIRST = 64
-CUDA_STAGE_GROWTH = 3
-"""A staged CUDA transfer's first stage holds this many blocks, each later stage this many times
-the one before. Every stage of a whole-block tensor is 64 2-D copies (one per layer and K/V
-plane) whatever its size, issued at ~7-10 µs each on the GPU hosts, so a stage must be large
-enough that its copies stay MiBs and its DMA (~40 µs a 2 MiB block) hides the next stage's
-reservation (~4.5 µs a block) and enqueue: 64 whole Llama-3-8B blocks are ~2.5 ms of DMA
-against ~0.4 ms to reserve them (the part nothing hides) and ~1.1 ms for the rest of a
-213-block put (predicted: 8.9-9.0 ms against 9.6-9.7 unstaged, 8.1 raw)."""
-
 PARALLEL_MIN_BLOCKS = 32
 """Reads of fewer blocks keep the step-by-step path (a group of a few blocks saves less
 metadata time than its worker's hand-off costs: ``stores/parallel.py``)."""
@@ -118,29 +89,6 @@ def stageable(layout: Any, n: int, layer: int | None, copy_threads: int) -> bool
     per = layout.block_bytes if layer is None else layout.layer_bytes
     # a stage copied inline on the loop (INLINE_COPY_BYTES) would overlap nothing
     return n * per >= STAGE_MIN_BYTES and STAGE_BLOCKS * per > INLINE_COPY_BYTES
-
-
-def cuda_stageable(layout: Any, n: int, layer: int | None) -> bool:
-    """A CUDA transfer of ``n`` blocks that is staged (``CUDA_STAGE_ENV`` on,
-    ``CUDA_STAGE_MIN_BLOCKS``, ``_BYTES``)."""
-    return (layer is None and n >= CUDA_STAGE_MIN_BLOCKS
-            and n * layout.block_bytes >= CUDA_STAGE_MIN_BYTES
-            and os.environ.get(CUDA_STAGE_ENV, "0") == "1")
-
-
-def cuda_stages(n: int) -> list[tuple[int, int]]:
-    """The stages ``[s0, s1)`` of a staged CUDA put of ``n`` blocks: ``CUDA_STAGE_FIRST``
-    blocks, then each ``CUDA_STAGE_GROWTH`` times the one before; a last stage shorter than
-    the one before it joins it."""
-    out: list[tuple[int, int]] = []
-    s0, k = 0, CUDA_STAGE_FIRST
-    while s0 < n:
-        s1 = min(n, s0 + k)
-        if n - s1 < k:               # what would be left is shorter than this stage: take it
-            s1 = n
-        out.append((s0, s1))
-        s0, k = s1, k * CUDA_STAGE_GROWTH
-    return out
 
 
 def threads_for(nbytes: int, copy_threads: int) -> int:

@@ -237,8 +237,8 @@ class PutTxn(KeyBatch, _Deadline):
 
 
 def publish_stages(stages: Sequence[tuple[PutTxn, int]]) -> int:
-    """Step 3 of a put taken in stages (``stores/region.py``, "Staged large puts";
-    ``cuda/store.py``, "Staged whole puts"), once the last stage's copy has landed: every stage
+    """Step 3 of a put taken in stages (``stores/region.py``, "Staged large puts"), once the
+    last stage's copy has landed: every stage
     published, in order (no block is READY before all are in memory), ``(stage, its bytes)``;
     the put counts once, however many stages. Returns the blocks published."""
     done = sum(st.publish(nbytes) for st, nbytes in stages)
