@@ -157,6 +157,36 @@ async def test_staged_put_that_fills_the_region_midway_stores_nothing(
     assert rep.clean, rep.problems
 
 
+async def test_after_a_staged_put_that_filled_the_region_new_keys_are_stored_and_read_exact(
+        region_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sequence a GPU test of the (removed) staged CUDA puts failed (session 54: a later put
+    of new keys read some blocks back as evicted, two reservations of one payload slot by the
+    pattern), through the CPU's staged put: a put that fills the region mid-way fails, then puts
+    of keys never seen before fill the room it gave back, and every one reads back exact --
+    twice, so the second round reuses the first round's slots -- with as many slots in use as
+    blocks stored."""
+    spy = _spy(monkeypatch)
+    async with tract.Engine.open(cfg(region_path, 0, create=True, copy_threads=2,
+                                     region_bytes=16 << 20)) as eng:
+        n = 12 * STAGE
+        keys = eng.block_keys(range(TINY.block_tokens * n))
+        with pytest.raises(E.RegionFull):
+            await eng.put_kv(keys, kv_for_keys(keys))
+        assert spy.calls, "no stage was copied: the failure was not mid-way"
+        room = _free_slots(eng)
+        assert room >= STAGE
+        for r in range(2):
+            fresh = eng.block_keys(range(10**6 * (r + 1), 10**6 * (r + 1) + TINY.block_tokens * STAGE))
+            assert await eng.put_kv(fresh, kv_for_keys(fresh)) == len(fresh)
+            assert all(block_matches(fresh, await eng.get_kv(fresh)))
+            assert _free_slots(eng) == room - (r + 1) * len(fresh), r
+            if r == 0:
+                old = fresh
+        assert all(block_matches(old, await eng.get_kv(old)))
+    rep = run_fsck(region_path)
+    assert rep.clean, rep.problems
+
+
 async def test_staged_put_with_a_failing_copy_stores_nothing(
         region_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second stage's copy raises: the put raises it once the copies are done, and none of
