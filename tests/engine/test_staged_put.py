@@ -176,7 +176,8 @@ async def test_after_a_staged_put_that_filled_the_region_new_keys_are_stored_and
         room = _free_slots(eng)
         assert room >= STAGE
         for r in range(2):
-            fresh = eng.block_keys(range(10**6 * (r + 1), 10**6 * (r + 1) + TINY.block_tokens * STAGE))
+            base = 10**6 * (r + 1)
+            fresh = eng.block_keys(range(base, base + TINY.block_tokens * STAGE))
             assert await eng.put_kv(fresh, kv_for_keys(fresh)) == len(fresh)
             assert all(block_matches(fresh, await eng.get_kv(fresh)))
             assert _free_slots(eng) == room - (r + 1) * len(fresh), r
