@@ -131,7 +131,7 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 # (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
 want warmup && step warmup 180 $PY -m tract_async.tools.warmup
 want gpu_tests && step gpu_tests "${GPU_TESTS_S:-270}" $PY -m pytest -q -m gpu -p no:cacheprovider \
-  -o addopts="" tests/cuda/test_cuda_gpu.py tests/cuda/test_layer_streams_gpu.py tests/engine/test_txn.py tests/engine/test_fallback.py \
+  -o addopts="" tests/cuda/test_cuda_gpu.py tests/cuda/test_layer_streams_gpu.py tests/cuda/test_early_copies_gpu.py tests/engine/test_txn.py tests/engine/test_fallback.py \
   tests/serving/test_batching.py tests/serving/test_serving_model.py --maxfail=10
 want doorbell_tests && step doorbell_tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts= \
   tests/engine/test_doorbell.py

@@ -35,6 +35,7 @@ from ..errors import BlockEvicted
 from ..region import index as ix
 from ..region.index import SNAP_POFF
 from ..stores.fillbook import FillBatch
+from ..stores.readiness import SMALL_READ
 from ..stores.txn import PutTxn, ReadTxn
 from ..stores import routing as R
 from . import layerstream, tables
@@ -42,6 +43,10 @@ from .copy import Copier
 from .events import DONE
 from .futures import StreamFuture, poller
 from .hostreg import HostRegistration
+
+EARLY_ENV = "TRACT_CUDA_EARLY"
+"""``0``: no early copies (``_EarlyPut``): every put's DMA starts after its index entries, for
+A/B runs."""
 
 SWEEP_ENV = "TRACT_CPUMARKS_SWEEP"
 """``0``: no background sweep of the CPU-cache record (``CudaPath.sweeper``), for A/B runs."""
@@ -70,6 +75,11 @@ class CudaPath:
         self.futures_created = 0
         self.validation_failures = 0
         self.cancelled = 0
+        self.early = os.environ.get(EARLY_ENV, "1") != "0"
+        """Whether direct puts of many new blocks start their copies before their index
+        entries (``_EarlyPut``)."""
+        self.early_puts = 0
+        """Puts whose copies the reservation started (``_EarlyPut``)."""
         self.streams = layerstream.Streams()
         """The layer streams of requests in flight (``cuda/layerstream.py``)."""
         self.sampler: Any = None
@@ -132,6 +142,7 @@ class CudaPath:
                                "outstanding": len(self._outstanding),
                                "validation_failures": self.validation_failures,
                                "cancelled": self.cancelled,
+                               "early_puts": {"on": self.early, "used": self.early_puts},
                                "layer_streams": {"on": self.streams.on,
                                                  "used": self.streams.used,
                                                  "declined": self.streams.declined},
@@ -215,6 +226,58 @@ async def start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Seq
                                 ready=ready, method=method)
 
 
+class _EarlyPut:
+    """A direct put's copies, started by the reservation between taking the slots and placing
+    the index entries (``stores/txn.py``, ``EarlyCopies``; docs/design.md, "Copies before the
+    entries"). Why: a whole prompt's DMA (426 MiB, ~8.4 ms) started only after the whole
+    reservation -- the slots, then 213 entries written and their batch recorded -- and the
+    put's ~1 ms over the raw copy was mostly that wait. The entries need not precede the
+    copies: no reader finds a block before its entry is READY, and the slots are this node's
+    from the moment they are taken. ``start`` builds the template from the offsets and
+    enqueues the copies (nothing when the blocks need the gather path, or when an enqueue
+    fails: the put stream is then drained and the put copies again after the placement, which
+    raises the same error there); ``void`` waits for their event."""
+
+    __slots__ = ("copier", "layout", "tensor", "layer", "ready", "started", "ev", "keep",
+                 "tmpl", "dc", "poffs")
+
+    def __init__(self, copier: Copier, layout: Any, tensor: Any, layer: int | None,
+                 ready: Any) -> None:
+        self.copier = copier
+        self.layout = layout
+        self.tensor = tensor
+        self.layer = layer
+        self.ready = ready
+        self.started = False
+        self.ev: Any = None
+        self.keep: tuple[Any, ...] = ()
+        self.tmpl: Any = None
+        self.dc: Any = None
+        self.poffs: np.ndarray | None = None
+
+    def start(self, offsets: np.ndarray) -> None:
+        try:
+            tmpl = self.copier.direct_template(self.layout, offsets, self.layer is None)
+            if tmpl is None:
+                return
+            dc = tmpl.at(self.layer, self.tensor.data_ptr())
+            self.ev, self.keep = self.copier.put_direct(dc, self.tensor, self.ready)
+        except Exception:
+            self.copier.put_dma.synchronize()       # what was enqueued has landed
+            return
+        self.tmpl, self.dc, self.poffs, self.started = tmpl, dc, offsets, True
+
+    def void(self) -> None:
+        if self.started:
+            self.ev.synchronize()
+            self.started, self.ev, self.keep = False, None, ()
+
+    def holds(self, poffs: np.ndarray) -> bool:
+        """The copies went where the reservation put the blocks (``poffs``, in key order)."""
+        p = self.poffs
+        return self.started and p is not None and (p is poffs or np.array_equal(p, poffs))
+
+
 async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
                      make_plan: PlanFn, layer: int | None, timeout: float | None, *,
                      ready: Any = None, method: str | None = None) -> StreamFuture:
@@ -225,25 +288,47 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     # a later layer of blocks this node is filling needs neither the key words, nor the index,
     # nor the lock (the request's blocks were reserved once, by its first layer's put)
     txn = PutTxn(b, keys, layer, timeout, "cuda")
-    if not txn.resume() and not await txn.begin():
-        return cpath.track(StreamFuture(DONE, completion=lambda: 0, label="put"))
+    early = None
+    if not txn.resume():
+        copier = cpath.copier(tensors[0].device)
+        direct_ok = (cpath.registered and type(make_plan) is ContiguousPlan
+                     and copier.wants_direct(method))
+        if direct_ok and cpath.early and len(keys) > SMALL_READ:
+            early = txn.early = _EarlyPut(copier, store.layout, tensors[0], layer, ready)
+        try:
+            if not await txn.begin():
+                return cpath.track(StreamFuture(DONE, completion=lambda: 0, label="put"))
+        except BaseException:
+            if early is not None:
+                early.void()        # the reservation failed after the copies started
+            raise
     res = txn.res
     if ph is not None:
         ph.add("reserve_incl_lock", t0)
         t0 = time.perf_counter_ns()
     poffs = txn.offsets()
     try:
-        b.alloc.check_not_fenced()      # stores/region.py, "Fenced copies"
         copier = cpath.copier(tensors[0].device)
         dc = tmpl = None
-        if (cpath.registered and type(make_plan) is ContiguousPlan and txn.whole()
-                and copier.wants_direct(method)):
-            tmpl = copier.direct_template(store.layout, poffs, layer is None)
-            if tmpl is not None:
-                dc = tmpl.at(layer, tensors[0].data_ptr())
+        if early is not None and txn.whole() and early.holds(poffs):
+            dc, tmpl = early.dc, early.tmpl         # enqueued already: the future is all
+        else:
+            if early is not None:
+                early.void()
+                early = None
+            b.alloc.check_not_fenced()      # stores/region.py, "Fenced copies"
+            if (cpath.registered and type(make_plan) is ContiguousPlan and txn.whole()
+                    and copier.wants_direct(method)):
+                tmpl = copier.direct_template(store.layout, poffs, layer is None)
+                if tmpl is not None:
+                    dc = tmpl.at(layer, tensors[0].data_ptr())
         if dc is not None:
             nbytes = dc.nbytes
-            ev, keep = copier.put_direct(dc, tensors[0], ready)
+            if early is not None:
+                ev, keep = early.ev, early.keep
+                cpath.early_puts += 1
+            else:
+                ev, keep = copier.put_direct(dc, tensors[0], ready)
             m = "direct"
             if layer is not None and method is None and type(res) is FillBatch and res.whole:
                 # the request's later layers: one short enqueue each (cuda/layerstream.py)
@@ -262,6 +347,8 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
             ph.add("enqueue", t0)
         return cpath.track(fut)
     except BaseException:
+        if early is not None:
+            early.void()            # abandon only once no copy can still land
         await txn.abandon()
         raise
 

@@ -47,6 +47,11 @@ class StoreStats(TransferStats):
     be had; their transfer deadline frees them."""
     lockfree_reservations: int = 0
     """Reservation batches placed without the global lock (index.py, "Who writes what")."""
+    early_copies: int = 0
+    """Lock-free reservations whose copies started before their index entries were placed
+    (``Reserver._place_after_early``), the placement then whole."""
+    early_copies_voided: int = 0
+    """The same, where the placement was not whole: the copies waited out, the put copied again."""
     fused_puts: int = 0
     """Puts done in one kernel call (``put_fused``), a subset of ``lockfree_reservations``."""
     fused_gets: int = 0

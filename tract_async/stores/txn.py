@@ -40,6 +40,11 @@ The rules every path used to restate, and now states once:
 - **Consume in transfer mode**, after a validated read only.
 - **Counted once**: a put that stores nothing counts as a put (``begin``); a fused put's or
   read's counters come from the lifecycle's fused steps.
+- **Early copies** (``PutTxn.early``, ``EarlyCopies``): a copy back-end whose copies run
+  asynchronously (the CUDA DMA) may start them between the slots' allocation and the index
+  entries' placement, where a lock-free reservation of many new blocks allows it (docs/design.md,
+  "Copies before the entries"); the reservation voids them (waits until they can no longer
+  land) before it gives any of their slots back.
 
 The steps themselves belong to a block lifecycle, the transaction's ``blocks``: the region's
 (``stores/blocks.py``: the shared index, its lock and versions) or the HTTP store's
@@ -94,6 +99,24 @@ class ReadSteps(Protocol):
     async def consume(self, kb: Any, snap: Any, layer: int | None) -> None: ...
 
 
+class EarlyCopies(Protocol):
+    """A put's copies started before its index entries are placed (``PutTxn.early``).
+
+    The reserver calls ``start(offsets)`` once it holds every slot of a put whose keys are all
+    new, with the payload offsets the keys will have in key order if the placement succeeds
+    whole; ``start`` enqueues the copies (or nothing: ``started`` stays False). If the placement
+    does not succeed whole, the reserver calls ``void()`` at once -- before it returns to the
+    event loop, so before any freed slot can be taken again -- and ``void`` returns only when no
+    byte of those copies can still land. The put's caller then copies again by what the
+    reservation became (docs/design.md, "Copies before the entries")."""
+
+    started: bool
+
+    def start(self, offsets: np.ndarray) -> None: ...
+
+    def void(self) -> None: ...
+
+
 class _Deadline:
     """What a deadline does with its two words, ``at`` and ``timeout`` (``Deadline``), for
     the classes that hold them: a transaction keeps them among its own slots (it is its
@@ -134,12 +157,12 @@ class PutTxn(KeyBatch, _Deadline):
     publish, or abandon (module docstring). ``path`` names the copy back-end that moves its
     bytes (counted in ``opened``). It is the put's key batch (``keys.KeyBatch``): the steps
     it calls get the transaction itself, its words computed once (``key_words``)."""
-    __slots__ = ("blocks", "layer", "todo", "res", "phases", "notices", "at", "timeout")
+    __slots__ = ("blocks", "layer", "todo", "res", "phases", "notices", "at", "timeout", "early")
     opened: ClassVar[Counter[str]] = Counter()
 
     def __init__(self, blocks: PutSteps, keys: list[bytes], layer: int | None,
                  timeout: float | None, path: str, *, words: np.ndarray | None = None,
-                 phases: Any = None) -> None:
+                 phases: Any = None, early: EarlyCopies | None = None) -> None:
         self.blocks = blocks
         self.keys = keys
         self.layer = layer
@@ -155,6 +178,8 @@ class PutTxn(KeyBatch, _Deadline):
         self.notices: Sequence[list[Any]] = ()
         """What the lifecycle's ``reserve`` did that peers must hear of with the put (the HTTP
         pool: blocks evicted for room); empty on the region (a shared tuple: no list per put)."""
+        self.early = early
+        """Copies the reservation may start before the index entries (``EarlyCopies``)."""
         PutTxn.opened[path] += 1
 
     def key_words(self) -> np.ndarray:
