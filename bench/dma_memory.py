@@ -11,7 +11,12 @@ bytes took 8.1 on the H100 host (``bench/results/gpu-20261207-s49``), with the h
 off the critical path. Before calling that a floor, this measures the raw copies themselves
 into each kind of memory -- contiguous ``cudaMemcpyAsync`` both ways, and the whole-prompt
 pattern (one 2-D copy per K/V plane: 32 KiB rows, one per block, 2 MiB apart in the host
-memory) -- so that the memory and the copy pattern are told apart:
+memory) -- so that the memory and the copy pattern are told apart. ``*_blocks`` moves the same
+bytes block by block instead (one 2-D copy per block: its 64 planes strided on the device,
+2 MiB contiguous in the host memory; 213 driver calls instead of 64): the planes pattern ran
+at 0.96x of the contiguous copy (``bench/results/gpu-20261207-s50``), and whether the host
+side's 2-MiB stride or the 32 KiB rows cost that 4 % decides which pattern a whole-block put
+should use. Kinds of memory:
 
 * ``hostalloc``: ``cudaHostAlloc`` (the benchmarks' raw baseline);
 * ``shm``: a ``/dev/shm`` file, mapped shared and registered (the engine's region);
@@ -133,10 +138,23 @@ def measure(buf: Buffer, dev: torch.Tensor, nbytes: int, reps: int) -> dict[str,
             else:
                 memcpy2d_async(d, ROW, o, BLOCK, ROW, nblocks, h)
 
+    def blocks_copy(to_host: bool) -> None:
+        # the same bytes block by block: one 2-D copy per block, its 64 planes strided on the
+        # device (pitch n * ROW) and contiguous in the host memory (2 MiB written in order)
+        for j in range(nblocks):
+            d = dp + j * ROW
+            o = hp + j * BLOCK
+            if to_host:
+                memcpy2d_async(o, ROW, d, nblocks * ROW, ROW, planes, h)
+            else:
+                memcpy2d_async(d, nblocks * ROW, o, ROW, ROW, planes, h)
+
     out = {"d2h": timed(lambda: host.copy_(dev, non_blocking=True), reps),
            "h2d": timed(lambda: dev.copy_(host, non_blocking=True), reps),
            "d2h_planes": timed(lambda: planes_copy(True), reps),
-           "h2d_planes": timed(lambda: planes_copy(False), reps)}
+           "h2d_planes": timed(lambda: planes_copy(False), reps),
+           "d2h_blocks": timed(lambda: blocks_copy(True), reps),
+           "h2d_blocks": timed(lambda: blocks_copy(False), reps)}
     return out
 
 
