@@ -125,6 +125,10 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   --blocks 213, whose slots LRU scatters; ~2 min)
 #   dma_memory (bench/dma_memory.py: raw copies into cudaHostAlloc, registered /dev/shm and
 #   huge-page memory, contiguous and in the whole-prompt pattern; ~30 s)
+#   gpu_trace (bench/gpu_trace.py: a whole prompt, one-block layers and the 32-block pipelined
+#   prefill on the device's clock, early copies on, then off; ~1 min)
+#   early_ab (TRACT_CUDA_EARLY 1 / 0 / 1 / 0: bench/gpu_layers.py --sections whole_prompt,
+#   9 reps each; ~1 min)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
@@ -166,6 +170,15 @@ want prefill_shapes && step prefill_shapes 200 $PY bench/prefill_shapes.py
 want host_profile && step host_profile 150 $PY bench/host_profile.py --blocks "${PROFILE_BLOCKS:-1}"
 want copy_batch && step copy_batch 150 $PY bench/copy_batch.py
 want dma_memory && step dma_memory 120 $PY bench/dma_memory.py
+want gpu_trace && for e in 1 0; do
+  TRACT_CUDA_EARLY=$e step "gpu_trace_early$e" 100 $PY bench/gpu_trace.py \
+    --name "gpu-trace-early$e-$(date -u +%Y%m%d-%H%M%S)"
+done
+want early_ab && for r in 1 2; do for e in 1 0; do
+  TRACT_CUDA_EARLY=$e step "whole_prompt_early${e}_$r" 60 $PY bench/gpu_layers.py \
+    --sections whole_prompt --reps 9 --budget-s 45 \
+    --name "gpu-layers-early$e-$r-$(date -u +%Y%m%d-%H%M%S)"
+done; done
 want batch_ab && for m in off auto; do
   TRACT_CUDA_BATCH=$m step "gpu_layers_batch_$m" 120 $PY bench/gpu_layers.py --budget-s 60 \
     --name "gpu-layers-batch-$m-$(date -u +%Y%m%d-%H%M%S)"
