@@ -129,13 +129,14 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   prefill on the device's clock, early copies on, then off; ~1 min)
 #   early_ab (TRACT_CUDA_EARLY 1 / 0 / 1 / 0: bench/gpu_layers.py --sections whole_prompt,
 #   9 reps each; ~1 min)
+#   whole_ab (TRACT_CUDA_WHOLE planes / blocks / planes / blocks: the same; ~1 min)
 STEPS="${STEPS:-warmup gpu_tests gpu_putget gpu_pipeline gpu_pipeline_si transport_gpu_tests}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # a fresh host has a cold Numba cache: compile every jitted path once, outside the tests' limits
 # (on two cold hosts the test step ran out of its time after 61 of 63 tests; warm: ~55-115 s)
 want warmup && step warmup 180 $PY -m tract_async.tools.warmup
 want gpu_tests && step gpu_tests "${GPU_TESTS_S:-270}" $PY -m pytest -q -m gpu -p no:cacheprovider \
-  -o addopts="" tests/cuda/test_cuda_gpu.py tests/cuda/test_layer_streams_gpu.py tests/cuda/test_early_copies_gpu.py tests/engine/test_txn.py tests/engine/test_fallback.py \
+  -o addopts="" tests/cuda/test_cuda_gpu.py tests/cuda/test_layer_streams_gpu.py tests/cuda/test_early_copies_gpu.py tests/cuda/test_whole_blocks_gpu.py tests/engine/test_txn.py tests/engine/test_fallback.py \
   tests/serving/test_batching.py tests/serving/test_serving_model.py --maxfail=10
 want doorbell_tests && step doorbell_tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts= \
   tests/engine/test_doorbell.py
@@ -174,6 +175,11 @@ want gpu_trace && for e in 1 0; do
   TRACT_CUDA_EARLY=$e step "gpu_trace_early$e" 100 $PY bench/gpu_trace.py \
     --name "gpu-trace-early$e-$(date -u +%Y%m%d-%H%M%S)"
 done
+want whole_ab && for r in 1 2; do for w in planes blocks; do
+  TRACT_CUDA_WHOLE=$w step "whole_prompt_${w}_$r" 60 $PY bench/gpu_layers.py \
+    --sections whole_prompt --reps 9 --budget-s 45 \
+    --name "gpu-layers-whole-$w-$r-$(date -u +%Y%m%d-%H%M%S)"
+done; done
 want early_ab && for r in 1 2; do for e in 1 0; do
   TRACT_CUDA_EARLY=$e step "whole_prompt_early${e}_$r" 60 $PY bench/gpu_layers.py \
     --sections whole_prompt --reps 9 --budget-s 45 \

@@ -86,6 +86,40 @@ def test_direct_copies_move_exactly_the_plans_rows(kind: str, n: int, layer: int
     assert (dc.rows[:, 1] >= dc.rows[:, 4]).all() and (dc.rows[:, 3] >= dc.rows[:, 4]).all()
 
 
+@pytest.mark.parametrize("kind", ["evenly", "wider", "two-chunks", "descending", "scattered"])
+@pytest.mark.parametrize("n", [2, 7, 33, 213])
+def test_whole_blocks_one_copy_each_move_exactly_the_plans_rows(kind: str, n: int) -> None:
+    """``TRACT_CUDA_WHOLE=blocks``: a whole-block transfer is one 2-D copy per block, its
+    planes contiguous in the region, whatever the blocks' placement (no gather path)."""
+    rng = np.random.default_rng(n)
+    poffs = _offsets(kind, n, LLAMA, rng)
+    dc = direct.plan(LLAMA, poffs, None, tensor_ptr=0, region_ptr=0, whole_pattern="blocks")
+    assert dc is not None and len(dc) == n
+    assert dc.nbytes == n * LLAMA.block_bytes
+    assert np.array_equal(_pairs_of_copies(dc.rows, dc.half), _pairs_of_plan(LLAMA, poffs, None))
+    rows = dc.rows
+    assert (rows[:, 1] == LLAMA.half_layer_bytes).all()       # contiguous on the region side
+    assert (rows[:, 5] == 2 * LLAMA.num_layers).all()
+    # the same bytes at a tensor address and a region base, through the template cache
+    cache = direct.TemplateCache(LLAMA, 1 << 40, whole_pattern="blocks")
+    at = cache.plan(poffs, None, 1 << 20)
+    assert np.array_equal(at.rows[:, [0, 2]], rows[:, [0, 2]] + [1 << 40, 1 << 20])
+    # a layer's transfer keeps the planes pattern (two copies for evenly spaced blocks)
+    if kind == "evenly":
+        assert len(direct.plan(LLAMA, poffs, 3, tensor_ptr=0, region_ptr=0,
+                               whole_pattern="blocks")) == 2
+
+
+def test_the_whole_pattern_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(direct.WHOLE_ENV, raising=False)
+    assert direct.whole_mode() == "planes"
+    monkeypatch.setenv(direct.WHOLE_ENV, "blocks")
+    assert direct.whole_mode() == "blocks"
+    monkeypatch.setenv(direct.WHOLE_ENV, "rows")
+    with pytest.raises(ValueError, match="TRACT_CUDA_WHOLE"):
+        direct.whole_mode()
+
+
 def test_evenly_spaced_blocks_take_two_copies_a_layer() -> None:
     poffs = (1 << 30) + np.arange(213, dtype=np.int64) * LLAMA.block_bytes
     assert len(direct.plan(LLAMA, poffs, 7, tensor_ptr=0, region_ptr=0)) == 2

@@ -147,6 +147,8 @@ class Copier:
         else:
             self.batch_reason = direct.batch_probe(self.fast, self.device, self.put_dma)
         self.batch = mode if self.batch_reason is None else "off"
+        self.whole = direct.whole_mode()
+        """Whole-block transfers by plane or by block (``cuda/direct.py``, ``TRACT_CUDA_WHOLE``)."""
         self.zerocopy_warm_s: dict[int, float] = {}   # row bytes -> seconds its compile took
 
     def warm_zerocopy(self, row_bytes: int) -> None:
@@ -292,7 +294,7 @@ class Copier:
         if cache is None or cache.layout is not layout:
             from . import triton_copy
             cache = self._templates[id(layout)] = direct.TemplateCache(
-                layout, self.region_ptr, batch=self.batch,
+                layout, self.region_ptr, batch=self.batch, whole_pattern=self.whole,
                 max_calls=(direct.ZEROCOPY_MAX_CALLS if self.have_triton
                            and triton_copy.supported(layout.half_layer_bytes)
                            else direct.MAX_CALLS))
@@ -605,6 +607,7 @@ class Copier:
                 "zerocopy": self.have_triton, "zerocopy_unavailable": self.triton_reason or None,
                 "zerocopy_warm_s": {str(k): round(v, 3) for k, v in self.zerocopy_warm_s.items()},
                 "batch": self.batch, "batch_unavailable": self.batch_reason,
+                "whole": self.whole,
                 "piece_bytes": self.piece_bytes, **dataclasses.asdict(self.counters)}
 
 

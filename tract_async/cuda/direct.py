@@ -16,7 +16,15 @@ buffer: four to six numpy passes, a kernel and a second pass over the bytes per 
 the H100 host at main 06f8c2a: a 213-block layer put 0.81 ms host and device against 0.26 ms
 raw; 315 µs for one block).
 
-A whole-block tensor ``(L, 2, n*T, H, D)`` is ``2L`` such planes: ``2L`` copies per run.
+A whole-block tensor ``(L, 2, n*T, H, D)`` is ``2L`` such planes: ``2L`` copies per run. Or,
+with ``TRACT_CUDA_WHOLE=blocks`` (not the default), one copy per block: its ``2L`` rows strided
+by ``n*half`` in the tensor and contiguous in the region (2 MiB of a Llama-3-8B block written in
+order), ``n`` calls for any placement of the blocks. Why a second form: the planes pattern ran
+at 0.96x of a contiguous copy of the same bytes on the H100 host (``bench/dma_memory.py``,
+``bench/results/gpu-20261207-s50``), and a whole prompt's put needs 0.9x with its host work
+included; ``bench/dma_memory.py``'s ``*_blocks`` rows say whether the block pattern moves
+faster, and an A/B of this switch whether it pays for its ~3x more driver calls (written
+without a GPU: off until measured).
 
 Runs (``segments``): maximal ranges of consecutive blocks (tensor order) whose payload offsets
 step by one constant stride of at least the bytes each block's copy covers (a 2-D copy's pitch
@@ -89,6 +97,21 @@ few large operations, until ``bench/copy_batch.py`` has shown on a GPU what a ba
 BATCH_MAX_COPIES = 4096
 """Most 1-D copies in one batch (a 213-block layer is 426; the whole-block planes of a large
 request, 64 per block, keep the 2-D copies or the gather path)."""
+
+
+WHOLE_ENV = "TRACT_CUDA_WHOLE"
+"""``planes`` (default): a whole-block transfer is one 2-D copy per plane per run; ``blocks``:
+one 2-D copy per block (module docstring)."""
+
+WHOLE_MODES = ("planes", "blocks")
+
+
+def whole_mode() -> str:
+    """The whole-block copy pattern from ``TRACT_CUDA_WHOLE`` (ValueError for another value)."""
+    m = os.environ.get(WHOLE_ENV, "planes") or "planes"
+    if m not in WHOLE_MODES:
+        raise ValueError(f"{WHOLE_ENV} must be one of {WHOLE_MODES}, got {m!r}")
+    return m
 
 
 def batch_mode() -> str:
@@ -275,12 +298,14 @@ class Template:
 
 
 def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
-             batch: str = "off", max_calls: int = MAX_CALLS) -> Template | None:
+             batch: str = "off", max_calls: int = MAX_CALLS,
+             whole_pattern: str = "planes") -> Template | None:
     """The copies of blocks ``poffs`` (tensor order) at layer 0 and tensor address 0: one
     layer's two planes, or (``whole``) every layer's. ``batch``: the policy where batched
     copies are available (``BATCH_MODES``; ``off`` where they are not). None when one layer's
     copies would take more than ``max_calls`` 2-D copies (whole blocks: ``MAX_CALLS``) and no
-    batch (use the gather path)."""
+    batch (use the gather path). ``whole_pattern``: ``blocks`` moves whole blocks one 2-D copy
+    per block (``block_copies``), ``planes`` one per plane per run."""
     n = int(poffs.shape[0])
     half = layout.half_layer_bytes
     if whole:
@@ -294,6 +319,9 @@ def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
         # host time on the H100 host, a one-block layer's whole transfer ~10 µs)
         calls = [(region_ptr + int(poffs[0]), nbytes, 0, nbytes, nbytes, 1)]
         return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
+    if whole and whole_pattern == "blocks" and n <= MAX_CALLS:
+        return Template(block_copies(poffs, planes, half, region_ptr), half, nbytes,
+                        layout.layer_bytes, poffs, whole)
     segs = segments(poffs, span)
     ncalls = segs.shape[0] * planes
     if (batch != "off" and n * planes <= BATCH_MAX_COPIES
@@ -305,6 +333,16 @@ def template(layout: Any, poffs: np.ndarray, whole: bool, region_ptr: int,
     rows = copies(segs, poffs, n, planes, half, 0, 0, region_ptr)
     calls = [(r, rp, t, tp, half, h) for r, rp, t, tp, h in rows.tolist()]
     return Template(calls, half, nbytes, layout.layer_bytes, poffs, whole)
+
+
+def block_copies(poffs: np.ndarray, planes: int, half: int,
+                 region_ptr: int) -> list[tuple[int, int, int, int, int, int]]:
+    """One 2-D copy per block at layer 0 and tensor address 0, in ``Template.calls``' form:
+    block ``j``'s ``planes`` rows are tensor rows ``p*n + j`` (pitch ``n*half``) and region
+    bytes ``poffs[j] + p*half`` (pitch ``half``: contiguous), as in ``copies``."""
+    n = poffs.shape[0]
+    return [(region_ptr + off, half, j * half, n * half, half, planes)
+            for j, off in enumerate(poffs.tolist())]
 
 
 def batch_copies(poffs: np.ndarray, planes: int, half: int,
@@ -320,12 +358,13 @@ def batch_copies(poffs: np.ndarray, planes: int, half: int,
 
 
 def plan(layout: Any, poffs: np.ndarray, layer: int | None, tensor_ptr: int,
-         region_ptr: int, batch: str = "off", max_calls: int = MAX_CALLS) -> DirectCopy | None:
+         region_ptr: int, batch: str = "off", max_calls: int = MAX_CALLS,
+         whole_pattern: str = "planes") -> DirectCopy | None:
     """The copies moving blocks ``poffs`` (tensor order) of a contiguous tensor at
-    ``tensor_ptr``: one layer's planes or all of them (``batch``, ``max_calls``: as
-    ``template``). None when they would take more than ``max_calls`` copies and no batch (use
-    the gather path)."""
-    t = template(layout, poffs, layer is None, region_ptr, batch, max_calls)
+    ``tensor_ptr``: one layer's planes or all of them (``batch``, ``max_calls``,
+    ``whole_pattern``: as ``template``). None when they would take more than ``max_calls``
+    copies and no batch (use the gather path)."""
+    t = template(layout, poffs, layer is None, region_ptr, batch, max_calls, whole_pattern)
     return None if t is None else t.at(layer, tensor_ptr)
 
 
@@ -341,12 +380,13 @@ class TemplateCache:
     (as None). ``size`` entries: a few requests streaming at once."""
 
     def __init__(self, layout: Any, region_ptr: int, size: int = 8, batch: str = "off",
-                 max_calls: int = MAX_CALLS) -> None:
+                 max_calls: int = MAX_CALLS, whole_pattern: str = "planes") -> None:
         self.layout = layout
         self.region_ptr = region_ptr
         self.size = size
         self.batch = batch
         self.max_calls = max_calls
+        self.whole_pattern = whole_pattern
         self._entries: list[tuple[np.ndarray, bool, Template | None]] = []
         self.hits = 0
         self.misses = 0
@@ -368,7 +408,8 @@ class TemplateCache:
                     ents.insert(0, ents.pop(k))
                 return e[2]
         self.misses += 1
-        t = template(self.layout, poffs, whole, self.region_ptr, self.batch, self.max_calls)
+        t = template(self.layout, poffs, whole, self.region_ptr, self.batch, self.max_calls,
+                     self.whole_pattern)
         ents.insert(0, (poffs, whole, t))
         del ents[self.size:]
         return t
