@@ -125,8 +125,9 @@ step() {  # step NAME SECONDS CMD...  (output to $LOGS/NAME.log, then into the a
 #   --blocks 213, whose slots LRU scatters; ~2 min)
 #   dma_memory (bench/dma_memory.py: raw copies into cudaHostAlloc, registered /dev/shm and
 #   huge-page memory, contiguous and in the whole-prompt pattern; ~30 s)
-#   gpu_trace (bench/gpu_trace.py: a whole prompt, one-block layers and the 32-block pipelined
-#   prefill on the device's clock, early copies on, then off; ~1 min)
+#   gpu_trace (bench/gpu_trace.py: a whole prompt, one-block layers, the 32-block pipelined
+#   prefill and a Llama-3-8B prefill with layer puts on the device's clock, then the whole
+#   prompt and one-block layers with the early copies off; ~3 min)
 #   early_ab (TRACT_CUDA_EARLY 1 / 0 / 1 / 0: bench/gpu_layers.py --sections whole_prompt,
 #   9 reps each; ~1 min)
 #   whole_ab (TRACT_CUDA_WHOLE planes / blocks / planes / blocks: the same; ~1 min)
@@ -171,10 +172,10 @@ want prefill_shapes && step prefill_shapes 200 $PY bench/prefill_shapes.py
 want host_profile && step host_profile 150 $PY bench/host_profile.py --blocks "${PROFILE_BLOCKS:-1}"
 want copy_batch && step copy_batch 150 $PY bench/copy_batch.py
 want dma_memory && step dma_memory 120 $PY bench/dma_memory.py
-want gpu_trace && for e in 1 0; do
-  TRACT_CUDA_EARLY=$e step "gpu_trace_early$e" 100 $PY bench/gpu_trace.py \
-    --name "gpu-trace-early$e-$(date -u +%Y%m%d-%H%M%S)"
-done
+want gpu_trace && { step gpu_trace_early1 200 $PY bench/gpu_trace.py \
+    --name "gpu-trace-early1-$(date -u +%Y%m%d-%H%M%S)"
+  TRACT_CUDA_EARLY=0 step gpu_trace_early0 100 $PY bench/gpu_trace.py --parts whole layer1 \
+    --name "gpu-trace-early0-$(date -u +%Y%m%d-%H%M%S)"; }
 want whole_ab && for r in 1 2; do for w in planes blocks; do
   TRACT_CUDA_WHOLE=$w step "whole_prompt_${w}_$r" 60 $PY bench/gpu_layers.py \
     --sections whole_prompt --reps 9 --budget-s 45 \

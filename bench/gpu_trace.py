@@ -29,6 +29,18 @@ Parts (``--parts``):
 * ``pipe32``: the pipelined prefill at 32 blocks and ~1 ms a layer (``gpu_layers.Compute``),
   ``--reps`` runs alone and with puts alternating: the compute kernels' summed time, their
   span, the gaps between them, and the copies that overlapped them.
+* ``prefill``: the real thing the synthetic ``pipe32`` stands for, a random-weight Llama-3-8B
+  (``serving.model``) prefilling ``--prefill-tokens`` prompts, ``--prefill-reps`` times each
+  way: alone (``prefill``); layer-streamed with each layer's put started and not awaited
+  (``prefill_streaming`` + ``start_put_kv``, as ``bench/gpu_pipeline.py``); and with each put
+  awaited through the serving workers' ``KVDevice.put_layer``, as the prefill worker does.
+  ``bench/gpu_pipeline.py`` measured 1.74x the prefill alone with puts at 1K tokens
+  (``bench/results/gpu_pipeline.json``, cff1d7b) and 1.02-1.06x from 2K up, and a serving
+  prefill worker ran a 512-token prompt in 60-125 ms where the same prompt's recompute took
+  29-43 ms (``bench/results/gpu-20261206-s40``, call 2). Per run: the kernels' busy time, span
+  and gaps, and the cudart calls of each host thread (the compute thread's launches, the
+  loop's copies and events, the poller's event queries): whether the puts slow the kernels,
+  open gaps between them, or slow the launches themselves.
 
 The profiler adds ~1-2 µs to every cudart call and to every marked host call, so host times
 here rank rather than time; device durations are the device's. Writes
@@ -56,7 +68,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import tract_async as tract  # noqa: E402
 
-PARTS = ("whole", "layer1", "pipe32")
+PARTS = ("whole", "layer1", "pipe32", "prefill")
 
 
 # -- the trace --------------------------------------------------------------------------------
@@ -234,6 +246,79 @@ async def part_pipe32(eng: Any, lay: Any, reps: int, matmul: int) -> None:
                 await G.free_blocks(eng, keys, out)
 
 
+def build_llama() -> Any:
+    """A random-weight Llama-3-8B in bf16 on the GPU (``serving.model``; ~16 GB)."""
+    from tract_async.serving.model import build_model, llama3_8b_config
+    return build_model(llama3_8b_config(), seed=0, device="cuda", dtype=torch.bfloat16,
+                       init_device="cuda")
+
+
+async def part_prefill(eng: Any, lay: Any, model: Any, tokens: list[int], reps: int) -> None:
+    from tract_async.serving.model import prefill
+    from tract_async.serving.service import KVDevice
+    from tract_async.serving.streaming import prefill_streaming
+    cfg = model.config
+    kvdev = KVDevice(eng)
+    T = lay.block_tokens
+
+    async def run(kind: str, ids: list[int], keys: list) -> None:
+        n_full = len(ids) // T
+        futs: list[Any] = []
+
+        async def started(i: int, kv: Any, ready: Any = None) -> None:
+            futs.append(await eng.start_put_kv(keys, kv[:, :n_full * T], layer=i, ready=ready))
+
+        async def awaited(i: int, kv: Any, ready: Any = None) -> None:
+            await kvdev.put_layer(keys, kv[:, :n_full * T], i, None, ready)
+
+        if kind == "alone":
+            prefill(model, ids)
+        else:
+            await prefill_streaming(model, ids, put_layer=started if kind == "started"
+                                    else awaited)
+            for f in futs:
+                await f
+        torch.cuda.synchronize()
+
+    g = torch.Generator().manual_seed(11)
+    for n in tokens:
+        for r in range(reps + 1):
+            tag = "warm" if r == 0 else str(r)
+            for kind in ("alone", "started", "awaited"):
+                ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+                keys = eng.block_keys(ids)[:n // T]
+                torch.cuda.synchronize()
+                with record_function(f"prefill_{kind}_{n}_{tag}"):
+                    await run(kind, ids, keys)
+                if kind != "alone":
+                    await G.free_blocks(eng, keys, torch.empty(lay.kv_shape(n // T),
+                                                               dtype=lay.dtype, device="cuda"))
+
+
+def prefill_summary(tr: Trace, mark: dict) -> dict[str, Any]:
+    """One prefill: its kernels (busy, span, gaps) and each host thread's cudart calls."""
+    t0, t1 = mark["ts"], end(mark)
+    ks = tr.within(tr.kernels, t0, t1)
+    row: dict[str, Any] = {"op": mark["name"], "wall_ms": (t1 - t0) / 1e3, "kernels": len(ks)}
+    if ks:
+        gaps = [b["ts"] - end(a) for a, b in zip(ks, ks[1:])]
+        row.update(kernel_busy_ms=sum(k.get("dur", 0.0) for k in ks) / 1e3,
+                   kernel_span_ms=(max(end(k) for k in ks) - ks[0]["ts"]) / 1e3,
+                   gap_sum_ms=sum(g for g in gaps if g > 0) / 1e3,
+                   gaps_over_20us=sum(1 for g in gaps if g > 20.0))
+    threads: dict[str, dict[str, dict[str, float]]] = {}
+    for c in tr.within(tr.calls, t0, t1):
+        d = threads.setdefault(str(c.get("tid")), {}).setdefault(c["name"], {"n": 0, "us": 0.0})
+        d["n"] += 1
+        d["us"] += c.get("dur", 0.0)
+    row["threads"] = threads
+    launches = [d for t in threads.values() for name, d in t.items() if "LaunchKernel" in name]
+    n_l = sum(d["n"] for d in launches)
+    row["launches"] = n_l
+    row["launch_us_mean"] = sum(d["us"] for d in launches) / n_l if n_l else None
+    return row
+
+
 # -- the run ----------------------------------------------------------------------------------
 
 def summarize(tr: Trace) -> dict[str, Any]:
@@ -256,6 +341,18 @@ def summarize(tr: Trace) -> dict[str, Any]:
                                             for k in ("total_us", "start_us", "start_to_copy_us",
                                                       "busy_us", "tail_us")},
                          "start_calls_med_us": {k: med(v) for k, v in calls.items()}}
+    for kind in ("alone", "started", "awaited"):
+        rows = [prefill_summary(tr, m) for m in tr.marked(f"prefill_{kind}_")
+                if "warm" not in m["name"]]
+        by_n: dict[str, list[dict]] = {}
+        for r in rows:
+            by_n.setdefault(r["op"].split("_")[2], []).append(r)
+        for n, rs in by_n.items():
+            out[f"prefill_{kind}_{n}"] = {
+                "rows": rs, **{f"{k}_med": med([r[k] for r in rs if r.get(k) is not None])
+                               for k in ("wall_ms", "kernel_busy_ms", "kernel_span_ms",
+                                         "gap_sum_ms", "gaps_over_20us", "launches",
+                                         "launch_us_mean")}}
     for kind in ("pipe_alone", "pipe_puts"):
         rows = [pipe_summary(tr, m) for m in tr.marked(kind + "_") if "warm" not in m["name"]]
         if rows:
@@ -283,6 +380,12 @@ def show(summary: dict[str, Any]) -> None:
                   f"(cudart {', '.join(f'{k} {v:.1f}' for k, v in s['start_calls_med_us'].items())}"
                   f"), start->copy {f(s['start_to_copy_us_med'])}, copy {f(s['busy_us_med'])}, "
                   f"copy end->await {f(s['tail_us_med'])}")
+    for kind in sorted(k for k in summary if k.startswith("prefill_")):
+        s = summary[kind]
+        print(f"{kind:>22}: wall {f(s['wall_ms_med'])} ms, kernels {f(s['kernel_busy_ms_med'])} "
+              f"ms busy in {f(s['kernel_span_ms_med'])}, gaps {f(s['gap_sum_ms_med'])} ms "
+              f"({f(s['gaps_over_20us_med'])} over 20 us), {f(s['launches_med'])} launches "
+              f"at {f(s['launch_us_mean_med'])} us")
     for kind in ("pipe_alone", "pipe_puts"):
         s = summary.get(kind)
         if s:
@@ -310,6 +413,9 @@ async def amain(args: argparse.Namespace) -> int:
             await part_whole(eng, lay, 1)
         if "layer1" in args.parts:
             await part_layer1(eng, lay, 1)
+        model = build_llama() if "prefill" in args.parts else None
+        if model is not None:           # its kernels and the streaming path, unprofiled
+            await part_prefill(eng, lay, model, [min(args.prefill_tokens)], 0)
         acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         with profile(activities=acts) as prof:
             if "whole" in args.parts:
@@ -318,6 +424,8 @@ async def amain(args: argparse.Namespace) -> int:
                 await part_layer1(eng, lay, args.rounds)
             if "pipe32" in args.parts:
                 await part_pipe32(eng, lay, args.reps, args.matmul)
+            if "prefill" in args.parts:
+                await part_prefill(eng, lay, model, args.prefill_tokens, args.prefill_reps)
         torch.cuda.synchronize()
     prof.export_chrome_trace(trace_path)
     summary = summarize(Trace(trace_path))
@@ -348,6 +456,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="whole-prompt and pipelined reps")
     ap.add_argument("--rounds", type=int, default=2, help="one-block requests of 32 layers")
     ap.add_argument("--matmul", type=int, default=4096, help="the pipelined compute's size")
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--prefill-reps", type=int, default=2)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--keep-trace", action="store_true")
