@@ -148,7 +148,8 @@ class Copier:
             self.batch_reason = direct.batch_probe(self.fast, self.device, self.put_dma)
         self.batch = mode if self.batch_reason is None else "off"
         self.whole = direct.whole_mode()
-        """Whole-block transfers by plane or by block (``cuda/direct.py``, ``TRACT_CUDA_WHOLE``)."""
+        """Whole-block transfers by plane or by block (``cuda/direct.py``,
+        ``TRACT_CUDA_WHOLE``)."""
         self.zerocopy_warm_s: dict[int, float] = {}   # row bytes -> seconds its compile took
 
     def warm_zerocopy(self, row_bytes: int) -> None:
