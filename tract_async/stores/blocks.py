@@ -254,11 +254,12 @@ class BlockLifecycle:
         return self.index.snapshot(words)
 
     # -- the collaborators' steps, as the copy back-ends call them ----------------------------
-    def snapshot_for_put(self, words: np.ndarray) -> np.ndarray:
+    def snapshot_for_put(self, words: np.ndarray) -> np.ndarray | None:
         """``Reserver.snapshot_for_put``."""
         return self.reserver.snapshot_for_put(words)
 
-    async def reserve(self, kb: KeyBatch, snap: np.ndarray, timeout: float | None) -> list[int]:
+    async def reserve(self, kb: KeyBatch, snap: np.ndarray | None,
+                      timeout: float | None) -> list[int]:
         """Step 1 of a put (``Reserver.reserve``): the positions of ``kb.keys`` it writes."""
         return await self.reserver.reserve(kb, snap, timeout)
 

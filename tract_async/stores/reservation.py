@@ -127,11 +127,13 @@ class Reserver:
     def mem(self) -> K.Mem:
         return self.region.mem
 
-    def snapshot_for_put(self, words: np.ndarray) -> np.ndarray:
+    def snapshot_for_put(self, words: np.ndarray) -> np.ndarray | None:
         """What a put's ``reserve`` starts from: the index rows of ``words``, or -- for a put of
         at least ``OPTIMISTIC_MIN_KEYS`` keys while this node's last put found none of its keys
-        present (``puts_fresh``) -- rows that say every key is absent, without reading the
-        index.
+        present (``puts_fresh``) -- None: every key taken for absent, without reading the
+        index (nor building rows that say so: ``reserve`` then reserves every position, ~35-45
+        µs less of a whole prompt's path to its first copy on the 2-core VM, in-process A/B,
+        ``bench/results/vm-20261208-s55``).
 
         Why. The snapshot only sorts present keys out before slots are allocated for the rest;
         the reservation kernel probes every key's window anyway and skips a key it finds live
@@ -144,33 +146,39 @@ class Reserver:
         n = words.shape[0]
         if n >= OPTIMISTIC_MIN_KEYS and self.puts_fresh:
             self.stats.unsnapshotted_puts += 1
-            return np.full((n, SNAP_COLS), -1, dtype=np.int64)
+            return None
         return self.index.snapshot(words)
 
     # -- put ----------------------------------------------------------------------------------
-    async def reserve(self, kb: KeyBatch, snap: np.ndarray, timeout: float | None) -> list[int]:
+    async def reserve(self, kb: KeyBatch, snap: np.ndarray | None,
+                      timeout: float | None) -> list[int]:
         """Step 1 of a put: the positions of ``kb.keys`` it writes, ascending -- blocks this node
         is already filling (an earlier layer's put), plus those absent from the index (``snap``
-        from ``snapshot``), reserved now under one hold of the global lock. Present blocks
-        (anyone's) are skipped and counted. Raises RegionFull (nothing reserved: all or
-        nothing), TransferTimeout (lock), NodeEvicted."""
+        from ``snapshot_for_put``; None: every key taken for absent), reserved now under one
+        hold of the global lock. Present blocks (anyone's) are skipped and counted. Raises
+        RegionFull (nothing reserved: all or nothing), TransferTimeout (lock), NodeEvicted."""
         keys = kb.keys
         todo: list[int] = []          # positions in keys this call writes
         new: list[int] = []           # positions that need a reservation
         reserved = self.book.reserved
         skipped = self.stats.blocks_skipped
-        if not reserved and len(keys) > SMALL_READ:    # none of ours in flight: one numpy pass
-            present = snap[:, SNAP_SLOT] >= 0
-            self.stats.blocks_skipped += int(present.sum())
-            new = np.flatnonzero(~present).tolist()
+        if snap is None and not reserved:       # a fresh put, none of ours in flight
+            new = list(range(len(keys)))
         else:
-            for i, k in enumerate(keys):
-                if k in reserved:
-                    todo.append(i)
-                elif snap[i, SNAP_SLOT] >= 0:
-                    self.stats.blocks_skipped += 1   # present, or produced by another node
-                else:
-                    new.append(i)
+            if snap is None:
+                snap = np.full((len(keys), SNAP_COLS), -1, dtype=np.int64)
+            if not reserved and len(keys) > SMALL_READ:   # none of ours in flight: numpy
+                present = snap[:, SNAP_SLOT] >= 0
+                self.stats.blocks_skipped += int(present.sum())
+                new = np.flatnonzero(~present).tolist()
+            else:
+                for i, k in enumerate(keys):
+                    if k in reserved:
+                        todo.append(i)
+                    elif snap[i, SNAP_SLOT] >= 0:
+                        self.stats.blocks_skipped += 1   # present, or produced by another node
+                    else:
+                        new.append(i)
         if new:
             await self._reserve_or_wait(kb, new, timeout)
             got = (new if self.placed == len(new) else      # all placed: no per-key look
