@@ -12,7 +12,8 @@ back-end that writes the region by those offsets at once (numpy into the mapping
   voids the copies before the reservation returns, and the put then copies again by what the
   reservation became; the other node's block is untouched;
 - a put that cannot be served lock-free (the first put takes the lane under the lock) starts
-  no early copies.
+  no early copies;
+- a back-end whose start raises leaves nothing reserved and every slot back on the free lists.
 
 The CUDA back-end (``cuda/store.py``, ``_EarlyPut``) is checked on a GPU by
 ``tests/cuda/test_early_copies_gpu.py``.
@@ -142,3 +143,39 @@ async def test_a_placement_that_is_not_whole_voids_the_early_copies(region_path:
         out7 = np_out(theirs)
         await other.get_kv(theirs, out=out7)
         assert all(block_matches(theirs, out7))
+
+
+class FailingEarly(CpuEarly):
+    """A copy back-end whose start fails (what a driver error raising out of it would do)."""
+
+    def start(self, offsets: np.ndarray) -> None:
+        raise RuntimeError("the copy back-end failed to start")
+
+
+def _free_slots(eng: tract.Engine) -> int:
+    st = eng._store.blocks
+    return st.alloc.free_slots(TINY.block_bytes) + len(st.spares)
+
+
+async def test_a_failing_early_start_reserves_nothing_and_gives_the_slots_back(
+        region_path: str) -> None:
+    async with tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=64 << 20,
+                                     mode="transfer")) as eng:
+        await _warm(eng, "warm-f", 60)
+        b = eng._store.blocks
+        keys = _keys("failing", 40)
+        kv = kv_for_keys(keys, as_numpy=True)
+        room = _free_slots(eng)
+        txn = PutTxn(b, keys, None, 5.0, "test", early=FailingEarly(eng, keys, kv))
+        try:
+            await txn.begin()
+        except RuntimeError as e:
+            assert "failed to start" in str(e)
+        else:
+            raise AssertionError("the reservation swallowed the copy back-end's error")
+        assert _free_slots(eng) == room and eng.lookup(keys) == 0
+        # the same keys put the ordinary way: exact
+        assert await eng.put_kv(keys, kv) == len(keys)
+        out = np_out(keys)
+        await eng.get_kv(keys, out=out)
+        assert all(block_matches(keys, out))
