@@ -62,6 +62,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 import gpu_layers as G  # noqa: E402
 from _common import RESULTS_DIR, commit, llama_layout, machine  # noqa: E402
+# bench/kernels.py would shadow the `kernels` package that transformers probes for (the prefill
+# part imports transformers): the siblings are imported, bench/ leaves the path
+sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != _HERE]
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402

@@ -42,11 +42,16 @@ def _trace(tmp_path: pathlib.Path) -> str:
 
 
 def test_the_summary_reads_a_trace(tmp_path: pathlib.Path) -> None:
+    saved = list(sys.path)
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import gpu_trace as T
+        # the tool took bench/ off the path itself (bench/kernels.py shadows the `kernels`
+        # package that transformers probes for: a later import of transformers in this process
+        # failed while it stayed)
+        assert str(ROOT / "bench") not in sys.path
     finally:
-        sys.path.remove(str(ROOT / "bench"))
+        sys.path[:] = saved
     s = T.summarize(T.Trace(_trace(tmp_path)))
     w = s["whole_put"]
     assert len(w["rows"]) == 1                         # the warm-up rep left out
