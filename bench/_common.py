@@ -68,6 +68,10 @@ def machine() -> dict[str, Any]:
             info["gpu"] = torch.cuda.get_device_name(0)
     except Exception:
         pass
+    # the engine's A/B switches (TRACT_CUDA_EARLY, TRACT_CUDA_WHOLE, TRACT_CUDA_BATCH, ...) as
+    # this run had them: a result file of an A/B says which side it is
+    info["tract_env"] = {k: v for k, v in sorted(os.environ.items())
+                         if k.startswith("TRACT_") and "SECRET" not in k}
     return info
 
 
