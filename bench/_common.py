@@ -14,6 +14,17 @@ from typing import Any, Sequence
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def leave_path() -> None:
+    """Take bench/ off ``sys.path`` (a script calls it once its siblings are imported):
+    ``bench/kernels.py`` would shadow the ``kernels`` package that transformers probes for, and
+    a transformers of the CI venv's version then fails to import (``ImportError:
+    CUDAProperties``; the clean-clone CI of 0530fc6, ``bench/results/vm-20261208-s55``)."""
+    sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != BENCH_DIR]
+
+
 def _git_head() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -35,7 +35,7 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 import _common as C  # noqa: E402
-sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != _HERE]
+C.leave_path()  # bench/kernels.py shadows transformers' `kernels` (_common)
 
 import torch  # noqa: E402
 

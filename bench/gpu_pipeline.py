@@ -28,11 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import llama_layout, median, table, write_json  # noqa: E402
-# bench/kernels.py would shadow the `kernels` package that transformers probes for (a
-# transformers of the CI venv's version fails to import then): bench/ leaves the path
-sys.path[:] = [d for d in sys.path
-               if os.path.abspath(d or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
+from _common import leave_path, llama_layout, median, table, write_json  # noqa: E402
+leave_path()  # bench/kernels.py shadows transformers' `kernels` (_common)
 
 import tract_async as tract  # noqa: E402
 

@@ -61,10 +61,8 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 import gpu_layers as G  # noqa: E402
-from _common import RESULTS_DIR, commit, llama_layout, machine  # noqa: E402
-# bench/kernels.py would shadow the `kernels` package that transformers probes for (the prefill
-# part imports transformers): the siblings are imported, bench/ leaves the path
-sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != _HERE]
+from _common import RESULTS_DIR, commit, leave_path, llama_layout, machine  # noqa: E402
+leave_path()  # bench/kernels.py shadows transformers' `kernels` (_common)
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
@@ -115,6 +113,11 @@ def end(e: dict) -> float:
 
 def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def medians(rows: list[dict], keys: tuple[str, ...]) -> dict[str, float | None]:
+    """``<key>_med``: the median of each key over the rows that have it."""
+    return {f"{k}_med": med([r[k] for r in rows if r.get(k) is not None]) for k in keys}
 
 
 def call_times(calls: list[dict]) -> dict[str, dict[str, float]]:
@@ -329,9 +332,9 @@ def summarize(tr: Trace) -> dict[str, Any]:
     for kind in ("whole_put", "whole_get", "raw_d2h", "raw_h2d"):
         rows = [op_summary(tr, m) for m in tr.marked(kind + "_") if "warm" not in m["name"]]
         if rows:
-            out[kind] = {"rows": rows, **{f"{k}_med": med([r[k] for r in rows if k in r])
-                                          for k in ("total_us", "pre_us", "span_us", "busy_us",
-                                                    "tail_us", "start_us", "gbs", "copies")}}
+            out[kind] = {"rows": rows, **medians(rows, ("total_us", "pre_us", "span_us",
+                                                         "busy_us", "tail_us", "start_us", "gbs",
+                                                         "copies"))}
     for kind in ("l1_put", "l1_get"):
         rows = [op_summary(tr, m) for m in tr.marked(kind + "_")
                 if "warm" not in m["name"] and not m["name"].endswith("_L0")]
@@ -340,9 +343,9 @@ def summarize(tr: Trace) -> dict[str, Any]:
             for r in rows:
                 for name, d in r.get("start_calls", {}).items():
                     calls.setdefault(name, []).append(d["us"])
-            out[kind] = {"n": len(rows), **{f"{k}_med": med([r[k] for r in rows if k in r])
-                                            for k in ("total_us", "start_us", "start_to_copy_us",
-                                                      "busy_us", "tail_us")},
+            out[kind] = {"n": len(rows), **medians(rows, ("total_us", "start_us",
+                                                          "start_to_copy_us", "busy_us",
+                                                          "tail_us")),
                          "start_calls_med_us": {k: med(v) for k, v in calls.items()}}
     for kind in ("alone", "started", "awaited"):
         rows = [prefill_summary(tr, m) for m in tr.marked(f"prefill_{kind}_")
@@ -352,17 +355,15 @@ def summarize(tr: Trace) -> dict[str, Any]:
             by_n.setdefault(r["op"].split("_")[2], []).append(r)
         for n, rs in by_n.items():
             out[f"prefill_{kind}_{n}"] = {
-                "rows": rs, **{f"{k}_med": med([r[k] for r in rs if r.get(k) is not None])
-                               for k in ("wall_ms", "kernel_busy_ms", "kernel_span_ms",
-                                         "gap_sum_ms", "gaps_over_20us", "launches",
-                                         "launch_us_mean")}}
+                "rows": rs, **medians(rs, ("wall_ms", "kernel_busy_ms", "kernel_span_ms",
+                                           "gap_sum_ms", "gaps_over_20us", "launches",
+                                           "launch_us_mean"))}
     for kind in ("pipe_alone", "pipe_puts"):
         rows = [pipe_summary(tr, m) for m in tr.marked(kind + "_") if "warm" not in m["name"]]
         if rows:
-            out[kind] = {"rows": rows, **{f"{k}_med": med([r[k] for r in rows if k in r])
-                                          for k in ("kernel_busy_ms", "kernel_span_ms",
-                                                    "gap_sum_ms", "gaps_over_20us",
-                                                    "copy_kernel_overlap_us")}}
+            out[kind] = {"rows": rows, **medians(rows, ("kernel_busy_ms", "kernel_span_ms",
+                                                         "gap_sum_ms", "gaps_over_20us",
+                                                         "copy_kernel_overlap_us"))}
     return out
 
 

@@ -26,9 +26,8 @@ from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
-from _common import RESULTS_DIR, machine, table  # noqa: E402
-# bench/kernels.py would shadow the `kernels` package that transformers probes for
-sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != _HERE]
+from _common import RESULTS_DIR, leave_path, machine, table  # noqa: E402
+leave_path()  # bench/kernels.py shadows transformers' `kernels` (_common)
 
 import torch  # noqa: E402
 

@@ -27,11 +27,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS_DIR, machine  # noqa: E402
-# bench/kernels.py would shadow the `kernels` package that transformers probes for (a
-# transformers of the CI venv's version fails to import then): bench/ leaves the path
-sys.path[:] = [d for d in sys.path
-               if os.path.abspath(d or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
+from _common import RESULTS_DIR, leave_path, machine  # noqa: E402
+leave_path()  # bench/kernels.py shadows transformers' `kernels` (_common)
 
 import tract_async as tract  # noqa: E402
 from tract_async.loadtest.runner import within_budget  # noqa: E402
