@@ -106,20 +106,23 @@ one 2-D copy per block (module docstring)."""
 WHOLE_MODES = ("planes", "blocks")
 
 
+def _env_choice(env: str, modes: tuple[str, ...], default: str) -> str:
+    """One of ``modes`` from the environment variable ``env`` (unset or empty: ``default``;
+    ValueError for another value)."""
+    m = os.environ.get(env, default) or default
+    if m not in modes:
+        raise ValueError(f"{env} must be one of {modes}, got {m!r}")
+    return m
+
+
 def whole_mode() -> str:
     """The whole-block copy pattern from ``TRACT_CUDA_WHOLE`` (ValueError for another value)."""
-    m = os.environ.get(WHOLE_ENV, "planes") or "planes"
-    if m not in WHOLE_MODES:
-        raise ValueError(f"{WHOLE_ENV} must be one of {WHOLE_MODES}, got {m!r}")
-    return m
+    return _env_choice(WHOLE_ENV, WHOLE_MODES, "planes")
 
 
 def batch_mode() -> str:
     """The batch policy from ``TRACT_CUDA_BATCH`` (ValueError for another value)."""
-    m = os.environ.get(BATCH_ENV, "off") or "off"
-    if m not in BATCH_MODES:
-        raise ValueError(f"{BATCH_ENV} must be one of {BATCH_MODES}, got {m!r}")
-    return m
+    return _env_choice(BATCH_ENV, BATCH_MODES, "off")
 
 
 class _MemLocation(ctypes.Structure):

@@ -239,7 +239,7 @@ class _EarlyPut:
     raises the same error there); ``void`` waits for their event."""
 
     __slots__ = ("copier", "layout", "tensor", "layer", "ready", "started", "ev", "keep",
-                 "tmpl", "dc", "poffs")
+                 "tmpl", "dc")
 
     def __init__(self, copier: Copier, layout: Any, tensor: Any, layer: int | None,
                  ready: Any) -> None:
@@ -253,7 +253,6 @@ class _EarlyPut:
         self.keep: tuple[Any, ...] = ()
         self.tmpl: Any = None
         self.dc: Any = None
-        self.poffs: np.ndarray | None = None
 
     def start(self, offsets: np.ndarray) -> None:
         try:
@@ -265,7 +264,7 @@ class _EarlyPut:
         except Exception:
             self.copier.put_dma.synchronize()       # what was enqueued has landed
             return
-        self.tmpl, self.dc, self.poffs, self.started = tmpl, dc, offsets, True
+        self.tmpl, self.dc, self.started = tmpl, dc, True
 
     def void(self) -> None:
         if self.started:
@@ -273,9 +272,12 @@ class _EarlyPut:
             self.started, self.ev, self.keep = False, None, ()
 
     def holds(self, poffs: np.ndarray) -> bool:
-        """The copies went where the reservation put the blocks (``poffs``, in key order)."""
-        p = self.poffs
-        return self.started and p is not None and (p is poffs or np.array_equal(p, poffs))
+        """The copies went where the reservation put the blocks (``poffs``, in key order): the
+        template's offsets (``direct.Template.poffs``) are those."""
+        if not self.started:
+            return False
+        p = self.tmpl.poffs
+        return p is poffs or np.array_equal(p, poffs)
 
 
 async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Sequence[Any],
@@ -288,9 +290,9 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
     # a later layer of blocks this node is filling needs neither the key words, nor the index,
     # nor the lock (the request's blocks were reserved once, by its first layer's put)
     txn = PutTxn(b, keys, layer, timeout, "cuda")
+    copier = cpath.copier(tensors[0].device)
     early = None
     if not txn.resume():
-        copier = cpath.copier(tensors[0].device)
         direct_ok = (cpath.registered and type(make_plan) is ContiguousPlan
                      and copier.wants_direct(method))
         if direct_ok and cpath.early and len(keys) > SMALL_READ:
@@ -308,7 +310,6 @@ async def _start_put(store: Any, cpath: CudaPath, keys: list[bytes], tensors: Se
         t0 = time.perf_counter_ns()
     poffs = txn.offsets()
     try:
-        copier = cpath.copier(tensors[0].device)
         dc = tmpl = None
         if early is not None and txn.whole() and early.holds(poffs):
             dc, tmpl = early.dc, early.tmpl         # enqueued already: the future is all
