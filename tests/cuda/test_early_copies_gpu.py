@@ -16,29 +16,15 @@ import torch
 
 import tract_async as tract
 from tract_async.cuda import store as cuda_store
+from tests.support.cuda_util import layout, rand_kv, same_bits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def layout() -> tract.KVLayout:
-    return tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=8, head_dim=128,
-                          dtype=torch.bfloat16)
-
-
 def cfg(path: str, lay: tract.KVLayout, node: int, create: bool) -> tract.EngineConfig:
     return tract.EngineConfig(region=path, region_bytes=256 << 20, create=create, node_id=node,
                               layout=lay, namespace="gpu-early", mode="transfer")
-
-
-def rand_kv(lay: tract.KVLayout, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(lay.kv_shape(n), generator=g).to(lay.dtype).cuda()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
 
 
 def early(eng: tract.Engine) -> dict:

@@ -14,29 +14,15 @@ import torch
 
 import tract_async as tract
 from tract_async.errors import BlockEvicted, TensorMismatch
+from tests.support.cuda_util import layout, rand_kv, same_bits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def layout(L: int = 4) -> tract.KVLayout:
-    return tract.KVLayout(num_layers=L, block_tokens=16, kv_heads=8, head_dim=128,
-                          dtype=torch.bfloat16)
-
-
 def cfg(path: str, lay: tract.KVLayout, **kw) -> tract.EngineConfig:
     return tract.EngineConfig(region=path, region_bytes=256 << 20, create=True, node_id=0,
                               layout=lay, namespace="gpu-streams", **kw)
-
-
-def rand_kv(lay: tract.KVLayout, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(lay.kv_shape(n), generator=g).to(lay.dtype).cuda()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
 
 
 def tokens(n: int, lay: tract.KVLayout, salt: int) -> list[int]:

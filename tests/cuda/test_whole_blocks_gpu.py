@@ -14,19 +14,10 @@ import torch
 
 import tract_async as tract
 from tract_async.cuda import direct
+from tests.support.cuda_util import layout, same_bits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def layout() -> tract.KVLayout:
-    return tract.KVLayout(num_layers=4, block_tokens=16, kv_heads=8, head_dim=128,
-                          dtype=torch.bfloat16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("scattered", [False, True])

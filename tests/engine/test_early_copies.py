@@ -29,7 +29,7 @@ from tract_async.keys import keys_to_words
 from tract_async.region.index import SNAP_SLOT
 from tract_async.stores import plan as kvplan
 from tract_async.stores.txn import PutTxn
-from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys, np_out
+from tests.support.engine_util import TINY, block_matches, cfg, free_slots, kv_for_keys, np_out
 
 
 def _keys(tag: str, n: int) -> list[bytes]:
@@ -152,11 +152,6 @@ class FailingEarly(CpuEarly):
         raise RuntimeError("the copy back-end failed to start")
 
 
-def _free_slots(eng: tract.Engine) -> int:
-    st = eng._store.blocks
-    return st.alloc.free_slots(TINY.block_bytes) + len(st.spares)
-
-
 async def test_a_failing_early_start_reserves_nothing_and_gives_the_slots_back(
         region_path: str) -> None:
     async with tract.Engine.open(cfg(region_path, 0, create=True, region_bytes=64 << 20,
@@ -165,7 +160,7 @@ async def test_a_failing_early_start_reserves_nothing_and_gives_the_slots_back(
         b = eng._store.blocks
         keys = _keys("failing", 40)
         kv = kv_for_keys(keys, as_numpy=True)
-        room = _free_slots(eng)
+        room = free_slots(eng)
         txn = PutTxn(b, keys, None, 5.0, "test", early=FailingEarly(eng, keys, kv))
         try:
             await txn.begin()
@@ -173,7 +168,7 @@ async def test_a_failing_early_start_reserves_nothing_and_gives_the_slots_back(
             assert "failed to start" in str(e)
         else:
             raise AssertionError("the reservation swallowed the copy back-end's error")
-        assert _free_slots(eng) == room and eng.lookup(keys) == 0
+        assert free_slots(eng) == room and eng.lookup(keys) == 0
         # the same keys put the ordinary way: exact
         assert await eng.put_kv(keys, kv) == len(keys)
         out = np_out(keys)

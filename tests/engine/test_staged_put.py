@@ -22,7 +22,7 @@ import torch
 
 import tract_async as tract
 from tract_async import errors as E
-from tests.support.engine_util import TINY, block_matches, cfg, kv_for_keys
+from tests.support.engine_util import TINY, block_matches, cfg, free_slots, kv_for_keys
 from tract_async.tools.fsck import run_fsck
 from tract_async.region import index as ix
 from tract_async.stores import routing
@@ -72,11 +72,6 @@ def _spy(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> CopySpy:
     spy = CopySpy(ix.copy_in, **kw)
     monkeypatch.setattr(ix, "copy_in", spy)
     return spy
-
-
-def _free_slots(eng: tract.Engine) -> int:
-    st = eng._store.blocks
-    return st.alloc.free_slots(TINY.block_bytes) + len(st.spares)
 
 
 @pytest.mark.parametrize("backend", ["hw", "sim"])
@@ -142,14 +137,14 @@ async def test_staged_put_that_fills_the_region_midway_stores_nothing(
                                      region_bytes=16 << 20)) as eng:
         n = 12 * STAGE                                  # 60 MiB of blocks: more than fits
         keys = eng.block_keys(range(TINY.block_tokens * n))
-        before = _free_slots(eng)
+        before = free_slots(eng)
         with pytest.raises(E.RegionFull):
             await eng.put_kv(keys, kv_for_keys(keys))
         assert spy.calls, "no stage was copied: the failure was not mid-way"
         assert spy.running == 0
         assert eng.lookup(keys) == 0
         assert eng._store.blocks.in_flight == 0
-        assert _free_slots(eng) >= before
+        assert free_slots(eng) >= before
         few = keys[:STAGE]
         assert await eng.put_kv(few, kv_for_keys(few)) == len(few)
         assert all(block_matches(few, await eng.get_kv(few)))
@@ -173,14 +168,14 @@ async def test_after_a_staged_put_that_filled_the_region_new_keys_are_stored_and
         with pytest.raises(E.RegionFull):
             await eng.put_kv(keys, kv_for_keys(keys))
         assert spy.calls, "no stage was copied: the failure was not mid-way"
-        room = _free_slots(eng)
+        room = free_slots(eng)
         assert room >= STAGE
         for r in range(2):
             base = 10**6 * (r + 1)
             fresh = eng.block_keys(range(base, base + TINY.block_tokens * STAGE))
             assert await eng.put_kv(fresh, kv_for_keys(fresh)) == len(fresh)
             assert all(block_matches(fresh, await eng.get_kv(fresh)))
-            assert _free_slots(eng) == room - (r + 1) * len(fresh), r
+            assert free_slots(eng) == room - (r + 1) * len(fresh), r
             if r == 0:
                 old = fresh
         assert all(block_matches(old, await eng.get_kv(old)))

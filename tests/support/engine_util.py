@@ -28,6 +28,12 @@ def cfg(path: str, node_id: int, *, create: bool = False, backend: str = "hw",
                               chunk_bytes=kw.pop("chunk_bytes", 1 << 20), **kw)
 
 
+def free_slots(eng: tract.Engine, layout: tract.KVLayout = TINY) -> int:
+    """Block slots this engine holds free: its allocator's free lists and its spares."""
+    st = eng._store.blocks
+    return st.alloc.free_slots(layout.block_bytes) + len(st.spares)
+
+
 def _block(key: bytes, layout: tract.KVLayout) -> np.ndarray:
     seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
     g = np.random.default_rng(seed)
